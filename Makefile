@@ -1,0 +1,37 @@
+# specd: `make demo` sets everything up and runs the main job; `make test` runs the checks and tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo test lint typecheck unit bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/specd tiny-pair --out .cache/tiny
+	$(BIN)/specd generate --target .cache/tiny/target --draft .cache/tiny/draft --drafter draft --k 4 \
+		--max-new-tokens 48 --json "def fibonacci(n):"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q
+
+test: lint typecheck unit
+
+bench: setup
+	$(BIN)/python benchmarks/decode_loop.py
+
+clean:
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -1,0 +1,51 @@
+"""The one drafter interface. "No speculation" is a drafter that proposes nothing."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """Tokens proposed for one round; possibly none."""
+
+    tokens: torch.Tensor  # [k] int64 on CPU, 0 <= k <= the K asked for
+    probs: torch.Tensor | None = None  # [k, vocab] the drafter's q_i when it sampled; None = one-hot q
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+EMPTY_TOKENS = torch.empty(0, dtype=torch.long)
+
+
+class Drafter(ABC):
+    """Proposes up to K next tokens for one sequence.
+
+    A drafter is made per sequence and may keep state (a KV cache) between rounds. ``propose`` gets the
+    whole context each round (prompt + everything emitted), so a drafter with a cache finds out by itself
+    how much of what it had seen survived verification.
+    """
+
+    name: ClassVar[str]
+
+    def prefill(self, context: torch.Tensor) -> None:  # noqa: B027 (a no-op is the right default)
+        """Process the prompt ahead of the first round.  # context: [t] int64 on CPU"""
+
+    @abstractmethod
+    def propose(self, context: torch.Tensor, k: int) -> Draft:
+        """Up to ``k`` tokens to follow ``context``.  # context: [t] int64 on CPU"""
+
+
+class NoDrafter(Drafter):
+    """Plain decoding: every round is a single target step."""
+
+    name = "none"
+
+    def propose(self, context: torch.Tensor, k: int) -> Draft:
+        return Draft(EMPTY_TOKENS)

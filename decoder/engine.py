@@ -1,0 +1,216 @@
+"""The speculative decoding loop: draft K -> verify in one target pass -> accept -> roll back -> emit.
+
+Invariant between rounds: the target's KV cache holds every token of the context but the last one,
+which is fed at the head of the next verification pass together with the draft.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from decoder.acceptance import Verdict, greedy_accept, rejection_sample
+from decoder.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from decoder.kv_cache import CachedSequence
+from decoder.models import LoadedModel, check_pair
+from decoder.sampling import SamplingParams, logits_to_probs, make_generator
+from decoder.stopping import StopRules, cut_round, trim_stop_string
+from decoder.telemetry import RequestStats, RoundRecord
+
+
+def clamp_k(
+    k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None
+) -> int:
+    """The largest K <= k that can neither overshoot max_new_tokens nor the model's context."""
+    k = min(k, rules.max_new_tokens - num_generated - 1)  # a round emits up to K + 1 tokens
+    if max_context is not None:
+        k = min(k, max_context - context_length)  # drafts sit at positions L .. L + K - 1
+    return max(k, 0)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]  # the new tokens, EOS included when it ended the request
+    text: str  # decoded new tokens, special tokens skipped, cut before any stop string
+    finish_reason: str  # "stop" | "length"
+    stats: RequestStats
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "drafter": s.rounds[0].drafter if s.rounds else None,
+            "num_rounds": s.num_rounds,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted": s.num_accepted,
+            "alpha": s.alpha,
+            "mean_accepted_length": s.mean_accepted_length,
+            "target_forward_passes": s.target_forward_passes,
+            "tokens_per_second": s.tokens_per_second,
+            "prompt_tokens": s.prompt_tokens,
+            "num_new_tokens": s.num_new_tokens,
+            "prefill_seconds": s.prefill_seconds,
+            "draft_seconds": s.draft_seconds,
+            "verify_seconds": s.verify_seconds,
+            "accepted_per_position": s.accepted_per_position(),
+        }
+
+
+class DecodeSession:
+    """One sequence being decoded. Call ``prefill`` once, then ``step(k)`` until ``finish_reason`` is set."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rules: StopRules,
+        generator: torch.Generator | None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        if target.max_context is not None and len(prompt_ids) > target.max_context:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}"
+            )
+        self.target = CachedSequence(target)
+        self.drafter = drafter
+        self.params = params
+        self.rules = rules
+        self.generator = generator
+        self.context = torch.tensor(prompt_ids, dtype=torch.long)  # [t] prompt + emitted, on CPU
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+
+    def prefill(self) -> None:
+        start = time.perf_counter()
+        if self.context.shape[0] > 1:
+            self.target.forward(self.context[:-1], logits_to_keep=1)
+        self.drafter.prefill(self.context)
+        self.stats.prefill_seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def step(self, k: int) -> list[int]:
+        """Run one round with up to ``k`` draft tokens; return the tokens it emitted."""
+        assert self.finish_reason is None, "step() after the request finished"
+        length = self.context.shape[0]
+        k = clamp_k(k, length, len(self.generated), self.rules, self.target.lm.max_context)
+
+        # 1. Draft.
+        start = time.perf_counter()
+        draft = self.drafter.propose(self.context, k)
+        drafted = time.perf_counter()
+
+        # 2. Verify the last context token and all K drafts in one target pass.
+        logits = self.target.forward(torch.cat([self.context[-1:], draft.tokens]))  # [K + 1, vocab]
+
+        # 3. Accept.
+        verdict = self._accept(draft.tokens, draft.probs, logits)
+
+        # 4. Roll the target back to the accepted prefix; the bonus token is fed next round.
+        self.target.truncate(length + verdict.num_accepted)
+        verified = time.perf_counter()
+
+        # 5. Emit, cut at EOS, stop strings and max_new_tokens.
+        new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
+        cut = cut_round(self.generated, new_tokens, self.rules, self._decode)
+        emitted = new_tokens[: cut.keep]
+        self.generated.extend(emitted)
+        self.context = torch.cat([self.context, torch.tensor(emitted, dtype=torch.long)])
+        self.finish_reason = cut.finish_reason
+        self.stats.observe(
+            RoundRecord(
+                drafter=self.drafter.name,
+                max_draft_tokens=k,
+                num_draft_tokens=draft.num_tokens,
+                num_accepted=verdict.num_accepted,
+                num_emitted=len(emitted),
+                draft_seconds=drafted - start,
+                verify_seconds=verified - drafted,
+            )
+        )
+        return emitted
+
+    def _accept(
+        self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor
+    ) -> Verdict:
+        # draft_tokens: [k] CPU, draft_probs: [k, vocab] | None, logits: [k + 1, vocab]
+        if self.params.is_greedy:
+            return greedy_accept(draft_tokens, logits.argmax(dim=-1).cpu())
+        target_probs = logits_to_probs(logits, self.params)  # [k + 1, vocab]
+        return rejection_sample(draft_tokens.to(logits.device), draft_probs, target_probs, self.generator)
+
+    def _decode(self, token_ids: Any) -> str:
+        return str(self.target.lm.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def result(self) -> GenerationResult:
+        assert self.finish_reason is not None, "result() before the request finished"
+        text = trim_stop_string(self._decode(self.generated), self.rules.stop_strings)
+        return GenerationResult(list(self.generated), text, self.finish_reason, self.stats)
+
+
+class SpeculativeDecoder:
+    """A loaded target, optionally a draft model, and the drafters they make possible."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None = None,
+        prompt_lookup: PromptLookupConfig | None = None,
+    ) -> None:
+        if draft is not None:
+            check_pair(target, draft)
+        self.target = target
+        self.draft = draft
+        self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters this worker can run."""
+        return ("draft", "prompt_lookup", "none") if self.draft is not None else ("prompt_lookup", "none")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def session(
+        self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules
+    ) -> DecodeSession:
+        generator = make_generator(params.seed, self.target.device)
+        return DecodeSession(
+            self.target, self._make_drafter(drafter, params, generator), prompt_ids, params, rules, generator
+        )
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        drafter: str,
+        num_draft_tokens: int,
+        params: SamplingParams,
+        rules: StopRules,
+    ) -> GenerationResult:
+        """Decode one request with a fixed K (use ``session`` to change K between rounds)."""
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        session = self.session(prompt_ids, drafter, params, rules)
+        session.prefill()
+        while session.finish_reason is None:
+            session.step(num_draft_tokens)
+        return session.result()
+
+    def _make_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
+        if name == "draft":
+            if self.draft is None:
+                raise ValueError("drafter 'draft' needs a draft model (--draft PATH)")
+            return DraftModelDrafter(self.draft, params, generator)
+        if name == "prompt_lookup":
+            return PromptLookupDrafter(self.prompt_lookup)
+        if name == "none":
+            return NoDrafter()
+        raise ValueError(f"unknown drafter {name!r}; choose one of draft, prompt_lookup, none")

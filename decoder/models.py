@@ -1,0 +1,123 @@
+"""Loading causal LMs from local paths, choosing the device and dtype, and checking a draft/target pair."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoder.errors import ModelLoadError, TokenizerMismatchError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,  # for exactness tests; never faster
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM ready for decoding, with what the engine needs to know about it."""
+
+    model: Any  # transformers.PreTrainedModel, in eval mode on `device`
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    name: str  # the path it came from, for messages
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits the model produces."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int | None:
+        """Longest sequence (prompt + generated) the model supports, if its config says."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``None`` or "auto" picks CUDA when present, else CPU."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ModelLoadError(f"unknown device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} asked for, but CUDA is not available on this machine")
+    return device
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Load a Hugging Face causal LM and its tokenizer from a local folder, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"model path {str(path)!r} has no config.json (not a Hugging Face model folder)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load model from {str(path)!r}: {first_line}") from None
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    return LoadedModel(model=model, tokenizer=tokenizer, name=str(path), device=device)
+
+
+def from_objects(model: Any, tokenizer: Any, name: str) -> LoadedModel:
+    """Wrap an already built model (tests build tiny ones from a config)."""
+    device = next(model.parameters()).device
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name, device=device)
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose token ids mean something else than the target's (the classic way to ruin α)."""
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        only_target = len(target_vocab.keys() - draft_vocab.keys())
+        only_draft = len(draft_vocab.keys() - target_vocab.keys())
+        differ = sum(1 for t, i in target_vocab.items() if draft_vocab.get(t, i) != i)
+        raise TokenizerMismatchError(
+            f"tokenizer mismatch: target {target.name!r} ({len(target_vocab)} tokens) and "
+            f"draft {draft.name!r} ({len(draft_vocab)} tokens) differ: {only_target} only in target, "
+            f"{only_draft} only in draft, {differ} with different ids"
+        )
+    if target.vocab_size != draft.vocab_size:
+        raise TokenizerMismatchError(
+            f"logit width mismatch: target {target.name!r} has {target.vocab_size} output rows, "
+            f"draft {draft.name!r} has {draft.vocab_size}; speculative sampling needs the same vocabulary"
+        )
+    if target.device != draft.device:
+        raise ModelLoadError(
+            f"target is on {target.device} and draft on {draft.device}; put both on one device"
+        )

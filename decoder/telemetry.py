@@ -1,0 +1,102 @@
+"""Typed per-round and per-request statistics: what the controller learns from.
+
+Records are plain frozen dataclasses built once per round; aggregates are derived, never stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """One draft + verify round."""
+
+    drafter: str  # "draft" | "prompt_lookup" | "none"
+    max_draft_tokens: int  # the K asked for (after clamping to the budget)
+    num_draft_tokens: int  # tokens actually proposed, <= max_draft_tokens (prompt lookup may find fewer)
+    num_accepted: int  # leading draft tokens kept, 0..num_draft_tokens
+    num_emitted: int  # tokens this round added to the output (accepted + bonus, cut at a stop)
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def position_accepted(self) -> tuple[bool, ...]:
+        """Per draft position: was it accepted. Acceptance is a prefix, so this is derived, not stored."""
+        return tuple(i < self.num_accepted for i in range(self.num_draft_tokens))
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Everything measured while decoding one request."""
+
+    prompt_tokens: int
+    prefill_seconds: float = 0.0
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    def observe(self, record: RoundRecord) -> None:
+        self.rounds.append(record)
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(r.num_draft_tokens for r in self.rounds)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(r.num_accepted for r in self.rounds)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(r.num_emitted for r in self.rounds)
+
+    @property
+    def alpha(self) -> float | None:
+        """Acceptance rate α = accepted / proposed; None when nothing was proposed."""
+        proposed = self.num_draft_tokens
+        return self.num_accepted / proposed if proposed else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """τ: tokens per round, accepted + the bonus token."""
+        return (self.num_accepted + self.num_rounds) / self.num_rounds if self.rounds else None
+
+    @property
+    def target_forward_passes(self) -> int:
+        """One per round, plus the prefill pass when the prompt had more than one token."""
+        return self.num_rounds + (1 if self.prompt_tokens > 1 else 0)
+
+    @property
+    def draft_seconds(self) -> float:
+        return sum(r.draft_seconds for r in self.rounds)
+
+    @property
+    def verify_seconds(self) -> float:
+        return sum(r.verify_seconds for r in self.rounds)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens over the whole request time (prefill included), as a user sees it."""
+        total = self.total_seconds
+        return self.num_new_tokens / total if total > 0 else 0.0
+
+    def accepted_per_position(self) -> list[tuple[int, int]]:
+        """For each draft position i: (rounds that proposed a token there, rounds that accepted it)."""
+        longest = max((r.num_draft_tokens for r in self.rounds), default=0)
+        counts = [[0, 0] for _ in range(longest)]
+        for r in self.rounds:
+            for i in range(r.num_draft_tokens):
+                counts[i][0] += 1
+                counts[i][1] += i < r.num_accepted
+        return [(proposed, accepted) for proposed, accepted in counts]

@@ -1,0 +1,1 @@
+"""specd: adaptive speculative decoding. The `specd` command lives in specd.cli."""
