@@ -114,16 +114,17 @@ class DecodeSession:
         # 3. Accept.
         verdict = self._accept(draft.tokens, draft.probs, logits)
 
-        # 4. Roll the target back to the accepted prefix; the bonus token is fed next round.
-        self.target.truncate(length + verdict.num_accepted)
-        verified = time.perf_counter()
-
-        # 5. Emit, cut at EOS, stop strings and max_new_tokens.
+        # 4. Emit, cut at EOS, stop strings and max_new_tokens.
         new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
         cut = cut_round(self.generated, new_tokens, self.rules, self._decode)
         emitted = new_tokens[: cut.keep]
         self.generated.extend(emitted)
         self.context = torch.cat([self.context, torch.tensor(emitted, dtype=torch.long)])
+
+        # 5. Roll both caches back to the accepted prefix; the bonus token is fed next round.
+        self.target.truncate(length + verdict.num_accepted)
+        self.drafter.rollback(self.context)
+        verified = time.perf_counter()
         self.finish_reason = cut.finish_reason
         self.stats.observe(
             RoundRecord(

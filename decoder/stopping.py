@@ -45,8 +45,10 @@ def cut_round(
             keep, reason = i + 1, "stop"
             break
     budget = rules.max_new_tokens - len(generated)
-    if keep >= budget:
-        keep, reason = budget, reason or "length"
+    if keep > budget:  # the budget runs out first (an EOS beyond it is never emitted)
+        keep, reason = budget, "length"
+    elif keep == budget and reason is None:
+        reason = "length"
     if rules.stop_strings:
         stop_at = _first_stop_string_end(generated, new_tokens[:keep], rules.stop_strings, decode)
         if stop_at is not None:

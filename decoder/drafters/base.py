@@ -27,9 +27,9 @@ EMPTY_TOKENS = torch.empty(0, dtype=torch.long)
 class Drafter(ABC):
     """Proposes up to K next tokens for one sequence.
 
-    A drafter is made per sequence and may keep state (a KV cache) between rounds. ``propose`` gets the
-    whole context each round (prompt + everything emitted), so a drafter with a cache finds out by itself
-    how much of what it had seen survived verification.
+    A drafter is made per sequence and may keep state (a KV cache) between rounds. Each round the engine
+    calls ``propose`` with the whole context (prompt + everything emitted), then ``rollback`` with the
+    context as verification left it, so a drafter with a cache drops its rejected tokens right away.
     """
 
     name: ClassVar[str]
@@ -40,6 +40,9 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, context: torch.Tensor, k: int) -> Draft:
         """Up to ``k`` tokens to follow ``context``.  # context: [t] int64 on CPU"""
+
+    def rollback(self, context: torch.Tensor) -> None:  # noqa: B027 (stateless drafters keep nothing)
+        """After verification: forget whatever is not a prefix of the new ``context``.  # [t] int64 on CPU"""
 
 
 class NoDrafter(Drafter):

@@ -17,7 +17,7 @@ class DraftModelDrafter(Drafter):
         self.seq = CachedSequence(lm)
         self.params = params
         self.generator = generator
-        self.cached_ids = EMPTY_TOKENS  # [length of the cache] the tokens the cache holds, on CPU
+        self.cached_ids = EMPTY_TOKENS  # [self.seq.length] the tokens the cache holds, on CPU
 
     def prefill(self, context: torch.Tensor) -> None:
         # All but the last token: `propose` always needs at least one unseen token to get logits from.
@@ -32,11 +32,9 @@ class DraftModelDrafter(Drafter):
             k = min(k, max_context - context.shape[0] + 1)  # it feeds positions up to L + K - 2
         if k <= 0:
             return Draft(EMPTY_TOKENS)
-        # 1. Roll the cache back to the longest prefix it shares with the context (what was accepted).
-        keep = min(_common_prefix_length(self.cached_ids, context), context.shape[0] - 1)
-        self.seq.truncate(keep)
-        # 2. Feed the tokens it has not seen, then draft one token per step; the last one is not fed.
-        feed = context[keep:]
+        # Feed what the cache has not seen (the last round's bonus token, and any accepted draft token
+        # that was never fed), then draft one token per step; the last drafted token is not fed.
+        feed = context[self.seq.length :]  # [>= 1]
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
@@ -53,6 +51,13 @@ class DraftModelDrafter(Drafter):
         drafted = torch.cat(tokens).cpu()  # [k]
         self.cached_ids = torch.cat([context, drafted[:-1]])
         return Draft(drafted, torch.cat(probs) if probs else None)
+
+    def rollback(self, context: torch.Tensor) -> None:
+        # Keep the longest prefix the cache shares with the verified context, and always leave the last
+        # context token unseen so the next round has something to feed.
+        keep = min(_common_prefix_length(self.cached_ids, context), context.shape[0] - 1)
+        self.seq.truncate(keep)
+        self.cached_ids = self.cached_ids[:keep]
 
 
 def _common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:

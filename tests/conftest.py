@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny models built from configs (float64, so float rounding cannot flip an argmax)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from decoder.models import LoadedModel, from_objects
+from decoder.tiny import build_model, build_tokenizer
+
+# Tiny models gain nothing from intra-op threads, and lose a lot when another process holds the cores.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+def tiny_lm(arch: str, tokenizer, seed: int, hidden: int = 64, layers: int = 2) -> LoadedModel:
+    model = build_model(arch, len(tokenizer), seed, hidden=hidden, layers=layers).double()
+    return from_objects(model, tokenizer, f"tiny-{arch}-{seed}")
+
+
+def perturbed_copy(lm: LoadedModel, scale: float, seed: int) -> LoadedModel:
+    """The target with noise on its weights: agrees with it often, not always."""
+    model = copy.deepcopy(lm.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * scale * param.std())
+    return from_objects(model, lm.tokenizer, f"{lm.name}-perturbed")
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt2"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def target(arch, tokenizer) -> LoadedModel:
+    return tiny_lm(arch, tokenizer, seed=0)

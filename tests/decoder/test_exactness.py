@@ -1,0 +1,85 @@
+"""Contract 1: greedy speculative output equals greedy target-only output, token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from decoder.engine import SpeculativeDecoder
+from decoder.sampling import SamplingParams
+from decoder.stopping import StopRules
+from tests.conftest import perturbed_copy, tiny_lm
+
+GREEDY = SamplingParams()
+
+
+def random_prompts(tokenizer, seed: int, count: int) -> list[list[int]]:
+    """Random token prompts, some built to repeat themselves so prompt lookup finds matches."""
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    prompts = []
+    for i in range(count):
+        body = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 24))]
+        prompts.append(body * 3 if i % 2 else body)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def drafts(arch, tokenizer, target):
+    return {
+        "disagrees": tiny_lm(arch, tokenizer, seed=7, hidden=32, layers=1),
+        "agrees": target,
+        "sometimes": perturbed_copy(target, scale=0.1, seed=3),
+    }
+
+
+@pytest.mark.parametrize("draft_kind", ["disagrees", "agrees", "sometimes"])
+def test_draft_model_greedy_equals_target_only(target, drafts, draft_kind, tokenizer):
+    decoder = SpeculativeDecoder(target, drafts[draft_kind])
+    rules = StopRules(max_new_tokens=20, eos_token_ids=target.eos_token_ids)
+    proposed = accepted = 0
+    for k in range(1, 9):
+        for prompt in random_prompts(tokenizer, seed=k, count=3):
+            expected = decoder.generate(prompt, "none", 0, GREEDY, rules)
+            got = decoder.generate(prompt, "draft", k, GREEDY, rules)
+            assert got.token_ids == expected.token_ids, f"K={k} prompt={prompt}"
+            assert got.finish_reason == expected.finish_reason
+            proposed += got.stats.num_draft_tokens
+            accepted += got.stats.num_accepted
+    alpha = accepted / proposed
+    # The three drafts must really exercise three regimes, or the test proves less than it says.
+    bounds = {"disagrees": (0.0, 0.5), "agrees": (1.0, 1.0), "sometimes": (0.3, 0.8)}[draft_kind]
+    assert bounds[0] <= alpha <= bounds[1], f"α={alpha:.2f} outside {bounds} for a draft that {draft_kind}"
+
+
+def test_prompt_lookup_greedy_equals_target_only(arch, target, tokenizer):
+    decoder = SpeculativeDecoder(target)
+    rules = StopRules(max_new_tokens=24)  # no EOS: long outputs, where repetition gives lookup matches
+    proposed = accepted = 0
+    for k in range(1, 9):
+        for prompt in random_prompts(tokenizer, seed=100 + k, count=3):
+            expected = decoder.generate(prompt, "none", 0, GREEDY, rules)
+            got = decoder.generate(prompt, "prompt_lookup", k, GREEDY, rules)
+            assert got.token_ids == expected.token_ids, f"K={k} prompt={prompt}"
+            proposed += got.stats.num_draft_tokens
+            accepted += got.stats.num_accepted
+    assert proposed > 0 and accepted < proposed, "lookup never matched, or never missed"
+    if arch == "llama":  # the tiny random GPT-2 never repeats itself, so only the Llama accepts lookups
+        assert accepted > 0, "no lookup was ever accepted: the acceptance path was not exercised"
+
+
+def test_k_can_change_every_round(target, tokenizer):
+    decoder = SpeculativeDecoder(target, perturbed_copy(target, scale=0.1, seed=5))
+    rules = StopRules(max_new_tokens=30)
+    prompt = random_prompts(tokenizer, seed=9, count=1)[0]
+    expected = decoder.generate(prompt, "none", 0, GREEDY, rules).token_ids
+    session = decoder.session(prompt, "draft", GREEDY, rules)
+    session.prefill()
+    schedule = [3, 0, 8, 1, 5, 2, 7, 4]
+    rounds = 0
+    while session.finish_reason is None:
+        session.step(schedule[rounds % len(schedule)])
+        rounds += 1
+    assert session.result().token_ids == expected
+    assert {r.max_draft_tokens for r in session.stats.rounds} > {0, 1}

@@ -1,0 +1,56 @@
+"""Loading from a local folder through transformers, and refusing a draft with another vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoder.errors import ModelLoadError, TokenizerMismatchError
+from decoder.models import check_pair, load_model
+from decoder.tiny import build_model, build_tokenizer, save_tiny_pair
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pair")
+    save_tiny_pair(out, "llama")
+    return out
+
+
+def test_loads_saved_pair_and_accepts_it(pair_dir):
+    target = load_model(pair_dir / "target", CPU, torch.float32)
+    draft = load_model(pair_dir / "draft", CPU, torch.float32)
+    check_pair(target, draft)
+    assert target.max_context == 512
+    assert target.eos_token_ids == {0}
+
+
+def test_refuses_a_draft_with_another_tokenizer(pair_dir, tmp_path):
+    other_tokenizer = build_tokenizer(vocab_size=300)
+    build_model("llama", len(other_tokenizer), seed=3).save_pretrained(tmp_path / "other")
+    other_tokenizer.save_pretrained(tmp_path / "other")
+    target = load_model(pair_dir / "target", CPU, torch.float32)
+    other = load_model(tmp_path / "other", CPU, torch.float32)
+    with pytest.raises(TokenizerMismatchError) as e:
+        check_pair(target, other)
+    assert str(pair_dir / "target") in str(e.value) and str(tmp_path / "other") in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda tmp: tmp / "missing", "is not a directory"),
+        (lambda tmp: tmp, "no config.json"),
+    ],
+)
+def test_bad_paths_give_clear_errors(tmp_path, make, message):
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(make(tmp_path), CPU, torch.float32)
+
+
+def test_corrupt_config_gives_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        load_model(tmp_path, CPU, torch.float32)
