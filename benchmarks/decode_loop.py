@@ -1,0 +1,298 @@
+"""Decode-loop benchmark: our loop against transformers' generate(), interleaved in one run.
+
+Variants, each on the same prompts with the same greedy settings:
+  hf-plain        model.generate()                                  (target only)
+  hf-assisted     model.generate(assistant_model=draft)              (constant K, no confidence cut-off)
+  hf-lookup       model.generate(prompt_lookup_num_tokens=K)
+  ours-none       our loop, drafter none                             (target only)
+  ours-draft      our loop, draft model
+  ours-lookup     our loop, prompt lookup
+  ours-self       our loop, the target as its own draft (α = 1)      (pure loop overhead)
+
+It prints tokens/s and ratios, checks every variant's tokens against ours-none, and for our speculative
+variants the overhead efficiency = measured decode speedup / speedup predicted from the measured
+tokens per round, drafting cost c and verification cost v(K) (each measured in isolation here).
+
+    python benchmarks/decode_loop.py                          # a synthetic pair built from configs
+    python benchmarks/decode_loop.py --target T --draft D     # any local Hugging Face pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoder.engine import SpeculativeDecoder
+from decoder.kv_cache import CachedSequence
+from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, resolve_device
+from decoder.sampling import SamplingParams
+from decoder.stopping import StopRules
+from decoder.telemetry import RequestStats, RoundRecord
+
+PROMPTS = [
+    "def parse_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    return",
+    "The with statement is used to wrap the execution of a block with methods defined by",
+    '{"id": 17, "name": "alpha", "tags": ["x", "y"]},\n{"id": 18, "name": "beta", "tags": ["x",',
+    "SELECT name, count(*) FROM orders WHERE status = 'open' GROUP BY name ORDER BY",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "Exceptions can be handled with the try statement, which specifies exception handlers and",
+]
+
+
+@dataclass
+class Tally:
+    """Accumulated measurements of one variant."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    decode_seconds: float = 0.0  # ours only: without prefill
+    mismatches: int = 0
+    stats: list[RequestStats] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds else float("nan")
+
+
+Run = Callable[[list[int]], tuple[list[int], RequestStats | None]]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_synthetic_pair(
+    device: torch.device, dtype: torch.dtype, damping: float
+) -> tuple[LoadedModel, LoadedModel]:
+    """A 6-layer Llama target and a 1-layer draft sharing its embeddings, first layer and head.
+
+    Random weights agree with nobody. Here the target's upper layers are damped (their output projections
+    scaled by ``damping``), so a draft cut from its first layer agrees with it often but not always,
+    as a trained draft would, without any training. The target still pays for all six layers.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from decoder.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer(vocab_size=2048)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(8.0)  # clear preferences instead of near-uniform logits
+        for layer in target.model.layers[1:]:  # upper layers nudge the output instead of rewriting it
+            layer.self_attn.o_proj.weight.mul_(damping)
+            layer.mlp.down_proj.weight.mul_(damping)
+    draft_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
+    draft = AutoModelForCausalLM.from_config(draft_config)
+    draft.load_state_dict(target.state_dict(), strict=False)  # embeddings, layer 0, final norm, head
+    target, draft = (m.to(device=device, dtype=dtype).eval() for m in (target, draft))
+    return from_objects(target, tokenizer, "synthetic-target"), from_objects(
+        draft, tokenizer, "synthetic-draft"
+    )
+
+
+def hf_runner(target: LoadedModel, max_new_tokens: int, device: torch.device, **kwargs: Any) -> Run:
+    def run(prompt_ids: list[int]) -> tuple[list[int], RequestStats | None]:
+        input_ids = torch.tensor([prompt_ids], device=device)
+        out = target.model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,  # like our runs: no stop at EOS, exactly max_new_tokens
+            pad_token_id=0,
+            **kwargs,
+        )
+        return out[0, len(prompt_ids) :].tolist(), None
+
+    return run
+
+
+def ours_runner(decoder: SpeculativeDecoder, drafter: str, k: int, max_new_tokens: int) -> Run:
+    rules = StopRules(max_new_tokens=max_new_tokens)  # no EOS, like eos_token_id=None for generate()
+
+    def run(prompt_ids: list[int]) -> tuple[list[int], RequestStats | None]:
+        result = decoder.generate(prompt_ids, drafter, k, SamplingParams(), rules)
+        return result.token_ids, result.stats
+
+    return run
+
+
+def time_forward(lm: LoadedModel, context: list[int], num_tokens: int, repeats: int) -> float:
+    """Median seconds of one forward of ``num_tokens`` new tokens on a cache holding ``context``."""
+    seq = CachedSequence(lm)
+    seq.forward(torch.tensor(context))
+    new = torch.tensor(context[-num_tokens:])
+    samples = []
+    for _ in range(repeats):
+        synchronize(lm.device)
+        start = time.perf_counter()
+        seq.forward(new)
+        synchronize(lm.device)
+        samples.append(time.perf_counter() - start)
+        seq.truncate(len(context))
+    return statistics.median(samples)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured in isolation, relative to one target step: c per drafted token, v(j) to verify j drafts."""
+
+    target_step_seconds: float
+    c_draft: float
+    v: list[float]  # v[j] = time of a (j + 1)-token target pass / time of a 1-token pass
+
+
+def measure_costs(target: LoadedModel, draft: LoadedModel, context: list[int], k_max: int) -> Costs:
+    repeats = 30
+    step = time_forward(target, context, 1, repeats)
+    draft_step = time_forward(draft, context, 1, repeats)
+    v = [time_forward(target, context, j + 1, repeats) / step for j in range(k_max + 1)]
+    return Costs(step, draft_step / step, v)
+
+
+def predicted_speedup(stats: list[RequestStats], c: float, v: list[float]) -> float:
+    """τ / mean round cost, where a round with j drafts costs c·j + v(j) target steps."""
+    rounds = [r for s in stats for r in s.rounds]
+    tau = sum(r.num_accepted + 1 for r in rounds) / len(rounds)
+    cost = sum(c * r.num_draft_tokens + v[r.num_draft_tokens] for r in rounds) / len(rounds)
+    return tau / cost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--draft", type=Path)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--damping", type=float, default=0.01, help="synthetic pair: upper-layer damping")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
+    if args.target and args.draft:
+        target, draft = load_model(args.target, device, dtype), load_model(args.draft, device, dtype)
+    else:
+        target, draft = build_synthetic_pair(device, dtype, args.damping)
+    k, n = args.k, args.max_new_tokens
+
+    # transformers' assisted generation: exactly K drafts per round, as ours.
+    draft.model.generation_config.num_assistant_tokens = k
+    draft.model.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.model.generation_config.assistant_confidence_threshold = 0.0
+    ours = SpeculativeDecoder(target, draft)
+    ours_self = SpeculativeDecoder(target, target)
+    runs: dict[str, Run] = {
+        "hf-plain": hf_runner(target, n, device),
+        "hf-assisted": hf_runner(target, n, device, assistant_model=draft.model),
+        "hf-lookup": hf_runner(target, n, device, prompt_lookup_num_tokens=k, max_matching_ngram_size=3),
+        "ours-none": ours_runner(ours, "none", 0, n),
+        "ours-draft": ours_runner(ours, "draft", k, n),
+        "ours-lookup": ours_runner(ours, "prompt_lookup", k, n),
+        "ours-self": ours_runner(ours_self, "draft", k, n),
+    }
+    prompts = [ours.encode(p) for p in PROMPTS]
+    reference = {i: runs["ours-none"](p)[0] for i, p in enumerate(prompts)}
+    for run in runs.values():  # warm-up, not counted
+        run(prompts[0])
+
+    tallies = {name: Tally() for name in runs}
+    names = list(runs)
+    for rep in range(args.repeats):
+        for i, prompt in enumerate(prompts):
+            shift = (rep * len(prompts) + i) % len(names)
+            for name in names[shift:] + names[:shift]:  # rotate the order: no variant always goes first
+                synchronize(device)
+                start = time.perf_counter()
+                tokens, stats = runs[name](prompt)
+                synchronize(device)
+                tally = tallies[name]
+                tally.seconds += time.perf_counter() - start
+                tally.tokens += len(tokens)
+                tally.mismatches += tokens != reference[i]
+                if stats is not None:
+                    tally.decode_seconds += stats.decode_seconds
+                    tally.stats.append(stats)
+
+    mid_context = prompts[0] + reference[0][: n // 2]
+    costs = measure_costs(target, draft, mid_context, k)
+    print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
+          f"{len(prompts)} prompts x {args.repeats} repeats, interleaved")  # fmt: skip
+    print(f"target {target.name} ({params_millions(target):.1f}M params), "
+          f"draft {draft.name} ({params_millions(draft):.1f}M params)")  # fmt: skip
+    print(f"costs: target step {costs.target_step_seconds * 1e3:.2f} ms, c(draft) = {costs.c_draft:.3f}, "
+          "v(K) = " + ", ".join(f"{x:.2f}" for x in costs.v))  # fmt: skip
+    report(tallies, costs, len(prompts) * args.repeats)
+
+
+def params_millions(lm: LoadedModel) -> float:
+    return sum(p.numel() for p in lm.model.parameters()) / 1e6
+
+
+def rounds_of(tally: Tally) -> list[RoundRecord]:
+    return [r for s in tally.stats for r in s.rounds]
+
+
+def report(tallies: dict[str, Tally], costs: Costs, runs_total: int) -> None:
+    base_hf, base_ours = tallies["hf-plain"], tallies["ours-none"]
+    print(f"\n{'variant':<12} {'tok/s':>8} {'vs hf-plain':>11} {'vs ours-none':>12} {'alpha':>6} {'tau':>5} "
+          f"{'same tokens':>11}")  # fmt: skip
+    for name, t in tallies.items():
+        rounds = rounds_of(t)
+        proposed = sum(r.num_draft_tokens for r in rounds)
+        alpha = f"{sum(r.num_accepted for r in rounds) / proposed:.2f}" if proposed else "-"
+        tau = f"{sum(r.num_accepted + 1 for r in rounds) / len(rounds):.2f}" if proposed else "-"
+        tps = t.tokens_per_second
+        print(f"{name:<12} {tps:>8.1f} {tps / base_hf.tokens_per_second:>10.2f}x "
+              f"{tps / base_ours.tokens_per_second:>11.2f}x {alpha:>6} {tau:>5} "
+              f"{runs_total - t.mismatches:>5}/{runs_total}")  # fmt: skip
+
+    print("\nours vs transformers on the same pair, prompts and outputs:")
+    for ours_name, hf_name in (
+        ("ours-none", "hf-plain"),
+        ("ours-draft", "hf-assisted"),
+        ("ours-lookup", "hf-lookup"),
+    ):
+        ratio = tallies[ours_name].tokens_per_second / tallies[hf_name].tokens_per_second
+        print(f"  {ours_name} / {hf_name}: {ratio:.2f}x")
+
+    print("\noverhead efficiency = measured decode speedup / predicted (from measured tau, c, v(K)):")
+    for name in ("ours-draft", "ours-lookup", "ours-self"):
+        t = tallies[name]
+        rounds = rounds_of(t)
+        # c from the loop's own timings: a drafted token's seconds per target step
+        in_loop_c = (
+            sum(r.draft_seconds for r in rounds) / max(1, sum(r.num_draft_tokens for r in rounds))
+        ) / costs.target_step_seconds
+        # c for the prediction: measured in isolation for the models, from the loop for prompt lookup
+        c = {"ours-draft": costs.c_draft, "ours-self": 1.0, "ours-lookup": in_loop_c}[name]
+        measured = t.decode_tokens_per_second / base_ours.decode_tokens_per_second
+        predicted = predicted_speedup(t.stats, c, costs.v)
+        print(f"  {name:<12} measured {measured:.2f}x  predicted {predicted:.2f}x  (c = {c:.3f}; "
+              f"in the loop c = {in_loop_c:.3f})  efficiency {measured / predicted:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
