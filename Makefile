@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo test lint typecheck unit bench protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ unit: setup
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
+
+protos: setup
+	$(BIN)/python -m specd.protos
 
 bench: setup
 	$(BIN)/python benchmarks/decode_loop.py

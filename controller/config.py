@@ -1,0 +1,76 @@
+"""The controller daemon's configuration (configs/controller.yaml), parsed once at start-up.
+
+Relative paths in the file are resolved against the file's own folder. ``SPECD_REDIS_URL`` in the
+environment overrides ``redis_url`` (so a password can live in a systemd EnvironmentFile).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controller.store import StoreConfig
+from controller.tracing import Exporter
+from controller.yaml_config import load_yaml_model
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LearningConfig(_Strict):
+    prefix: str = Field("specd", pattern=r"^[A-Za-z0-9_.-]{1,32}$", description="Redis key prefix")
+    bucket_seconds: float = Field(60.0, gt=0)
+    half_life_seconds: float = Field(600.0, gt=0, description="weight of a count halves over this age")
+    window_buckets: int = Field(60, ge=1, le=10_000)
+    max_segments: int = Field(1000, ge=1, description="distinct segments before new ones share _overflow")
+    refresh_seconds: float = Field(1.0, gt=0, description="how often decisions see new telemetry")
+    prior_retrain_seconds: float = Field(60.0, gt=0)
+    journal_max_reports: int = Field(100_000, ge=1, description="reports kept locally while Redis is down")
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            prefix=self.prefix,
+            bucket_seconds=self.bucket_seconds,
+            half_life_seconds=self.half_life_seconds,
+            window_buckets=self.window_buckets,
+            max_segments=self.max_segments,
+        )
+
+
+class TelemetryConfig(_Strict):
+    exporter: Exporter = "none"
+    endpoint: str | None = Field(None, description="OTLP endpoint, e.g. http://127.0.0.1:4317")
+    service_name: str = "specd-controller"
+
+
+class ControllerConfig(_Strict):
+    listen: str = Field("127.0.0.1:50061", description="host:port for gRPC (port 0 picks a free one)")
+    redis_url: str | None = Field(None, description="redis://, rediss:// or unix://; none starts an embedded server")
+    redis_timeout_seconds: float = Field(0.5, gt=0)
+    policy_path: Path = Path("../policies/default.yaml")
+    state_dir: Path = Path("../.specd/controller")
+    max_workers: int = Field(16, ge=1, le=1024)
+    shutdown_grace_seconds: float = Field(10.0, ge=0)
+    policy_watch_seconds: float = Field(2.0, gt=0, description="how often the policy file is checked")
+    learning: LearningConfig = Field(default_factory=lambda: LearningConfig())
+    telemetry: TelemetryConfig = Field(default_factory=lambda: TelemetryConfig())
+
+
+def load_config(path: str | Path) -> ControllerConfig:
+    """Read the config; raises ConfigError (file, line, field) when invalid."""
+    config, _ = load_yaml_model(path, ControllerConfig)
+    return resolve(config, Path(path).resolve().parent)
+
+
+def resolve(config: ControllerConfig, base: Path) -> ControllerConfig:
+    """Relative paths against ``base``; the environment's SPECD_REDIS_URL over the file's redis_url."""
+    return config.model_copy(
+        update={
+            "policy_path": base / config.policy_path,
+            "state_dir": base / config.state_dir,
+            "redis_url": os.environ.get("SPECD_REDIS_URL") or config.redis_url,
+        }
+    )

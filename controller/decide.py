@@ -1,0 +1,233 @@
+"""Deciding how a request speculates: (policy, segment estimates, request) -> decision. Pure.
+
+The order of the rules is the order of the reasons a decision can carry:
+  batch_size_above_threshold, policy_off, policy_forced, no_drafter_available, request_too_short,
+  then the learned choice: best_expected_speedup (kept for hysteresis: kept_previous),
+  low_expected_speedup / alpha_below_floor (speculation off), or exploration (a bounded probe).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from controller.counts import PositionCounts, SegmentCounts
+from controller.policy import Settings
+from controller.speedup import VerifyCost, speedup_curve
+
+
+@dataclass(frozen=True)
+class Request:
+    segment: str
+    batch_size: int
+    drafters: tuple[str, ...]  # what the worker can run
+    max_new_tokens: int
+    prompt_tokens: int = 0
+    temperature: float = 0.0
+    self_repetition: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    drafter: str
+    num_draft_tokens: int
+    reason: str
+    policy_version: str
+    exploration: bool = False
+    expected_speedup: float = 1.0
+    stale: bool = False
+    segment: str = ""
+
+    @property
+    def speculates(self) -> bool:
+        return self.drafter != "none" and self.num_draft_tokens > 0
+
+
+@dataclass(frozen=True)
+class Beta:
+    """Posterior of a rate: prior pseudo-counts plus observed successes and failures."""
+
+    successes: float
+    failures: float
+
+    @property
+    def mean(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def sample(self, rng: random.Random) -> float:
+        return rng.betavariate(self.successes, self.failures)
+
+
+@dataclass(frozen=True)
+class DrafterEstimate:
+    """What is believed about one drafter in one segment, per draft position."""
+
+    drafter: str
+    conditional: tuple[Beta, ...]  # a_i: accepted / verified at position i
+    proposal: tuple[Beta, ...]  # π_i: the drafter had a token for position i
+    cost_ratio: float  # c
+
+    def means(self) -> tuple[list[float], list[float]]:
+        return [b.mean for b in self.conditional], [b.mean for b in self.proposal]
+
+    def sample(self, rng: random.Random) -> tuple[list[float], list[float]]:
+        return [b.sample(rng) for b in self.conditional], [b.sample(rng) for b in self.proposal]
+
+
+def estimate_drafter(
+    counts: SegmentCounts,
+    drafter: str,
+    k_max: int,
+    prior_alpha: float,
+    prior_proposal: float,
+    prior_strength: float,
+    cost_ratio: float,
+) -> DrafterEstimate:
+    """Shrink each position's observed rates towards the prior with ``prior_strength`` pseudo-counts."""
+    conditional, proposal = [], []
+    for i in range(k_max):
+        pos = counts.positions.get((drafter, i), PositionCounts())
+        conditional.append(
+            Beta(
+                pos.accepted + prior_strength * prior_alpha,
+                max(pos.verified - pos.accepted, 0.0) + prior_strength * (1 - prior_alpha),
+            )
+        )
+        proposal.append(
+            Beta(
+                pos.proposed + prior_strength * prior_proposal,
+                max(pos.offered - pos.proposed, 0.0) + prior_strength * (1 - prior_proposal),
+            )
+        )
+    return DrafterEstimate(drafter, tuple(conditional), tuple(proposal), cost_ratio)
+
+
+@dataclass(frozen=True)
+class Arm:
+    drafter: str
+    k: int
+    speedup: float
+
+
+def score_arms(
+    estimate: DrafterEstimate,
+    conditional: list[float],
+    proposal: list[float],
+    k_min: int,
+    k_max: int,
+    verify: VerifyCost,
+) -> list[Arm]:
+    curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, verify)
+    return [Arm(estimate.drafter, k, curve[k - 1]) for k in range(k_min, k_max + 1)]
+
+
+def repays_drafting(arm: Arm, request: Request, settings: Settings, cost_ratio: float) -> bool:
+    """Does the expected saving over max_new_tokens exceed the draft model's extra prefill?"""
+    saved_steps = request.max_new_tokens * (1.0 - 1.0 / arm.speedup) if arm.speedup > 0 else 0.0
+    prefill_steps = (
+        cost_ratio * request.prompt_tokens * settings.prefill_cost_per_token if arm.drafter == "draft" else 0.0
+    )
+    return saved_steps > prefill_steps
+
+
+def decide(
+    settings: Settings,
+    policy_version: str,
+    request: Request,
+    estimates: Mapping[str, DrafterEstimate],
+    verify: VerifyCost,
+    previous: Decision | None,
+    rng: random.Random,
+) -> Decision:
+    """The decision for one request. ``previous`` is the segment's last non-exploration decision."""
+
+    def off(reason: str, speedup: float = 1.0) -> Decision:
+        return Decision("none", 0, reason, policy_version, expected_speedup=speedup, segment=request.segment)
+
+    if request.batch_size > settings.max_batch_size:
+        return off("batch_size_above_threshold")
+    if settings.force == "none":
+        return off("policy_off")
+    candidates = [
+        d for d in request.drafters if d in settings.drafters and settings.drafter(d).enabled and d in estimates
+    ]
+    if settings.force is not None and settings.force in request.drafters:
+        forced = settings.drafter(settings.force)
+        k = min(settings.force_k or forced.k_max, max(request.max_new_tokens - 1, 0))
+        if k == 0:
+            return off("request_too_short")
+        return Decision(settings.force, k, "policy_forced", policy_version, segment=request.segment)
+    if not candidates:
+        return off("no_drafter_available")
+    if request.max_new_tokens < settings.min_new_tokens:
+        return off("request_too_short")
+
+    k_cap = request.max_new_tokens - 1  # a round emits up to K + 1 tokens
+    arms: list[Arm] = []
+    for d in candidates:
+        s = settings.drafter(d)
+        if s.k_min > k_cap:
+            continue
+        conditional, proposal = estimates[d].means()
+        arms += score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify)
+    arms = [a for a in arms if repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)]
+    if not arms:
+        return off("request_too_short")
+
+    best = max(arms, key=lambda a: a.speedup)
+    choice = _with_hysteresis(best, arms, previous, settings)
+    exploit: Decision
+    if choice is None:
+        exploit = off("low_expected_speedup", best.speedup)
+    elif estimates[choice.drafter].conditional[0].mean < settings.drafter(choice.drafter).alpha_floor:
+        # α in the i.i.d. sense of the literature: the per-token rate, measured at the first position
+        exploit = off("alpha_below_floor", choice.speedup)
+    else:
+        reason = "best_expected_speedup" if choice == best else "kept_previous"
+        exploit = Decision(
+            choice.drafter, choice.k, reason, policy_version, False, choice.speedup, segment=request.segment
+        )
+
+    if rng.random() < settings.exploration_rate:
+        probe = _thompson_arm(candidates, estimates, settings, k_cap, verify, rng)
+        if probe is not None and (probe.drafter, probe.k) != (exploit.drafter, exploit.num_draft_tokens):
+            # report the point estimate of the probed arm, not the lucky sample
+            speedup = next((a.speedup for a in arms if (a.drafter, a.k) == (probe.drafter, probe.k)), 1.0)
+            return Decision(
+                probe.drafter, probe.k, "exploration", policy_version, True, speedup, segment=request.segment
+            )
+    return exploit
+
+
+def _with_hysteresis(best: Arm, arms: list[Arm], previous: Decision | None, settings: Settings) -> Arm | None:
+    """Keep the previous arm unless the best beats it by the margin; switch on or off only past margins."""
+    margin = 1.0 + settings.hysteresis
+    was_on = previous is not None and previous.speculates
+    threshold = settings.min_speedup if was_on or previous is None else settings.min_speedup * margin
+    if best.speedup < threshold:
+        return None
+    if was_on and previous is not None:
+        kept = next((a for a in arms if (a.drafter, a.k) == (previous.drafter, previous.num_draft_tokens)), None)
+        if kept is not None and kept.speedup * margin >= best.speedup and kept.speedup >= settings.min_speedup:
+            return kept
+    return best
+
+
+def _thompson_arm(
+    candidates: Sequence[str],
+    estimates: Mapping[str, DrafterEstimate],
+    settings: Settings,
+    k_cap: int,
+    verify: VerifyCost,
+    rng: random.Random,
+) -> Arm | None:
+    """The best arm under one posterior sample of every rate (Thompson sampling)."""
+    arms: list[Arm] = []
+    for d in candidates:
+        s = settings.drafter(d)
+        if s.k_min > k_cap:
+            continue
+        conditional, proposal = estimates[d].sample(rng)
+        arms += score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify)
+    return max(arms, key=lambda a: a.speedup) if arms else None

