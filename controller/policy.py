@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from controller.yaml_config import load_yaml_model, parse_yaml_model
 
@@ -72,6 +72,18 @@ class Settings(_Strict):
     force: Literal["draft", "prompt_lookup", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
     drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)
+
+    @field_validator("drafters", mode="before")
+    @classmethod
+    def _over_builtin_drafters(cls, value: object) -> object:
+        """A file names only what it changes: its drafter fields go over the built-in ones, field by field."""
+        if not isinstance(value, dict):
+            return value  # let validation report the wrong type
+        merged: dict[str, object] = {name: s.model_dump() for name, s in _default_drafters().items()}
+        for name, given in value.items():
+            base = merged.get(name)
+            merged[name] = {**base, **given} if isinstance(base, dict) and isinstance(given, dict) else given
+        return merged
 
     def drafter(self, name: str) -> DrafterSettings:
         """Settings of drafter ``name``; KeyError for a name the policy does not know."""

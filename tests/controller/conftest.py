@@ -1,0 +1,55 @@
+"""Redis for controller tests: the embedded server (always), and the local Redis at 127.0.0.1:6379 when
+one answers. Every test gets its own key prefix, so runs never see each other's keys."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from controller.redis_conn import make_client, start_embedded
+
+LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="session")
+def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
+    server, url = start_embedded(tmp_path_factory.mktemp("valkey"))
+    yield url
+    server.stop()
+
+
+def _local_redis_available() -> bool:
+    try:
+        return bool(make_client(LOCAL_REDIS_URL, 0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture(params=["embedded", "local"])
+def redis_url(request, embedded_redis_url) -> str:
+    """Both servers; the local one is skipped (with the reason) when nothing listens on 6379."""
+    if request.param == "embedded":
+        return embedded_redis_url
+    if not _local_redis_available():
+        pytest.skip("no Redis at 127.0.0.1:6379 on this machine")
+    return LOCAL_REDIS_URL
+
+
+@pytest.fixture
+def redis_client(redis_url) -> Iterator[redis.Redis]:
+    client = make_client(redis_url, 2.0)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def prefix(redis_client) -> Iterator[str]:
+    """A fresh key prefix; its keys are deleted afterwards."""
+    name = f"t{uuid.uuid4().hex[:12]}"
+    yield name
+    keys = list(redis_client.scan_iter(f"{name}:*", count=1000))
+    if keys:
+        redis_client.delete(*keys)
