@@ -53,9 +53,12 @@ class Beta:
 
     @property
     def mean(self) -> float:
-        return self.successes / (self.successes + self.failures)
+        total = self.successes + self.failures
+        return self.successes / total if total > 0 else 0.0
 
     def sample(self, rng: random.Random) -> float:
+        if self.failures <= 0 or self.successes <= 0:  # a certain rate (a draft model always proposes)
+            return self.mean
         return rng.betavariate(self.successes, self.failures)
 
 
@@ -84,23 +87,22 @@ def estimate_drafter(
     prior_strength: float,
     cost_ratio: float,
 ) -> DrafterEstimate:
-    """Shrink each position's observed rates towards the prior with ``prior_strength`` pseudo-counts."""
-    conditional, proposal = [], []
-    for i in range(k_max):
-        pos = counts.positions.get((drafter, i), PositionCounts())
-        conditional.append(
-            Beta(
-                pos.accepted + prior_strength * prior_alpha,
-                max(pos.verified - pos.accepted, 0.0) + prior_strength * (1 - prior_alpha),
-            )
-        )
-        proposal.append(
-            Beta(
-                pos.proposed + prior_strength * prior_proposal,
-                max(pos.offered - pos.proposed, 0.0) + prior_strength * (1 - prior_proposal),
-            )
-        )
-    return DrafterEstimate(drafter, tuple(conditional), tuple(proposal), cost_ratio)
+    """Per-position posteriors, shrunk hierarchically: each position towards the drafter's pooled rate in
+    this segment, which is itself shrunk towards the prior. A position never verified yet (deeper than any
+    K tried) is then estimated from the positions that were, not from the global prior alone."""
+    positions = [counts.positions.get((drafter, i), PositionCounts()) for i in range(k_max)]
+    n0 = prior_strength
+    pooled_alpha = (sum(p.accepted for p in positions) + n0 * prior_alpha) / (sum(p.verified for p in positions) + n0)
+    pooled_proposal = (sum(p.proposed for p in positions) + n0 * prior_proposal) / (
+        sum(p.offered for p in positions) + n0
+    )
+    conditional = tuple(_shrunk(p.accepted, p.verified, pooled_alpha, n0) for p in positions)
+    proposal = tuple(_shrunk(p.proposed, p.offered, pooled_proposal, n0) for p in positions)
+    return DrafterEstimate(drafter, conditional, proposal, cost_ratio)
+
+
+def _shrunk(successes: float, trials: float, prior_mean: float, strength: float) -> Beta:
+    return Beta(successes + strength * prior_mean, max(trials - successes, 0.0) + strength * (1 - prior_mean))
 
 
 @dataclass(frozen=True)
@@ -222,12 +224,13 @@ def _thompson_arm(
     verify: VerifyCost,
     rng: random.Random,
 ) -> Arm | None:
-    """The best arm under one posterior sample of every rate (Thompson sampling)."""
-    arms: list[Arm] = []
-    for d in candidates:
-        s = settings.drafter(d)
-        if s.k_min > k_cap:
-            continue
-        conditional, proposal = estimates[d].sample(rng)
-        arms += score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify)
-    return max(arms, key=lambda a: a.speedup) if arms else None
+    """A probe: a drafter chosen uniformly (so a wrong prior cannot starve one), then the best K under one
+    posterior sample of its rates (Thompson sampling)."""
+    usable = [d for d in candidates if settings.drafter(d).k_min <= k_cap]
+    if not usable:
+        return None
+    d = rng.choice(usable)
+    s = settings.drafter(d)
+    conditional, proposal = estimates[d].sample(rng)
+    return max(score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify),
+               key=lambda a: a.speedup)  # fmt: skip

@@ -8,6 +8,7 @@ before a crash is deduplicated there and never counted twice.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -15,6 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from controller.counts import Aggregate
+
+log = logging.getLogger(__name__)
 
 
 class JournalFull(Exception):
@@ -27,6 +30,7 @@ class Journal:
         self.max_reports = max_reports
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(path)
         self._count = sum(1 for _ in path.open()) if path.exists() else 0
 
     def __len__(self) -> int:
@@ -48,7 +52,15 @@ class Journal:
             if not self.path.exists():
                 return []
             lines = self.path.read_text().splitlines()
-        return [_parse(line) for line in lines if line.strip()]
+        entries = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                entries.append(_parse(line))
+            except (ValueError, KeyError, TypeError) as e:
+                log.error("skipping unreadable journal line %d of %s: %s", number, self.path, e)
+        return entries
 
     def replay(self, send: Callable[[str, list[Aggregate]], object]) -> int:
         """Send every entry in order; drop the journal once all went through. Returns how many were sent.
@@ -76,3 +88,15 @@ def _parse(line: str) -> tuple[str, list[Aggregate]]:
             a[name] = tuple(a[name])
         aggregates.append(Aggregate(**a))
     return record["report_id"], aggregates
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line left without its newline by a crash mid-append (that report was never acknowledged)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        keep = data.rfind(b"\n") + 1
+        log.warning("dropping a torn last line (%d bytes) from %s", len(data) - keep, path)
+        with path.open("r+b") as f:
+            f.truncate(keep)

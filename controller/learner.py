@@ -65,11 +65,9 @@ class Learner:
             except redis.RedisError as e:
                 log.warning("Redis rejected a report (%s); journaling it", e)
                 self._stale = True
-        self.journal.append(report_id, aggregates)
-        with self._lock:
-            for agg in aggregates:
-                self._pending.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields())
-                self._pending.costs.add_fields(agg.cost_fields())
+        with self._lock:  # the journal and its in-memory view change together
+            self.journal.append(report_id, aggregates)
+            _add_to(self._pending, aggregates)
         self.cost_model = build_cost_model(self.costs())
         return ReportOutcome(sum(a.rounds for a in aggregates), duplicate=False, journaled=True)
 
@@ -92,8 +90,11 @@ class Learner:
             return False
         with self._lock:
             self._snapshot = snapshot
-            if not len(self.journal):
-                self._pending = Snapshot()
+            # What is still journaled (reports that arrived during the replay) stays on top; the rest is
+            # now in the snapshot.
+            self._pending = Snapshot()
+            for _, aggregates in self.journal.entries():
+                _add_to(self._pending, aggregates)
             self._stale = False
         self.cost_model = build_cost_model(self.costs())
         if stored_prior is not None:
@@ -137,3 +138,9 @@ class Learner:
             merged.add(self._snapshot.costs)
             merged.add(self._pending.costs)
         return merged
+
+
+def _add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate]) -> None:
+    for agg in aggregates:
+        snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields())
+        snapshot.costs.add_fields(agg.cost_fields())

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 
@@ -98,10 +99,14 @@ def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5) -> R
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for logs and messages."""
-    if "@" not in url or "://" not in url:
+    """The URL without any password (in the user part or the query string), for logs and messages."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    secret_query = any("password" in k.lower() for k, _ in query)
+    if parts.password is None and not secret_query:
         return url
-    scheme, rest = url.split("://", 1)
-    credentials, host = rest.rsplit("@", 1)
-    user = credentials.split(":", 1)[0] if ":" in credentials else ""
-    return f"{scheme}://{user}:***@{host}"
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username or ''}:***@{netloc.rsplit('@', 1)[1]}"
+    masked = urlencode([(k, "***" if "password" in k.lower() else v) for k, v in query], safe="*")
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{masked}" if masked else "")

@@ -7,7 +7,8 @@ Key schema (``P`` is the configurable prefix, default ``specd``; the schema vers
                                          p|{drafter}|{position}|{offered,proposed,verified,accepted}, updated)
     P:v1:cost:{bucket}            hash   d|{drafter}|{s,n} drafting seconds / tokens,
                                          v|{n}|{batch bucket}|{s,r} verify seconds / rounds at n drafts
-    P:v1:segments                 zset   segment -> last report time (the cap on distinct segments)
+    P:v1:segments                 zset   segment -> last report time (the cap on distinct active segments;
+                                         segments silent for a whole window are dropped from it)
     P:v1:report:{report_id}       string dedup marker of an acknowledged report (expires)
     P:v1:samples                  list   recent per-aggregate feature rows for the prior model (capped)
     P:v1:prior                    string the prior model's coefficients as JSON (never pickle)
@@ -34,10 +35,12 @@ from controller.segments import OVERFLOW_SEGMENT
 INGEST_LUA = """
 -- KEYS[1] report dedup key, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
 -- ARGV: seg key prefix, bucket, bucket ttl, report ttl, now, max segments, overflow segment,
---       samples max, then the report payload as JSON
+--       samples max, the report payload as JSON, the oldest report time still in the window
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then
   return -1
 end
+-- the cap counts active segments: those silent for a whole window give their place back
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[10])
 local report = cjson.decode(ARGV[9])
 local max_segments = tonumber(ARGV[6])
 local stored = 0
@@ -148,6 +151,7 @@ class TelemetryStore:
                 OVERFLOW_SEGMENT,
                 c.samples_max,
                 json.dumps(payload),
+                now - c.bucket_seconds * c.window_buckets,
             ],
         )
         return IngestResult(rounds=max(int(stored), 0), duplicate=int(stored) < 0)
