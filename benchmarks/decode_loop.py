@@ -73,9 +73,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_synthetic_pair(
-    device: torch.device, dtype: torch.dtype, damping: float
-) -> tuple[LoadedModel, LoadedModel]:
+def build_synthetic_pair(device: torch.device, dtype: torch.dtype, damping: float) -> tuple[LoadedModel, LoadedModel]:
     """A 6-layer Llama target and a 1-layer draft sharing its embeddings, first layer and head.
 
     Random weights agree with nobody. Here the target's upper layers are damped (their output projections
@@ -102,9 +100,7 @@ def build_synthetic_pair(
     draft = AutoModelForCausalLM.from_config(draft_config)
     draft.load_state_dict(target.state_dict(), strict=False)  # embeddings, layer 0, final norm, head
     target, draft = (m.to(device=device, dtype=dtype).eval() for m in (target, draft))
-    return from_objects(target, tokenizer, "synthetic-target"), from_objects(
-        draft, tokenizer, "synthetic-draft"
-    )
+    return from_objects(target, tokenizer, "synthetic-target"), from_objects(draft, tokenizer, "synthetic-draft")
 
 
 def hf_runner(target: LoadedModel, max_new_tokens: int, device: torch.device, **kwargs: Any) -> Run:
@@ -176,9 +172,7 @@ def predicted_speedup(stats: list[RequestStats], c: float, v: list[float]) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path)
     parser.add_argument("--draft", type=Path)
     parser.add_argument("--k", type=int, default=4)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from controller.counts import PositionCounts, SegmentCounts
 from controller.policy import Settings
@@ -71,8 +72,13 @@ class DrafterEstimate:
     proposal: tuple[Beta, ...]  # π_i: the drafter had a token for position i
     cost_ratio: float  # c
 
-    def means(self) -> tuple[list[float], list[float]]:
+    @cached_property
+    def _means(self) -> tuple[list[float], list[float]]:
         return [b.mean for b in self.conditional], [b.mean for b in self.proposal]
+
+    def means(self) -> tuple[list[float], list[float]]:
+        """Posterior means (computed once: estimates are cached and reused across requests)."""
+        return self._means
 
     def sample(self, rng: random.Random) -> tuple[list[float], list[float]]:
         return [b.sample(rng) for b in self.conditional], [b.sample(rng) for b in self.proposal]
@@ -173,12 +179,22 @@ def decide(
             continue
         conditional, proposal = estimates[d].means()
         arms += score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify)
-    arms = [a for a in arms if repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)]
     if not arms:
         return off("request_too_short")
-
     best = max(arms, key=lambda a: a.speedup)
     choice = _with_hysteresis(best, arms, previous, settings)
+    if choice is not None and not repays_drafting(choice, request, settings, estimates[choice.drafter].cost_ratio):
+        # Worth running, but not over this request: fall back to an arm whose gain repays the draft
+        # model's prefill (prompt lookup has none); with none left, the request is too short.
+        paying = [
+            a
+            for a in arms
+            if a.speedup >= settings.min_speedup
+            and repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)
+        ]
+        if not paying:
+            return off("request_too_short")
+        choice = max(paying, key=lambda a: a.speedup)
     exploit: Decision
     if choice is None:
         exploit = off("low_expected_speedup", best.speedup)
@@ -186,7 +202,16 @@ def decide(
         # α in the i.i.d. sense of the literature: the per-token rate, measured at the first position
         exploit = off("alpha_below_floor", choice.speedup)
     else:
-        reason = "best_expected_speedup" if choice == best else "kept_previous"
+        kept = (
+            previous is not None
+            and choice != best
+            and (choice.drafter, choice.k)
+            == (
+                previous.drafter,
+                previous.num_draft_tokens,
+            )
+        )
+        reason = "kept_previous" if kept else "best_expected_speedup"
         exploit = Decision(
             choice.drafter, choice.k, reason, policy_version, False, choice.speedup, segment=request.segment
         )

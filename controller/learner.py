@@ -22,6 +22,7 @@ from controller.cost_model import CostModel, build_cost_model
 from controller.counts import Aggregate, CostCounts, SegmentCounts
 from controller.journal import Journal
 from controller.prior import PriorModel, train_prior
+from controller.segments import OVERFLOW_SEGMENT
 from controller.store import IngestResult, Snapshot, TelemetryStore
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Learner:
         self._lock = threading.Lock()
         self._last_prior_fit = 0.0
         self.cost_model = CostModel()
+        self.version = 0  # changes whenever what decisions read changes (snapshot, journal, prior)
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -69,6 +71,7 @@ class Learner:
             self.journal.append(report_id, aggregates)
             _add_to(self._pending, aggregates)
         self.cost_model = build_cost_model(self.costs())
+        self.version += 1
         return ReportOutcome(sum(a.rounds for a in aggregates), duplicate=False, journaled=True)
 
     # --- background work ----------------------------------------------------------------------------
@@ -102,6 +105,7 @@ class Learner:
                 self.prior = PriorModel.from_json(stored_prior)
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring an unreadable prior model in Redis: %s", e)
+        self.version += 1
         return True
 
     def _refit_prior(self) -> None:
@@ -115,6 +119,15 @@ class Learner:
     @property
     def stale(self) -> bool:
         return self._stale
+
+    def tracked_segment(self, segment: str) -> str:
+        """The segment whose counts describe ``segment``: itself, or the overflow segment once the cap on
+        distinct segments is reached and ``segment`` is not among those tracked (the store counts it there)."""
+        with self._lock:
+            known = self._snapshot.segments
+            if segment in known or segment in self._pending.segments:
+                return segment
+            return OVERFLOW_SEGMENT if len(known) >= self.store.config.max_segments else segment
 
     def segments(self) -> list[str]:
         with self._lock:

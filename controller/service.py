@@ -7,6 +7,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -25,7 +26,14 @@ from controller.yaml_config import ConfigError
 from specd.v1 import controller_pb2 as pb
 from specd.v1 import controller_pb2_grpc as pb_grpc
 
-TYPICAL_MAX_NEW_TOKENS = 128  # the request that GetSegmentStats's "decision now" is made for
+TYPICAL_MAX_NEW_TOKENS = 128
+# Decisions made from the statistics (not from a rule): the ones hysteresis remembers.
+LEARNED_REASONS = (
+    "best_expected_speedup",
+    "kept_previous",
+    "low_expected_speedup",
+    "alpha_below_floor",
+)  # the request that GetSegmentStats's "decision now" is made for
 
 
 class Controller:
@@ -38,6 +46,7 @@ class Controller:
         self._previous_lock = threading.Lock()
         self._max_remembered = max_remembered
         self._rng = threading.local()
+        self._estimates: dict[tuple[object, ...], dict[str, DrafterEstimate]] = {}
 
     def rng(self) -> random.Random:
         if not hasattr(self._rng, "value"):
@@ -45,9 +54,10 @@ class Controller:
         return self._rng.value
 
     def estimates(self, settings: Settings, counts: SegmentCounts, request: Request) -> dict[str, DrafterEstimate]:
+        """Per-drafter posteriors for this request: cached until the learner, the policy or the prior
+        (request features, quantised) change, since they are the bulk of a decision's work."""
         prior = self.learner.prior
-        model = self.learner.cost_model
-        estimates: dict[str, DrafterEstimate] = {}
+        inputs = []
         for d in DRAFTERS:
             s = settings.drafter(d)
             predicted = (
@@ -55,20 +65,31 @@ class Controller:
             )
             # Prompt lookup can only propose what the prompt repeats; a draft model always proposes.
             proposal_prior = 1.0 if d == "draft" else min(max(request.self_repetition, 0.05), 0.95)
-            estimates[d] = estimate_drafter(
-                counts,
-                d,
-                s.k_max,
-                predicted or s.prior_alpha,
-                proposal_prior,
-                settings.prior_strength,
-                model.c(d, s.cost_ratio),
+            inputs.append((d, round(predicted or s.prior_alpha, 3), round(proposal_prior, 2)))
+        key = (request.segment, self.learner.version, self.policies.current.version, tuple(inputs))
+        cached = self._estimates.get(key)
+        if cached is not None:
+            return cached
+        model = self.learner.cost_model
+        estimates: dict[str, DrafterEstimate] = {
+            d: estimate_drafter(
+                counts, d, settings.drafter(d).k_max, alpha, proposal, settings.prior_strength,
+                model.c(d, settings.drafter(d).cost_ratio),
             )
+            for d, alpha, proposal in inputs
+        }  # fmt: skip
+        with self._previous_lock:
+            if len(self._estimates) >= self._max_remembered:
+                self._estimates.clear()  # versions moved on; old keys are dead anyway
+            self._estimates[key] = estimates
         return estimates
 
     def decide(self, request: Request) -> Decision:
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
+        tracked = self.learner.tracked_segment(request.segment)
+        if tracked != request.segment:
+            request = replace(request, segment=tracked)
         counts = self.learner.segment_counts(request.segment)
         with self._previous_lock:
             previous = self._previous.get(request.segment)
@@ -81,15 +102,10 @@ class Controller:
             previous,
             self.rng(),
         )
-        if not decision.exploration and decision.reason in (
-            "best_expected_speedup",
-            "kept_previous",
-            "low_expected_speedup",
-            "alpha_below_floor",
-        ):
+        if not decision.exploration and decision.reason in LEARNED_REASONS:
             self._remember(request.segment, decision)
         if self.learner.stale:
-            decision = Decision(**{**decision.__dict__, "stale": True})
+            decision = replace(decision, stale=True)
         return decision
 
     def _remember(self, segment: str, decision: Decision) -> None:
@@ -100,6 +116,7 @@ class Controller:
                 self._previous.popitem(last=False)
 
     def segment_stats(self, segment: str) -> pb.SegmentStats:
+        segment = self.learner.tracked_segment(segment)  # over the cap: the overflow segment's statistics
         counts = self.learner.segment_counts(segment)
         request = Request(segment, 1, DRAFTERS, TYPICAL_MAX_NEW_TOKENS)
         settings = self.policies.current.for_segment(segment)
@@ -159,7 +176,7 @@ class Controller:
             previous,
             self.rng(),
         )
-        return Decision(**{**decision.__dict__, "stale": self.learner.stale})
+        return replace(decision, stale=self.learner.stale)
 
 
 def decision_to_proto(d: Decision) -> pb.Decision:

@@ -37,7 +37,7 @@ INGEST_LUA = """
 -- ARGV: seg key prefix, bucket, bucket ttl, report ttl, now, max segments, overflow segment,
 --       samples max, the report payload as JSON, the oldest report time still in the window
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then
-  return -1
+  return {1, 0}
 end
 -- the cap counts active segments: those silent for a whole window give their place back
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[10])
@@ -66,7 +66,7 @@ for _, row in ipairs(report.samples) do
   redis.call('LPUSH', KEYS[4], row)
 end
 redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[8]) - 1)
-return stored
+return {0, stored}
 """
 
 
@@ -154,7 +154,8 @@ class TelemetryStore:
                 now - c.bucket_seconds * c.window_buckets,
             ],
         )
-        return IngestResult(rounds=max(int(stored), 0), duplicate=int(stored) < 0)
+        duplicate, rounds = stored  # {1, 0} for a report id seen before, else {0, rounds stored}
+        return IngestResult(rounds=int(rounds), duplicate=bool(int(duplicate)))
 
     def save_prior(self, document: dict[str, Any]) -> None:
         self.client.set(self.key("prior"), json.dumps(document))

@@ -16,6 +16,9 @@ from specd.v1 import controller_pb2 as pb
 KNOWN_DRAFTERS = ("draft", "prompt_lookup", "none")
 MAX_K = 64
 MAX_AGGREGATES = 10_000
+MAX_ROUNDS = 1_000_000_000  # per aggregate: far above any real request, far below float precision limits
+MAX_DRAFT_SECONDS_PER_TOKEN = 10.0  # timings beyond these are clocks sent as durations, not measurements
+MAX_VERIFY_SECONDS_PER_ROUND = 60.0
 UNKNOWN_MAX_NEW_TOKENS = 256  # what to assume when a worker does not say (proto3 cannot tell 0 from unset)
 _REPORT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
@@ -77,7 +80,7 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
     k = _count("num_draft_tokens", a.num_draft_tokens, MAX_K)
     if a.drafter == "none" and k:
         raise ValueError("drafter 'none' reports num_draft_tokens 0")
-    rounds = _count("rounds", a.rounds)
+    rounds = _count("rounds", a.rounds, MAX_ROUNDS)
     proposed = _count("num_draft_tokens_proposed", a.num_draft_tokens_proposed, rounds * k)
     accepted = _count("num_accepted", a.num_accepted, proposed)
     per_position = {
@@ -88,12 +91,26 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
     for name, values in per_position.items():
         if len(values) > k:
             raise ValueError(f"{name} has {len(values)} entries, more than num_draft_tokens ({k})")
+    proposed_at, verified_at, accepted_at = (
+        [values[i] if i < len(values) else 0 for i in range(k)] for values in per_position.values()
+    )
     for i in range(k):
-        p, v, acc = (values[i] if i < len(values) else 0 for values in per_position.values())
+        p, v, acc = proposed_at[i], verified_at[i], accepted_at[i]
         if not (0 <= acc <= v <= p <= rounds):
             raise ValueError(f"position {i}: need 0 <= accepted ({acc}) <= verified ({v}) <= proposed ({p}) <= rounds")
-    if sum(per_position["accepted_per_position"]) != accepted:
+        # acceptance is a prefix: position i is verified exactly when every earlier one was accepted
+        if i == 0 and v != p:
+            raise ValueError(f"position 0: verified ({v}) must equal proposed ({p}); nothing precedes it")
+        if i > 0 and v > accepted_at[i - 1]:
+            raise ValueError(
+                f"position {i}: verified ({v}) exceeds accepted at position {i - 1} ({accepted_at[i - 1]})"
+            )
+    if sum(accepted_at) != accepted:
         raise ValueError("accepted_per_position does not add up to num_accepted")
+    if k and sum(proposed_at) != proposed:
+        raise ValueError("proposed_per_position does not add up to num_draft_tokens_proposed")
+    draft_seconds = _finite("draft_seconds", a.draft_seconds, high=MAX_DRAFT_SECONDS_PER_TOKEN * max(proposed, 1))
+    verify_seconds = _finite("verify_seconds", a.verify_seconds, high=MAX_VERIFY_SECONDS_PER_ROUND * max(rounds, 1))
     return Aggregate(
         segment=segment,
         drafter=a.drafter,
@@ -101,9 +118,9 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
         rounds=rounds,
         proposed=proposed,
         accepted=accepted,
-        tokens_emitted=_count("tokens_emitted", a.tokens_emitted),
-        draft_seconds=_finite("draft_seconds", a.draft_seconds),
-        verify_seconds=_finite("verify_seconds", a.verify_seconds),
+        tokens_emitted=_count("tokens_emitted", a.tokens_emitted, rounds * (k + 1)),
+        draft_seconds=draft_seconds,
+        verify_seconds=verify_seconds,
         batch_size=max(_count("batch_size", a.batch_size), 1),
         temperature=_finite("temperature", a.temperature, high=100.0),
         prompt_tokens=_count("prompt_tokens", a.prompt_tokens),
