@@ -21,9 +21,7 @@ from decoder.stopping import StopRules, cut_round, trim_stop_string
 from decoder.telemetry import RequestStats, RoundRecord
 
 
-def clamp_k(
-    k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None
-) -> int:
+def clamp_k(k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
     """The largest K <= k that can neither overshoot max_new_tokens nor the model's context."""
     k = min(k, rules.max_new_tokens - num_generated - 1)  # a round emits up to K + 1 tokens
     if max_context is not None:
@@ -76,9 +74,7 @@ class DecodeSession:
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
         if target.max_context is not None and len(prompt_ids) > target.max_context:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}"
-            )
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}")
         self.target = CachedSequence(target)
         self.drafter = drafter
         self.params = params
@@ -139,9 +135,7 @@ class DecodeSession:
         )
         return emitted
 
-    def _accept(
-        self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor
-    ) -> Verdict:
+    def _accept(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
         # draft_tokens: [k] CPU, draft_probs: [k, vocab] | None, logits: [k + 1, vocab]
         if self.params.is_greedy:
             return greedy_accept(draft_tokens, logits.argmax(dim=-1).cpu())
@@ -180,9 +174,7 @@ class SpeculativeDecoder:
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def session(
-        self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules
-    ) -> DecodeSession:
+    def session(self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules) -> DecodeSession:
         generator = make_generator(params.seed, self.target.device)
         return DecodeSession(
             self.target, self._make_drafter(drafter, params, generator), prompt_ids, params, rules, generator

@@ -50,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.k < 0:
         raise UsageError(f"--k must be >= 0, got {args.k}")
     try:
-        params = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-        )
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         lookup = PromptLookupConfig(min_ngram=args.min_ngram, max_ngram=args.max_ngram)
         max_new_tokens = StopRules(max_new_tokens=args.max_new_tokens).max_new_tokens
     except ValueError as e:

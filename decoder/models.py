@@ -118,6 +118,4 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft {draft.name!r} has {draft.vocab_size}; speculative sampling needs the same vocabulary"
         )
     if target.device != draft.device:
-        raise ModelLoadError(
-            f"target is on {target.device} and draft on {draft.device}; put both on one device"
-        )
+        raise ModelLoadError(f"target is on {target.device} and draft on {draft.device}; put both on one device")

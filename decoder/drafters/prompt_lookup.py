@@ -22,8 +22,7 @@ class PromptLookupConfig:
     def __post_init__(self) -> None:
         if not (1 <= self.min_ngram <= self.max_ngram):
             raise ValueError(
-                "prompt lookup n-gram sizes need 1 <= min_ngram <= max_ngram, "
-                f"got {self.min_ngram}..{self.max_ngram}"
+                f"prompt lookup n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
             )
 
 
