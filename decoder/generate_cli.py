@@ -7,11 +7,8 @@ import json
 import sys
 from typing import Any
 
-from decoder.drafters import DRAFTER_NAMES, PromptLookupConfig
+from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES
 from decoder.errors import UsageError
-from decoder.models import DTYPES, load_model, parse_dtype, resolve_device
-from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 
 
 def add_parser(commands: Any) -> None:
@@ -36,13 +33,17 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram to match")
     p.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram to match")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from decoder.drafters import PromptLookupConfig
     from decoder.engine import SpeculativeDecoder
+    from decoder.models import load_model, parse_dtype, resolve_device
+    from decoder.sampling import SamplingParams
+    from decoder.stopping import StopRules
 
     drafter = args.drafter or ("draft" if args.draft else "none")
     if drafter == "draft" and not args.draft:

@@ -11,7 +11,7 @@ import torch
 
 from decoder.errors import ModelLoadError, TokenizerMismatchError
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {  # keys: decoder.choices.DTYPE_NAMES
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,

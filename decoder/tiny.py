@@ -10,8 +10,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 TINY_VOCAB = 384  # 256 bytes + merges
 
 
@@ -38,6 +36,7 @@ def build_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
 
 def build_model(arch: str, vocab_size: int, seed: int, hidden: int = 64, layers: int = 2) -> Any:
     """A randomly initialised causal LM of architecture "llama" or "gpt2"."""
+    import torch
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     config: Any

@@ -1,10 +1,9 @@
 """Drafters: what proposes tokens for the target to verify."""
 
+from decoder.choices import DRAFTER_NAMES
 from decoder.drafters.base import Draft, Drafter, NoDrafter
 from decoder.drafters.draft_model import DraftModelDrafter
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, find_continuation
-
-DRAFTER_NAMES = ("draft", "prompt_lookup", "none")
 
 __all__ = [
     "DRAFTER_NAMES",

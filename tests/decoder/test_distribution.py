@@ -36,9 +36,7 @@ def small_vocab_pair():
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
     target = from_objects(build_model("llama", VOCAB, seed=0).double(), tokenizer, "target")
-    draft = from_objects(
-        build_model("llama", VOCAB, seed=1, hidden=32, layers=1).double(), tokenizer, "draft"
-    )
+    draft = from_objects(build_model("llama", VOCAB, seed=1, hidden=32, layers=1).double(), tokenizer, "draft")
     return target, draft
 
 
@@ -115,7 +113,4 @@ def test_seeded_runs_are_reproducible(small_vocab_pair):
 
 def test_the_enumeration_is_a_distribution(small_vocab_pair):
     joint = exact_joint(small_vocab_pair[0], SamplingParams(temperature=1.0))
-    assert (
-        joint.sum() == pytest.approx(1.0)
-        and len(list(itertools.product(range(VOCAB), repeat=2))) == joint.size
-    )
+    assert joint.sum() == pytest.approx(1.0) and len(list(itertools.product(range(VOCAB), repeat=2))) == joint.size

@@ -20,9 +20,7 @@ def fresh_keys(lm, tokens: torch.Tensor) -> list[torch.Tensor]:
 
 def assert_cache_holds(seq: CachedSequence, tokens: torch.Tensor) -> None:
     assert seq.length == tokens.shape[0]
-    for got, expected in zip(
-        (layer.keys for layer in seq.cache.layers), fresh_keys(seq.lm, tokens), strict=True
-    ):
+    for got, expected in zip((layer.keys for layer in seq.cache.layers), fresh_keys(seq.lm, tokens), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
