@@ -336,9 +336,7 @@ def write_manifest(path: Path, cfg: CorpusConfig | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the corpus statistics (or write the manifest) for a seed."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=CorpusConfig.seed)
     parser.add_argument("--manifest", type=Path, help="write the full manifest (with doc ids) here")
     args = parser.parse_args(argv)

@@ -150,11 +150,7 @@ def prepare_data(
         tokenizer = get_tokenizer(data_dir, corpus_cfg, tok_cfg)
         meta = read_json(data_dir / "meta.json")
         tokenizer_hash = file_sha256(data_dir / "tokenizer" / "tokenizer.json")
-        fresh = (
-            "tokens" in meta
-            and meta.get("tokenizer_sha256") == tokenizer_hash
-            and all(p.is_file() for p in arrays)
-        )
+        fresh = "tokens" in meta and meta.get("tokenizer_sha256") == tokenizer_hash and all(p.is_file() for p in arrays)
         if not fresh:
             started = time.perf_counter()
             counts = build_streams(tokenizer, corpus_cfg, data_dir)
@@ -170,9 +166,7 @@ def prepare_data(
 
 def main(argv: list[str] | None = None) -> int:
     """Build the data folder and print its ``meta.json``."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=CorpusConfig.seed, help="corpus seed")
     parser.add_argument("--vocab-size", type=int, default=TokenizerConfig.vocab_size)

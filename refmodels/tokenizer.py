@@ -63,7 +63,5 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     """A tokenizer written by ``save_pretrained``, loaded offline."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
     if tokenizer.eos_token != EOS_TOKEN:
-        raise ValueError(
-            f"{folder} holds a tokenizer whose EOS is {tokenizer.eos_token!r}, not {EOS_TOKEN!r}"
-        )
+        raise ValueError(f"{folder} holds a tokenizer whose EOS is {tokenizer.eos_token!r}, not {EOS_TOKEN!r}")
     return tokenizer

@@ -131,9 +131,7 @@ def validation_blocks(val_tokens: dict[str, np.ndarray], seq_len: int, per_domai
         if available == 0:
             continue
         starts = np.linspace(0, available - 1, num=min(per_domain, available)).round().astype(int) * seq_len
-        blocks[domain] = torch.from_numpy(
-            np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int64)
-        )
+        blocks[domain] = torch.from_numpy(np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int64))
     return blocks
 
 
@@ -240,9 +238,7 @@ def save_checkpoint(
     os.replace(tmp, folder / "state.pt")
 
 
-def load_checkpoint(
-    out: Path, model: PreTrainedModel, optimizer: torch.optim.Optimizer, cfg: TrainConfig
-) -> RunState:
+def load_checkpoint(out: Path, model: PreTrainedModel, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> RunState:
     """Restore model, optimizer and RNG from ``out/checkpoint/state.pt``; return the saved progress."""
     payload = torch.load(out / "checkpoint" / "state.pt", map_location="cpu", weights_only=False)
     saved = payload["train_config"]
@@ -418,16 +414,12 @@ def read_last_curve_line(path: Path) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="run folder")
     parser.add_argument("--role", choices=tuple(ROLE_SPECS), required=True)
     parser.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint if there is one")
-    parser.add_argument(
-        "--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="shared tokenizer/token cache"
-    )
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="shared tokenizer/token cache")
     parser.add_argument("--lr", type=float, help="peak learning rate (default: 1.5e-3 target, 2e-3 draft)")
     defaults = TrainConfig(role="target", steps=1)
     for name in ("batch_size", "seq_len", "warmup_steps", "eval_every", "val_blocks_per_domain", "log_every"):
