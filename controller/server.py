@@ -28,7 +28,7 @@ from controller.redis_conn import RedisHandle, connect, redact
 from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore
 from controller.systemd import Notifier, WatchdogPinger
-from controller.tracing import make_exporter, make_provider
+from controller.tracing import make_exporter, make_provider, no_tracer
 from controller.yaml_config import ConfigError
 from decoder.errors import SpecdError
 from specd.v1 import controller_pb2, controller_pb2_grpc
@@ -83,10 +83,12 @@ class ControllerDaemon:
         learner.refresh()
         self.controller = Controller(learner, policies, max_remembered=cfg.learning.max_segments * 2)
 
-        self._provider = make_provider(
-            cfg.telemetry.service_name, make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
-        )
-        tracer = self._provider.get_tracer("specd.controller")
+        exporter = make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
+        if exporter is None:  # nothing would ever read the spans: do not pay for recording them
+            tracer = no_tracer()
+        else:
+            self._provider = make_provider(cfg.telemetry.service_name, exporter)
+            tracer = self._provider.get_tracer("specd.controller")
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers))
         controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.controller, tracer), self._server)
         self._health = health.HealthServicer()
