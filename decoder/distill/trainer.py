@@ -1,0 +1,133 @@
+"""The training loop: KL to the target's logits, AdamW, cosine learning rate with warmup, clipping, checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from decoder.distill.batches import BatchSource
+from decoder.distill.checkpoint import RunState, save_checkpoint
+from decoder.distill.config import DistillConfig
+from decoder.distill.loss import forward_kl
+from decoder.distill.progress import Progress
+from decoder.errors import SpecdError
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+class DivergedError(SpecdError):
+    """The loss stopped being a number."""
+
+
+def learning_rate(step: int, cfg: DistillConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.min_lr_ratio`` at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: DistillConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; fused where torch has a fused kernel."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type in FUSED_ADAMW_DEVICES
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused)
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager[Any]:
+    """Mixed precision for the draft's forward pass when a half dtype is asked for; its weights stay float32."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def train_step(
+    draft_model: Any,
+    target_model: Any,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    lr: float,
+    cfg: DistillConfig,
+    precision: contextlib.AbstractContextManager[Any],
+) -> float:
+    """One optimizer step on ``batch`` ([batch, seq_len] int64); returns the distillation loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with torch.no_grad():
+        target_logits = target_model(input_ids=batch, use_cache=False).logits  # [batch, seq_len, vocab]
+    with precision:
+        draft_logits = draft_model(input_ids=batch, use_cache=False).logits  # [batch, seq_len, vocab]
+    loss = forward_kl(draft_logits, target_logits, cfg.temperature)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft_model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.item())
+
+
+class StopRequest:
+    """Set by SIGINT/SIGTERM, so the loop checkpoints and stops cleanly after the current step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        """Handle SIGINT and SIGTERM while the block runs; put the previous handlers back after."""
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+@dataclass
+class Trainer:
+    cfg: DistillConfig
+    draft_model: Any
+    target_model: Any
+    optimizer: torch.optim.Optimizer
+    batches: BatchSource
+    state: RunState
+    dtype: torch.dtype
+    device: torch.device
+
+    def run(self, stop: StopRequest, progress: Progress) -> bool:
+        """Train up to ``cfg.steps``; True when finished, False when stopped early (checkpoint written)."""
+        cfg = self.cfg
+        precision = autocast(self.device, self.dtype)
+        self.draft_model.train()
+        while self.state.step < cfg.steps and not stop.requested:
+            started = time.perf_counter()
+            lr = learning_rate(self.state.step, cfg)
+            batch, _ = self.batches.batch(self.state.step)
+            loss = train_step(self.draft_model, self.target_model, self.optimizer, batch, lr, cfg, precision)
+            if not math.isfinite(loss):
+                raise DivergedError(f"the loss is {loss} at step {self.state.step}; lower --lr and --resume")
+            self.state.step += 1
+            self.state.seconds += time.perf_counter() - started
+            progress.update(self.state.step, loss, lr)
+            if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.steps:
+                save_checkpoint(cfg, self.draft_model, self.optimizer, self.state)
+        if self.state.step < cfg.steps:
+            save_checkpoint(cfg, self.draft_model, self.optimizer, self.state)
+            return False
+        return True
