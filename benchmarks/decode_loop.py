@@ -11,7 +11,8 @@ Variants, each on the same prompts with the same greedy settings:
 
 It prints tokens/s and ratios, checks every variant's tokens against ours-none, and for our speculative
 variants the overhead efficiency = measured decode speedup / speedup predicted from the measured
-tokens per round, drafting cost c and verification cost v(K) (each measured in isolation here).
+tokens per round, drafting cost c (as the loop measures it, the number workers report to the controller)
+and verification cost v(K) (measured in isolation).
 
     python benchmarks/decode_loop.py                          # a synthetic pair built from configs
     python benchmarks/decode_loop.py --target T --draft D     # any local Hugging Face pair
@@ -20,6 +21,7 @@ tokens per round, drafting cost c and verification cost v(K) (each measured in i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -29,8 +31,9 @@ from typing import Any
 
 import torch
 
+from decoder.choices import RUNNER_NAMES
 from decoder.engine import SpeculativeDecoder
-from decoder.kv_cache import CachedSequence
+from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
@@ -132,7 +135,7 @@ def ours_runner(decoder: SpeculativeDecoder, drafter: str, k: int, max_new_token
 
 def time_forward(lm: LoadedModel, context: list[int], num_tokens: int, repeats: int) -> float:
     """Median seconds of one forward of ``num_tokens`` new tokens on a cache holding ``context``."""
-    seq = CachedSequence(lm)
+    seq = open_sequence(lm)
     seq.forward(torch.tensor(context))
     new = torch.tensor(context[-num_tokens:])
     samples = []
@@ -182,14 +185,17 @@ def main() -> None:
     parser.add_argument("--damping", type=float, default=0.01, help="synthetic pair: upper-layer damping")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--runner", choices=RUNNER_NAMES, default="auto", help="model forward for our loop")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
     if args.target and args.draft:
-        target, draft = load_model(args.target, device, dtype), load_model(args.draft, device, dtype)
+        target = load_model(args.target, device, dtype, args.runner)
+        draft = load_model(args.draft, device, dtype, args.runner)
     else:
         target, draft = build_synthetic_pair(device, dtype, args.damping)
+        target, draft = (dataclasses.replace(lm, runner=args.runner) for lm in (target, draft))
     k, n = args.k, args.max_new_tokens
 
     # transformers' assisted generation: exactly K drafts per round, as ours.
@@ -232,7 +238,8 @@ def main() -> None:
 
     mid_context = prompts[0] + reference[0][: n // 2]
     costs = measure_costs(target, draft, mid_context, k)
-    print(f"device {device}, dtype {dtype}, threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
+    print(f"runner {target.runner} ({type(open_sequence(target)).__name__}), device {device}, dtype {dtype}, "
+          f"threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, interleaved")  # fmt: skip
     print(f"target {target.name} ({params_millions(target):.1f}M params), "
           f"draft {draft.name} ({params_millions(draft):.1f}M params)")  # fmt: skip
@@ -272,20 +279,21 @@ def report(tallies: dict[str, Tally], costs: Costs, runs_total: int) -> None:
         ratio = tallies[ours_name].tokens_per_second / tallies[hf_name].tokens_per_second
         print(f"  {ours_name} / {hf_name}: {ratio:.2f}x")
 
-    print("\noverhead efficiency = measured decode speedup / predicted (from measured tau, c, v(K)):")
+    print("\noverhead efficiency = measured decode speedup / predicted from measured tau, c and v(K)")
+    print("  (c as the loop measures it, i.e. as workers report it to the controller; v(K) measured in isolation)")
     for name in ("ours-draft", "ours-lookup", "ours-self"):
         t = tallies[name]
         rounds = rounds_of(t)
-        # c from the loop's own timings: a drafted token's seconds per target step
-        in_loop_c = (
+        c = (
             sum(r.draft_seconds for r in rounds) / max(1, sum(r.num_draft_tokens for r in rounds))
         ) / costs.target_step_seconds
-        # c for the prediction: measured in isolation for the models, from the loop for prompt lookup
-        c = {"ours-draft": costs.c_draft, "ours-self": 1.0, "ours-lookup": in_loop_c}[name]
+        isolated = {"ours-draft": f"{costs.c_draft:.3f}", "ours-self": "1.000"}.get(name, "-")
         measured = t.decode_tokens_per_second / base_ours.decode_tokens_per_second
         predicted = predicted_speedup(t.stats, c, costs.v)
-        print(f"  {name:<12} measured {measured:.2f}x  predicted {predicted:.2f}x  (c = {c:.3f}; "
-              f"in the loop c = {in_loop_c:.3f})  efficiency {measured / predicted:.2f}")  # fmt: skip
+        print(
+            f"  {name:<12} measured {measured:.2f}x  predicted {predicted:.2f}x  (c = {c:.3f}; in isolation "
+            f"{isolated})  efficiency {measured / predicted:.2f}"
+        )
 
 
 if __name__ == "__main__":

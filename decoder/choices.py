@@ -3,3 +3,4 @@ commands start without loading torch."""
 
 DRAFTER_NAMES = ("draft", "prompt_lookup", "none")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+RUNNER_NAMES = ("auto", "transformers")

@@ -14,7 +14,7 @@ import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
 from decoder.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
-from decoder.kv_cache import CachedSequence
+from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, trim_stop_string
@@ -75,7 +75,7 @@ class DecodeSession:
             raise ValueError("the prompt must have at least one token")
         if target.max_context is not None and len(prompt_ids) > target.max_context:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}")
-        self.target = CachedSequence(target)
+        self.target = open_sequence(target)
         self.drafter = drafter
         self.params = params
         self.rules = rules

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES
+from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES, RUNNER_NAMES
 from decoder.errors import UsageError
 
 
@@ -34,6 +34,12 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram to match")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
+    p.add_argument(
+        "--runner",
+        default="auto",
+        choices=RUNNER_NAMES,
+        help="auto: a lean forward for Llama models, transformers' for the rest; transformers: always theirs",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run)
 
@@ -59,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
 
     device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
-    target = load_model(args.target, device, dtype)
-    draft = load_model(args.draft, device, dtype) if args.draft and drafter == "draft" else None
+    target = load_model(args.target, device, dtype, args.runner)
+    draft = load_model(args.draft, device, dtype, args.runner) if args.draft and drafter == "draft" else None
     decoder = SpeculativeDecoder(target, draft, lookup)
     prompt_ids = decoder.encode(prompt)
     if not prompt_ids:

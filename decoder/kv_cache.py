@@ -1,16 +1,42 @@
 """One model's KV cache for one sequence: run tokens through it, and roll it back after a rejection.
 
-Rollback is a crop of the cache to the accepted length; the accepted prefix is never recomputed.
+Rollback truncates the cache to the accepted length; the accepted prefix is never recomputed. Two runners
+implement the same interface: ``CachedSequence`` (transformers' own forward and DynamicCache, any causal
+LM) and ``decoder.llama_fast.LlamaSequence`` (a lean Llama forward over preallocated tensors).
 In transformers 5, ``Cache.crop(n)`` takes a *negative* count of tokens to remove (a positive
 argument, the v4 "final length" meaning, raises), so rollback goes through ``truncate`` here only.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from transformers import DynamicCache
 
 from decoder.models import LoadedModel
+
+
+class ModelSequence(Protocol):
+    lm: LoadedModel
+
+    @property
+    def length(self) -> int: ...
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def cached_keys(self) -> list[torch.Tensor]: ...
+
+
+def open_sequence(lm: LoadedModel) -> ModelSequence:
+    """A cache for one sequence of ``lm``: the lean Llama runner where it applies (runner "auto")."""
+    from decoder.llama_fast import LlamaSequence, supports_fast_path
+
+    if lm.runner == "auto" and supports_fast_path(lm.model):
+        return LlamaSequence(lm)
+    return CachedSequence(lm)
 
 
 class CachedSequence:
@@ -47,3 +73,7 @@ class CachedSequence:
         assert excess >= 0, f"cannot truncate a cache of {self.length} tokens to {length}"
         if excess:
             self.cache.crop(-excess)
+
+    def cached_keys(self) -> list[torch.Tensor]:
+        """Per layer: the keys held, [1, kv_heads, length, head_dim]."""
+        return [layer.keys for layer in self.cache.layers]  # type: ignore[union-attr,misc]

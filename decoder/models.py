@@ -27,6 +27,7 @@ class LoadedModel:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     name: str  # the path it came from, for messages
     device: torch.device
+    runner: str = "auto"  # "auto": the lean Llama forward where it applies; "transformers": always theirs
 
     @property
     def vocab_size(self) -> int:
@@ -71,7 +72,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
 
 
-def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, runner: str = "auto") -> LoadedModel:
     """Load a Hugging Face causal LM and its tokenizer from a local folder, offline."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -91,13 +92,13 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> Lo
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot load model from {str(path)!r}: {first_line}") from None
     model = model.to(device).eval()  # type: ignore[arg-type]
-    return LoadedModel(model=model, tokenizer=tokenizer, name=str(path), device=device)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=str(path), device=device, runner=runner)
 
 
-def from_objects(model: Any, tokenizer: Any, name: str) -> LoadedModel:
+def from_objects(model: Any, tokenizer: Any, name: str, runner: str = "auto") -> LoadedModel:
     """Wrap an already built model (tests build tiny ones from a config)."""
     device = next(model.parameters()).device
-    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name, device=device)
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=name, device=device, runner=runner)
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:

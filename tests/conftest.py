@@ -20,8 +20,10 @@ def tokenizer():
 
 
 def tiny_lm(arch: str, tokenizer, seed: int, hidden: int = 64, layers: int = 2) -> LoadedModel:
-    model = build_model(arch, len(tokenizer), seed, hidden=hidden, layers=layers).double()
-    return from_objects(model, tokenizer, f"tiny-{arch}-{seed}")
+    """``arch`` is "llama" (the lean Llama runner), "llama/transformers" (transformers' forward) or "gpt2"."""
+    family, _, runner = arch.partition("/")
+    model = build_model(family, len(tokenizer), seed, hidden=hidden, layers=layers).double()
+    return from_objects(model, tokenizer, f"tiny-{arch}-{seed}", runner=runner or "auto")
 
 
 def perturbed_copy(lm: LoadedModel, scale: float, seed: int) -> LoadedModel:
@@ -31,10 +33,10 @@ def perturbed_copy(lm: LoadedModel, scale: float, seed: int) -> LoadedModel:
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * scale * param.std())
-    return from_objects(model, lm.tokenizer, f"{lm.name}-perturbed")
+    return from_objects(model, lm.tokenizer, f"{lm.name}-perturbed", runner=lm.runner)
 
 
-@pytest.fixture(scope="session", params=["llama", "gpt2"])
+@pytest.fixture(scope="session", params=["llama", "llama/transformers", "gpt2"])
 def arch(request) -> str:
     return request.param
 

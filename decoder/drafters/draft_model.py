@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter
-from decoder.kv_cache import CachedSequence
+from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams, logits_to_probs, sample
 
@@ -14,7 +14,7 @@ class DraftModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, lm: LoadedModel, params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.seq = CachedSequence(lm)
+        self.seq = open_sequence(lm)
         self.params = params
         self.generator = generator
         self.cached_ids = EMPTY_TOKENS  # [self.seq.length] the tokens the cache holds, on CPU

@@ -65,7 +65,7 @@ def test_prompt_lookup_greedy_equals_target_only(arch, target, tokenizer):
             proposed += got.stats.num_draft_tokens
             accepted += got.stats.num_accepted
     assert proposed > 0 and accepted < proposed, "lookup never matched, or never missed"
-    if arch == "llama":  # the tiny random GPT-2 never repeats itself, so only the Llama accepts lookups
+    if arch.startswith("llama"):  # the tiny random GPT-2 never repeats itself, so only the Llama accepts lookups
         assert accepted > 0, "no lookup was ever accepted: the acceptance path was not exercised"
 
 

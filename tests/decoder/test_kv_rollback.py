@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from decoder.engine import SpeculativeDecoder
-from decoder.kv_cache import CachedSequence
+from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from tests.conftest import tiny_lm
@@ -13,14 +13,14 @@ from tests.conftest import tiny_lm
 
 def fresh_keys(lm, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Keys of every layer computed from scratch over ``tokens``."""
-    seq = CachedSequence(lm)
+    seq = open_sequence(lm)
     seq.forward(tokens)
-    return [layer.keys for layer in seq.cache.layers]
+    return seq.cached_keys()
 
 
-def assert_cache_holds(seq: CachedSequence, tokens: torch.Tensor) -> None:
+def assert_cache_holds(seq: ModelSequence, tokens: torch.Tensor) -> None:
     assert seq.length == tokens.shape[0]
-    for got, expected in zip((layer.keys for layer in seq.cache.layers), fresh_keys(seq.lm, tokens), strict=True):
+    for got, expected in zip(seq.cached_keys(), fresh_keys(seq.lm, tokens), strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
 
 
@@ -48,7 +48,7 @@ def test_caches_hold_the_accepted_prefix_after_each_round(arch, tokenizer, targe
 
 
 def test_truncate_then_extend_matches_fresh(target):
-    seq = CachedSequence(target)
+    seq = open_sequence(target)
     tokens = torch.arange(3, 30)
     seq.forward(tokens)
     seq.truncate(10)
