@@ -115,6 +115,19 @@ def main() -> None:
         server.wait(timeout=30)
 
 
+def time_decides(stub: pb_grpc.ControllerStub, msgs: list[pb.DecideRequest], seconds: float) -> list[float]:
+    """Latency of each Decide sent back to back for ``seconds``, cycling through ``msgs``."""
+    latencies = []
+    stop = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < stop:
+        start = time.perf_counter()
+        stub.Decide(msgs[i % len(msgs)], timeout=1.0)
+        latencies.append(time.perf_counter() - start)
+        i += 1
+    return latencies
+
+
 def client_process(address: str, seconds: float, seed: int, threads: int = 4) -> list[float]:
     """Decide as fast as possible from ``threads`` threads for ``seconds``; the latencies."""
     latencies: list[float] = []
@@ -125,14 +138,7 @@ def client_process(address: str, seconds: float, seed: int, threads: int = 4) ->
         rng = random.Random(thread_seed)
         msgs = [decide_request(rng) for _ in range(100)]
         stub.Decide(msgs[0], timeout=5.0)  # connect before the clock starts
-        mine = []
-        stop = time.perf_counter() + seconds
-        i = 0
-        while time.perf_counter() < stop:
-            start = time.perf_counter()
-            stub.Decide(msgs[i % len(msgs)], timeout=1.0)
-            mine.append(time.perf_counter() - start)
-            i += 1
+        mine = time_decides(stub, msgs, seconds)
         with lock:
             latencies.extend(mine)
 
@@ -188,15 +194,7 @@ def run(address: str, seconds: float, redis_url: str | None, state: Path) -> Non
     msgs = [decide_request(rng) for _ in range(200)]
     for m in msgs[:50]:
         stub.Decide(m)  # warm the channel
-    samples = []
-    end = time.perf_counter() + seconds
-    i = 0
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        stub.Decide(msgs[i % len(msgs)], timeout=1.0)
-        samples.append(time.perf_counter() - start)
-        i += 1
-    print(describe("grpc", samples, seconds))
+    print(describe("grpc", time_decides(stub, msgs, seconds), seconds))
 
     # 3. Throughput with concurrent clients: 2 processes x 4 threads, so the clients' own GIL is not the limit.
     with multiprocessing.get_context("spawn").Pool(2) as pool:

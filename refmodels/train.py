@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from decoder.schedules import warmup_cosine
 from refmodels.corpus import CorpusConfig
 from refmodels.data import PreparedData, file_sha256, prepare_data, read_json, write_json
 from refmodels.modeling import (
@@ -141,11 +142,7 @@ def validation_blocks(val_tokens: dict[str, np.ndarray], seq_len: int, per_domai
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.min_lr_ratio`` at ``cfg.steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:

@@ -18,6 +18,7 @@ from decoder.distill.config import DistillConfig
 from decoder.distill.loss import forward_kl
 from decoder.distill.progress import Progress
 from decoder.errors import SpecdError
+from decoder.schedules import warmup_cosine
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
@@ -28,11 +29,7 @@ class DivergedError(SpecdError):
 
 def learning_rate(step: int, cfg: DistillConfig) -> float:
     """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.lr * cfg.min_lr_ratio`` at ``cfg.steps``."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr_ratio)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: DistillConfig, device: torch.device) -> torch.optim.AdamW:

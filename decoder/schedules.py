@@ -1,0 +1,14 @@
+"""Learning-rate schedules shared by the project's trainers (reference models, distillation)."""
+
+from __future__ import annotations
+
+import math
+
+
+def warmup_cosine(step: int, peak: float, warmup: int, total: int, floor_ratio: float) -> float:
+    """Linear warmup to ``peak`` over ``warmup`` steps, then cosine decay to ``peak * floor_ratio`` at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    floor = peak * floor_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
