@@ -22,10 +22,14 @@ from decoder.telemetry import RequestStats, RoundRecord
 
 
 def clamp_k(k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
-    """The largest K <= k that can neither overshoot max_new_tokens nor the model's context."""
-    k = min(k, rules.max_new_tokens - num_generated - 1)  # a round emits up to K + 1 tokens
+    """The largest K <= k that can neither overshoot max_new_tokens nor the model's context.
+
+    A round emits up to K + 1 tokens, and prompt + output must fit the context (as transformers' own
+    generate() requires), so K <= remaining budget - 1 and L + K + 1 <= max_context.
+    """
+    k = min(k, rules.max_new_tokens - num_generated - 1)
     if max_context is not None:
-        k = min(k, max_context - context_length)  # drafts sit at positions L .. L + K - 1
+        k = min(k, max_context - context_length - 1)
     return max(k, 0)
 
 
@@ -73,8 +77,11 @@ class DecodeSession:
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
-        if target.max_context is not None and len(prompt_ids) > target.max_context:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the target's context is {target.max_context}")
+        if target.max_context is not None and len(prompt_ids) >= target.max_context:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the target's context ({target.max_context}) leaves no room "
+                "for output"
+            )
         self.target = open_sequence(target)
         self.drafter = drafter
         self.params = params
@@ -97,6 +104,7 @@ class DecodeSession:
         """Run one round with up to ``k`` draft tokens; return the tokens it emitted."""
         assert self.finish_reason is None, "step() after the request finished"
         length = self.context.shape[0]
+        assert self.target.length == length - 1, "step() before prefill(), or the cache lost its invariant"
         k = clamp_k(k, length, len(self.generated), self.rules, self.target.lm.max_context)
 
         # 1. Draft.
@@ -122,6 +130,9 @@ class DecodeSession:
         self.drafter.rollback(self.context)
         verified = time.perf_counter()
         self.finish_reason = cut.finish_reason
+        max_context = self.target.lm.max_context
+        if self.finish_reason is None and max_context is not None and self.context.shape[0] >= max_context:
+            self.finish_reason = "length"  # the context is full
         self.stats.observe(
             RoundRecord(
                 drafter=self.drafter.name,

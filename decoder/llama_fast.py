@@ -56,7 +56,7 @@ class LlamaSequence:
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         # [layers, 1, kv_heads, capacity, head_dim]
-        weight = self.lm.model.lm_head.weight
+        weight = self.lm.model.model.layers[0].self_attn.k_proj.weight
         shape = (self.num_layers, 1, self.num_kv_heads, capacity, self.head_dim)
         return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
 
@@ -86,8 +86,11 @@ class LlamaSequence:
         x = model.embed_tokens(input_ids.to(self.lm.device, non_blocking=True)).unsqueeze(0)  # [1, n, hidden]
         positions = torch.arange(start, end, device=x.device).unsqueeze(0)  # [1, n]
         cos, sin = model.rotary_emb(x, positions)
-        # New tokens see the whole cache and, among themselves, what precedes them.
-        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 else None  # [n, end]
+        # New tokens see the whole cache and, among themselves, what precedes them. On an empty cache that is
+        # plain causal attention (no O(n^2) mask for a long prompt); SDPA's is_causal aligns top-left, so it
+        # is right only there.
+        causal = n > 1 and start == 0
+        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and not causal else None
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -102,6 +105,7 @@ class LlamaSequence:
                 self._keys[i, :, :, :end],
                 self._values[i, :, :, :end],
                 attn_mask=mask,
+                is_causal=causal,
                 scale=attn.scaling,
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )  # [1, heads, n, d]

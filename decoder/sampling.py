@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures under this are treated as 0 (greedy)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -31,7 +33,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflow; the distribution is the argmax's anyway.
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:

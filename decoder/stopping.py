@@ -63,16 +63,24 @@ def _first_stop_string_end(
     decode: Callable[[Sequence[int]], str],
 ) -> int | None:
     """The number of new tokens up to and including the one that completes a stop string, if any."""
-    # Only text that the new tokens touch can hold a new match; look back far enough to catch a stop
-    # string that starts in earlier tokens.
-    lookback = max(len(s) for s in stop_strings)
-    head = list(generated[-lookback:])
+    head = _lookback(generated, max(len(s) for s in stop_strings), decode)
     if not any(s in decode(head + list(new_tokens)) for s in stop_strings):
         return None
     for i in range(1, len(new_tokens) + 1):
         if any(s in decode(head + list(new_tokens[:i])) for s in stop_strings):
             return i
     return None  # pragma: no cover - the full text matched, so some prefix does
+
+
+def _lookback(generated: Sequence[int], chars: int, decode: Callable[[Sequence[int]], str]) -> list[int]:
+    """The fewest trailing tokens of ``generated`` whose text has ``chars`` characters, plus one for a character
+    cut at the window's start: enough to catch a stop string that began before the new tokens. Counted in
+    decoded characters, not tokens, since a token may carry part of a character (byte-level BPE) or none
+    (a skipped special token)."""
+    n = chars + 1
+    while n < len(generated) and len(decode(generated[-n:])) < chars + 1:
+        n *= 2
+    return list(generated[-n:])
 
 
 def trim_stop_string(text: str, stop_strings: tuple[str, ...]) -> str:

@@ -21,7 +21,9 @@ class DraftModelDrafter(Drafter):
 
     def prefill(self, context: torch.Tensor) -> None:
         # All but the last token: `propose` always needs at least one unseen token to get logits from.
-        if context.shape[0] > 1:
+        # A prompt beyond the draft's own context is not fed at all: `propose` then drafts nothing.
+        max_context = self.seq.lm.max_context
+        if context.shape[0] > 1 and (max_context is None or context.shape[0] - 1 <= max_context):
             self.seq.forward(context[:-1], logits_to_keep=1)
             self.cached_ids = context[:-1].clone()
 

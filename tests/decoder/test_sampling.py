@@ -49,3 +49,9 @@ def test_top_p_keeps_smallest_nucleus(top_p, kept, why):
 def test_bad_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    params = SamplingParams(temperature=1e-40)
+    assert params.is_greedy
+    assert logits_to_probs(torch.tensor([[1.0, 3.0, 2.0]]), params).tolist() == [[0.0, 1.0, 0.0]]

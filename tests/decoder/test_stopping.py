@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from decoder.engine import SpeculativeDecoder
 from decoder.sampling import SamplingParams
@@ -70,3 +71,54 @@ def test_stop_string_ends_generation_and_is_not_in_the_text(target):
     assert result.finish_reason == "stop"
     assert result.text == free.text[: free.text.index(stop)]
     assert len(result.token_ids) < len(free.token_ids)
+
+
+def test_stop_string_split_across_byte_tokens_at_a_round_boundary(tokenizer):
+    """Byte-level BPE spreads '€' over several tokens; a round boundary inside it must not hide the stop."""
+    ids = tokenizer("ab€cd", add_special_tokens=False)["input_ids"]
+
+    def decode_ids(token_ids) -> str:
+        return tokenizer.decode(list(token_ids))
+
+    rules = StopRules(10, stop_strings=("€",))
+    completes = next(i for i in range(1, len(ids) + 1) if "€" in decode_ids(ids[:i]))
+    for split in range(len(ids)):  # every place a round could end
+        cut = cut_round(ids[:split], ids[split:], rules, decode_ids)
+        if split < completes:
+            assert (split + cut.keep, cut.finish_reason) == (completes, "stop"), f"round boundary after {split} tokens"
+
+
+def test_context_full_ends_with_length(tokenizer):
+    """Prompt + output never exceed the target's context; the request ends with "length", not a crash."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from decoder.models import from_objects
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    lm = from_objects(AutoModelForCausalLM.from_config(config).double(), tokenizer, "short-context")
+    decoder = SpeculativeDecoder(lm, lm)
+    prompt = list(range(5, 15))  # 10 tokens, room for 6 more
+    reference = decoder.generate(prompt, "none", 0, SamplingParams(), StopRules(30))
+    assert reference.finish_reason == "length" and len(prompt) + len(reference.token_ids) == 16
+    for drafter in ("draft", "prompt_lookup"):
+        result = decoder.generate(prompt, drafter, 8, SamplingParams(), StopRules(30))
+        assert result.token_ids == reference.token_ids and result.finish_reason == "length", drafter
+    with pytest.raises(ValueError, match="no room"):
+        decoder.generate(list(range(16)), "none", 0, SamplingParams(), StopRules(4))
+
+
+def test_draft_with_a_shorter_context_drafts_nothing_beyond_it(tokenizer):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from decoder.models import from_objects
+
+    def gpt2(positions: int, seed: int):
+        torch.manual_seed(seed)
+        config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=positions)
+        return from_objects(AutoModelForCausalLM.from_config(config).double(), tokenizer, f"ctx{positions}")
+
+    target, short_draft = gpt2(64, 0), gpt2(8, 1)
+    prompt = list(range(5, 25))  # 20 tokens: beyond the draft's 8
+    expected = SpeculativeDecoder(target).generate(prompt, "none", 0, SamplingParams(), StopRules(10)).token_ids
+    result = SpeculativeDecoder(target, short_draft).generate(prompt, "draft", 4, SamplingParams(), StopRules(10))
+    assert result.token_ids == expected and result.stats.num_draft_tokens == 0
