@@ -14,9 +14,8 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/specd tiny-pair --out .cache/tiny
-	$(BIN)/specd generate --target .cache/tiny/target --draft .cache/tiny/draft --drafter draft --k 4 \
-		--max-new-tokens 48 --json "def fibonacci(n):"
+	$(BIN)/specd generate --target models/reference/target --draft models/reference/draft --drafter draft --k 4 \
+		--max-new-tokens 48 --json "def read_config(path):"
 
 lint: setup
 	$(BIN)/ruff check .
