@@ -4,6 +4,9 @@ Example (from the repository root)::
 
     python -m refmodels.train --out refmodels/runs/target --role target --steps 3000 --threads 1
     python -m refmodels.train --out refmodels/runs/target --role target --steps 3000 --threads 1 --resume
+    # continue a finished model (fresh optimizer and schedule), e.g. the shipped target:
+    python -m refmodels.train --out refmodels/runs/target2 --role target --steps 1500 --lr 6e-4 \\
+        --init-from models/reference/target
 
 The run folder gets ``run_config.json``, ``loss_curve.jsonl`` (one JSON line per evaluation:
 step, train_loss, val_loss, val_loss_by_domain, tokens_seen, wall_seconds), ``checkpoint/state.pt``
@@ -325,6 +328,8 @@ class Trainer:
     optimizer: torch.optim.AdamW
     state: RunState
 
+    init_from: dict[str, Any] | None = None  # the summary of the model this run continues, if any
+
     @property
     def curve_path(self) -> Path:
         return self.out / "loss_curve.jsonl"
@@ -398,6 +403,7 @@ class Trainer:
             "train_config": asdict(self.cfg),
             "corpus_fingerprint": meta.get("corpus_fingerprint"),
             "tokenizer_sha256": file_sha256(self.data_dir / "tokenizer" / "tokenizer.json"),
+            "init_from": self.init_from,
         }
 
 
@@ -428,6 +434,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--corpus-seed", type=int, default=defaults.corpus_seed)
     parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
     parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in float32")
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        help="start from this finished model folder (same role shape and tokenizer) instead of a random init",
+    )
     return parser.parse_args(argv)
 
 
@@ -460,7 +471,41 @@ def prepare_run(args: argparse.Namespace, cfg: TrainConfig) -> Trainer:
         print(f"resumed from step {trainer.state.step}", flush=True)
     else:
         trainer.curve_path.unlink(missing_ok=True)
+    if args.init_from is not None:
+        tokenizer_sha = file_sha256(args.data_dir / "tokenizer" / "tokenizer.json")
+        # A resumed run keeps its checkpoint's weights; it only records where it started from.
+        trainer.init_from = initial_weights(args.init_from, model, tokenizer_sha, load=not checkpoint.is_file())
     return trainer
+
+
+def initial_weights(folder: Path, model: PreTrainedModel, tokenizer_sha256: str, load: bool) -> dict[str, Any]:
+    """Load (when ``load``) a finished run's weights into ``model``; returns that run's summary and path.
+
+    Refuses a folder whose tokenizer differs from this run's, or whose tensors do not fit the model.
+    """
+    from safetensors.torch import load_file
+
+    summary_path, weights_path = folder / "refmodels.json", folder / "model.safetensors"
+    for path in (summary_path, weights_path):
+        if not path.is_file():
+            raise SystemExit(f"--init-from {folder}: no {path.name} (expected a finished refmodels run)")
+    summary = read_json(summary_path)
+    if summary.get("tokenizer_sha256") != tokenizer_sha256:
+        raise SystemExit(f"--init-from {folder}: its tokenizer differs from this run's data dir")
+    state = load_file(str(weights_path))
+    own = model.state_dict()
+    state = {name: tensor for name, tensor in state.items() if name in own}
+    wrong = [name for name, tensor in state.items() if tensor.shape != own[name].shape]
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    missing = [name for name in own if name not in state and not (tied and name == "lm_head.weight")]
+    if wrong or missing:
+        raise SystemExit(f"--init-from {folder}: shapes do not fit role {summary.get('role')!r}: {wrong or missing}")
+    if load:
+        model.load_state_dict({name: tensor.float() for name, tensor in state.items()}, strict=False)
+        if tied:
+            model.tie_weights()
+        print(f"starting from the weights of {folder}", flush=True)
+    return {"path": str(folder), **summary}
 
 
 def describe(trainer: Trainer) -> dict[str, Any]:
@@ -475,6 +520,7 @@ def describe(trainer: Trainer) -> dict[str, Any]:
         "val_tokens": {k: len(v) for k, v in trainer.data.val_tokens.items()},
         "data_dir": str(trainer.data_dir),
         "command": " ".join(sys.argv),
+        "init_from": trainer.init_from,
     }
 
 
