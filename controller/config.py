@@ -1,7 +1,8 @@
 """The controller daemon's configuration (configs/controller.yaml), parsed once at start-up.
 
-Relative paths in the file are resolved against the file's own folder. ``SPECD_REDIS_URL`` in the
-environment overrides ``redis_url`` (so a password can live in a systemd EnvironmentFile).
+Relative paths in the file (the file exporter's endpoint among them) are resolved against the file's own
+folder. ``SPECD_REDIS_URL`` in the environment overrides ``redis_url`` (so a password can live in a systemd
+EnvironmentFile).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from controller.store import StoreConfig
 from controller.tracing import Exporter
@@ -42,8 +43,25 @@ class LearningConfig(_Strict):
 
 class TelemetryConfig(_Strict):
     exporter: Exporter = "none"
-    endpoint: str | None = Field(None, description="OTLP endpoint, e.g. http://127.0.0.1:4317")
+    endpoint: str | None = Field(
+        None,
+        validate_default=True,  # so that a file exporter with no endpoint at all is caught too
+        description="OTLP endpoint, e.g. http://127.0.0.1:4317; for the file exporter, the JSON-lines file",
+    )
     service_name: str = "specd-controller"
+
+    @field_validator("endpoint")
+    @classmethod
+    def _file_exporter_needs_a_path(cls, endpoint: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("exporter") == "file" and not endpoint:
+            raise ValueError("the file exporter needs an endpoint: the path of the JSON-lines file to write spans to")
+        return endpoint
+
+    def resolve(self, base: Path) -> TelemetryConfig:
+        """The file exporter's path against ``base``; OTLP endpoints are addresses and stay as they are."""
+        if self.exporter != "file" or self.endpoint is None:
+            return self
+        return self.model_copy(update={"endpoint": str(base / Path(self.endpoint).expanduser())})
 
 
 class ControllerConfig(_Strict):
@@ -72,5 +90,6 @@ def resolve(config: ControllerConfig, base: Path) -> ControllerConfig:
             "policy_path": base / config.policy_path,
             "state_dir": base / config.state_dir,
             "redis_url": os.environ.get("SPECD_REDIS_URL") or config.redis_url,
+            "telemetry": config.telemetry.resolve(base),
         }
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from decoder.models import LoadedModel, from_objects
 from decoder.tiny import build_model, build_tokenizer
+from tests.otlp_receiver import OtlpReceiver
 
 # Tiny models gain nothing from intra-op threads, and lose a lot when another process holds the cores.
 torch.set_num_threads(1)
@@ -44,3 +46,10 @@ def arch(request) -> str:
 @pytest.fixture(scope="session")
 def target(arch, tokenizer) -> LoadedModel:
     return tiny_lm(arch, tokenizer, seed=0)
+
+
+@pytest.fixture
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """A started OTLP/gRPC trace receiver of this test's own (tests/otlp_receiver.py): send to ``.endpoint``."""
+    with OtlpReceiver() as receiver:
+        yield receiver
