@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
-from decoder.drafters import Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
-from decoder.kv_cache import open_sequence
+from decoder.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, trim_stop_string
@@ -74,6 +74,7 @@ class DecodeSession:
         params: SamplingParams,
         rules: StopRules,
         generator: torch.Generator | None,
+        target_sequence: ModelSequence | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
@@ -82,7 +83,7 @@ class DecodeSession:
                 f"prompt has {len(prompt_ids)} tokens; the target's context ({target.max_context}) leaves no room "
                 "for output"
             )
-        self.target = open_sequence(target)
+        self.target = target_sequence if target_sequence is not None else open_sequence(target)
         self.drafter = drafter
         self.params = params
         self.rules = rules
@@ -102,18 +103,31 @@ class DecodeSession:
     @torch.inference_mode()
     def step(self, k: int) -> list[int]:
         """Run one round with up to ``k`` draft tokens; return the tokens it emitted."""
-        assert self.finish_reason is None, "step() after the request finished"
-        length = self.context.shape[0]
-        assert self.target.length == length - 1, "step() before prefill(), or the cache lost its invariant"
-        k = clamp_k(k, length, len(self.generated), self.rules, self.target.lm.max_context)
-
+        k = self.clamp(k)
         # 1. Draft.
         start = time.perf_counter()
         draft = self.drafter.propose(self.context, k)
         drafted = time.perf_counter()
-
         # 2. Verify the last context token and all K drafts in one target pass.
-        logits = self.target.forward(torch.cat([self.context[-1:], draft.tokens]))  # [K + 1, vocab]
+        logits = self.target.forward(self.verify_input(draft))  # [K + 1, vocab]
+        return self.finish_round(k, draft, logits, drafted - start, drafted)
+
+    def clamp(self, k: int) -> int:
+        """The K this round can use: ``k`` cut to the output budget and the target's context."""
+        assert self.finish_reason is None, "step() after the request finished"
+        length = self.context.shape[0]
+        assert self.target.length == length - 1, "step() before prefill(), or the cache lost its invariant"
+        return clamp_k(k, length, len(self.generated), self.rules, self.target.lm.max_context)
+
+    def verify_input(self, draft: Draft) -> torch.Tensor:
+        """What the target runs this round: the last context token, then the draft.  # [K + 1] int64"""
+        return torch.cat([self.context[-1:], draft.tokens])
+
+    def finish_round(
+        self, k: int, draft: Draft, logits: torch.Tensor, draft_seconds: float, verify_started: float
+    ) -> list[int]:
+        """Steps 3-5 of a round, given the target's ``logits`` [K + 1, vocab] on ``verify_input(draft)``."""
+        length = self.context.shape[0]
 
         # 3. Accept.
         verdict = self._accept(draft.tokens, draft.probs, logits)
@@ -140,8 +154,8 @@ class DecodeSession:
                 num_draft_tokens=draft.num_tokens,
                 num_accepted=verdict.num_accepted,
                 num_emitted=len(emitted),
-                draft_seconds=drafted - start,
-                verify_seconds=verified - drafted,
+                draft_seconds=draft_seconds,
+                verify_seconds=verified - verify_started,
             )
         )
         return emitted

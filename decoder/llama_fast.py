@@ -1,9 +1,13 @@
-"""A lean forward pass for Llama-family models with a preallocated KV cache (the gpt-fast approach).
+"""A lean forward pass for Llama-family models over preallocated KV caches (the gpt-fast approach).
 
 It reuses the model's own modules (embeddings, rotary embedding, projections, norms, MLP, head) and
 replaces only the per-call machinery around them: transformers' wrappers, mask construction and the
-concatenating cache. The logits are the same to the bit as transformers' sdpa forward (tested), and a
-round costs ~2 ms less on the reference pair on CPU. Rollback is a length change: nothing is copied.
+concatenating cache. Rollback is a length change: nothing is copied.
+
+``LlamaKVPool`` holds the caches of many sequences ("slots") in one tensor and runs one forward pass over
+several of them at once, each appending its own number of tokens at its own position (ragged): that is
+what continuous batching with ragged acceptance needs. ``LlamaSequence`` is a pool of one slot. A pass over
+one sequence computes exactly what transformers' sdpa forward computes (same logits to the bit, tested).
 
 Only plain ``LlamaForCausalLM`` models take this path (no sliding window, no tensor-parallel split);
 everything else runs through transformers (decoder.kv_cache.CachedSequence).
@@ -11,6 +15,7 @@ everything else runs through transformers (decoder.kv_cache.CachedSequence).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +23,7 @@ import torch.nn.functional as F
 
 from decoder.models import LoadedModel
 
-INITIAL_CAPACITY = 256  # tokens; the cache doubles when a forward needs more
+INITIAL_CAPACITY = 256  # tokens; a pool doubles its capacity when a forward needs more
 
 
 def supports_fast_path(model: Any) -> bool:
@@ -31,15 +36,17 @@ def supports_fast_path(model: Any) -> bool:
     )
 
 
-class LlamaSequence:
-    """One sequence's KV cache for a Llama model, in preallocated tensors.
+class LlamaKVPool:
+    """The KV caches of up to ``num_slots`` sequences of one Llama model, and a ragged batched forward."""
 
-    Same interface as decoder.kv_cache.CachedSequence: ``length``, ``forward``, ``truncate``, ``cached_keys``.
-    """
-
-    def __init__(self, lm: LoadedModel) -> None:
+    def __init__(self, lm: LoadedModel, num_slots: int, capacity: int = INITIAL_CAPACITY) -> None:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+        if not supports_fast_path(lm.model):
+            kind = type(lm.model).__name__
+            raise ValueError(f"{lm.name}: the batched runner supports plain Llama models, not {kind}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         config = lm.model.config
         self.lm = lm
         self._rope = apply_rotary_pos_emb
@@ -47,42 +54,89 @@ class LlamaSequence:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.num_layers = len(lm.model.model.layers)
-        self._length = 0
-        self._keys = self._values = self._allocate(0)
+        self.num_slots = num_slots
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._keys = self._allocate(capacity)
+        self._values = self._allocate(capacity)
+
+    # -- slots ---------------------------------------------------------------------------------------------
 
     @property
-    def length(self) -> int:
-        return self._length
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def open(self) -> PooledSequence:
+        """A sequence in a free slot, with an empty cache."""
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return PooledSequence(self, slot)
+
+    def release(self, seq: PooledSequence) -> None:
+        assert seq.slot not in self._free, f"slot {seq.slot} released twice"
+        self.lengths[seq.slot] = 0
+        self._free.append(seq.slot)
+
+    # -- storage -------------------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return int(self._keys.shape[3])
 
     def _allocate(self, capacity: int) -> torch.Tensor:
-        # [layers, 1, kv_heads, capacity, head_dim]
+        # [layers, slots, kv_heads, capacity, head_dim]
         weight = self.lm.model.model.layers[0].self_attn.k_proj.weight
-        shape = (self.num_layers, 1, self.num_kv_heads, capacity, self.head_dim)
+        shape = (self.num_layers, self.num_slots, self.num_kv_heads, capacity, self.head_dim)
         return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
 
     def _reserve(self, needed: int) -> None:
-        capacity = self._keys.shape[3]
-        if needed <= capacity:
+        if needed <= self.capacity:
             return
-        new_capacity = max(INITIAL_CAPACITY, capacity)
+        new_capacity = max(INITIAL_CAPACITY, self.capacity)
         while new_capacity < needed:
             new_capacity *= 2
+        keep = max(self.lengths)
         keys, values = self._allocate(new_capacity), self._allocate(new_capacity)
-        keys[:, :, :, : self._length] = self._keys[:, :, :, : self._length]
-        values[:, :, :, : self._length] = self._values[:, :, :, : self._length]
+        keys[:, :, :, :keep] = self._keys[:, :, :, :keep]
+        values[:, :, :, :keep] = self._values[:, :, :, :keep]
         self._keys, self._values = keys, values
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``input_ids`` and return their next-token logits.
+    # -- forward -------------------------------------------------------------------------------------------
 
-        # input_ids: [n] int64  ->  [n, vocab], or [logits_to_keep, vocab] when > 0
+    @torch.inference_mode()
+    def forward_many(
+        self, rows: Sequence[tuple[PooledSequence, torch.Tensor]], logits_to_keep: int = 0
+    ) -> list[torch.Tensor]:
+        """Append each row's tokens to its sequence in one pass; return each row's next-token logits.
+
+        # rows[i]: (sequence, input_ids [n_i] int64)  ->  [n_i, vocab] each, or [min(n_i, logits_to_keep), vocab]
         """
-        assert input_ids.dim() == 1 and input_ids.numel() > 0, tuple(input_ids.shape)
+        assert rows, "forward_many() with no rows"
+        slots = [seq.slot for seq, _ in rows]
+        assert len(set(slots)) == len(slots), "a sequence appears twice in one forward"
+        for seq, ids in rows:
+            assert seq.pool is self and ids.dim() == 1 and ids.numel() > 0, tuple(ids.shape)
+        starts = [self.lengths[s] for s in slots]
+        counts = [int(ids.shape[0]) for _, ids in rows]
+        self._reserve(max(s + n for s, n in zip(starts, counts, strict=True)))
+        if len(rows) == 1:
+            logits = self._forward_one(slots[0], rows[0][1], starts[0])
+            outputs = [logits]
+        else:
+            outputs = self._forward_ragged(slots, [ids for _, ids in rows], starts, counts)
+        for slot, start, n in zip(slots, starts, counts, strict=True):
+            self.lengths[slot] = start + n
+        if logits_to_keep:
+            outputs = [out[-logits_to_keep:] for out in outputs]
+        return outputs
+
+    def _forward_one(self, slot: int, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""
         model = self.lm.model.model
-        n, start = input_ids.shape[0], self._length
+        n = input_ids.shape[0]
         end = start + n
-        self._reserve(end)
         x = model.embed_tokens(input_ids.to(self.lm.device, non_blocking=True)).unsqueeze(0)  # [1, n, hidden]
         positions = torch.arange(start, end, device=x.device).unsqueeze(0)  # [1, n]
         cos, sin = model.rotary_emb(x, positions)
@@ -98,12 +152,12 @@ class LlamaSequence:
             k = attn.k_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, kv, n, d]
             v = attn.v_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rope(q, k, cos, sin)
-            self._keys[i, :, :, start:end] = k
-            self._values[i, :, :, start:end] = v
+            self._keys[i, slot, :, start:end] = k[0]
+            self._values[i, slot, :, start:end] = v[0]
             o = F.scaled_dot_product_attention(
                 q,
-                self._keys[i, :, :, :end],
-                self._values[i, :, :, :end],
+                self._keys[i, slot : slot + 1, :, :end],
+                self._values[i, slot : slot + 1, :, :end],
                 attn_mask=mask,
                 is_causal=causal,
                 scale=attn.scaling,
@@ -111,16 +165,86 @@ class LlamaSequence:
             )  # [1, heads, n, d]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self._length = end
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return self.lm.model.lm_head(model.norm(x))[0]
+        return self.lm.model.lm_head(model.norm(x))[0]  # [n, vocab]
+
+    def _forward_ragged(
+        self, slots: list[int], inputs: list[torch.Tensor], starts: list[int], counts: list[int]
+    ) -> list[torch.Tensor]:
+        """Several sequences, padded to the longest row; padding is neither cached nor returned."""
+        model = self.lm.model.model
+        device = self.lm.device
+        b, width = len(slots), max(counts)
+        ids = torch.zeros(b, width, dtype=torch.long)  # [b, width], padded with token 0
+        for row, tokens in enumerate(inputs):
+            ids[row, : counts[row]] = tokens
+        ids = ids.to(device)
+        start = torch.tensor(starts, device=device)  # [b]
+        offsets = torch.arange(width, device=device)  # [width]
+        positions = start[:, None] + offsets[None, :]  # [b, width]
+        real = offsets[None, :] < torch.tensor(counts, device=device)[:, None]  # [b, width] not padding
+        row_of, col_of = real.nonzero(as_tuple=True)  # [t] each: the real (row, column) pairs
+        slot_of = torch.tensor(slots, device=device)[row_of]  # [t]
+        pos_of = positions[row_of, col_of]  # [t]
+        end = max(s + n for s, n in zip(starts, counts, strict=True))
+        slot_index = torch.tensor(slots, device=device)  # [b]
+        # Query j of row r sees cached positions <= start_r + j: its own prefix and the tokens before it.
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [b,1,w,end]
+        x = model.embed_tokens(ids)  # [b, width, hidden]
+        cos, sin = model.rotary_emb(x, positions)
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, width, self.num_heads, self.head_dim).transpose(1, 2)  # [b, heads, w, d]
+            k = attn.k_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, kv, w, d]
+            v = attn.v_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rope(q, k, cos, sin)
+            # Write only the real tokens: [t, kv, d] into (slot, :, position).
+            self._keys[i][slot_of, :, pos_of] = k.transpose(1, 2)[row_of, col_of]
+            self._values[i][slot_of, :, pos_of] = v.transpose(1, 2)[row_of, col_of]
+            keys = self._keys[i, :, :, :end].index_select(0, slot_index)  # [b, kv, end, d]
+            values = self._values[i, :, :, :end].index_select(0, slot_index)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+            )  # [b, heads, w, d]
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, width, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = model.norm(x[row_of, col_of])  # [t, hidden] real tokens only
+        return list(self.lm.model.lm_head(hidden).split(counts))  # [n_i, vocab] each
+
+    def cached_keys(self, slot: int) -> list[torch.Tensor]:
+        """Per layer: the keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
+        length = self.lengths[slot]
+        return [self._keys[i, slot : slot + 1, :, :length] for i in range(self.num_layers)]
+
+
+class PooledSequence:
+    """One sequence's view of a pool: the decoder.kv_cache.ModelSequence interface."""
+
+    def __init__(self, pool: LlamaKVPool, slot: int) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.lm = pool.lm
+
+    @property
+    def length(self) -> int:
+        return self.pool.lengths[self.slot]
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ``input_ids`` and return their next-token logits.
+
+        # input_ids: [n] int64  ->  [n, vocab], or [logits_to_keep, vocab] when > 0
+        """
+        return self.pool.forward_many([(self, input_ids)], logits_to_keep)[0]
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached tokens; the rest is overwritten by later forwards."""
-        assert 0 <= length <= self._length, f"cannot truncate a cache of {self._length} tokens to {length}"
-        self._length = length
+        assert 0 <= length <= self.length, f"cannot truncate a cache of {self.length} tokens to {length}"
+        self.pool.lengths[self.slot] = length
 
     def cached_keys(self) -> list[torch.Tensor]:
-        """Per layer: the keys held, [1, kv_heads, length, head_dim]."""
-        return [self._keys[i, :, :, : self._length] for i in range(self.num_layers)]
+        return self.pool.cached_keys(self.slot)
+
+
+def LlamaSequence(lm: LoadedModel) -> PooledSequence:
+    """One sequence's cache for a Llama model: a pool of one slot that grows as the sequence does."""
+    return LlamaKVPool(lm, num_slots=1).open()

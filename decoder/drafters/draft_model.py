@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter
-from decoder.kv_cache import open_sequence
+from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams, logits_to_probs, sample
+
+# Runs one forward over several sequences at once: rows of (sequence, input_ids [n]) -> last logits [1, vocab].
+ForwardMany = Callable[[list[tuple[ModelSequence, torch.Tensor]]], list[torch.Tensor]]
 
 
 class DraftModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, lm: LoadedModel, params: SamplingParams, generator: torch.Generator | None) -> None:
-        self.seq = open_sequence(lm)
+    def __init__(
+        self,
+        lm: LoadedModel,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        sequence: ModelSequence | None = None,
+    ) -> None:
+        self.seq = sequence if sequence is not None else open_sequence(lm)
         self.params = params
         self.generator = generator
         self.cached_ids = EMPTY_TOKENS  # [self.seq.length] the tokens the cache holds, on CPU
@@ -27,32 +38,23 @@ class DraftModelDrafter(Drafter):
             self.seq.forward(context[:-1], logits_to_keep=1)
             self.cached_ids = context[:-1].clone()
 
-    @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int) -> Draft:
+        def forward(rows: list[tuple[ModelSequence, torch.Tensor]]) -> list[torch.Tensor]:
+            return [seq.forward(ids, logits_to_keep=1) for seq, ids in rows]
+
+        return propose_together([self], [context], [k], forward)[0]
+
+    def usable_k(self, context: torch.Tensor, k: int) -> int:
+        """``k`` cut so that drafting stays inside the draft model's context (it feeds up to L + K - 2)."""
         max_context = self.seq.lm.max_context
-        if max_context is not None:
-            k = min(k, max_context - context.shape[0] + 1)  # it feeds positions up to L + K - 2
-        if k <= 0:
-            return Draft(EMPTY_TOKENS)
-        # Feed what the cache has not seen (the last round's bonus token, and any accepted draft token
-        # that was never fed), then draft one token per step; the last drafted token is not fed.
-        feed = context[self.seq.length :]  # [>= 1]
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            logits = self.seq.forward(feed, logits_to_keep=1)  # [1, vocab]
-            if self.params.is_greedy:
-                token = logits.argmax(dim=-1)  # [1]
-            else:
-                q = logits_to_probs(logits, self.params)  # [1, vocab]
-                token = sample(q, self.generator)
-                probs.append(q)
-            tokens.append(token)
-            if i + 1 < k:
-                feed = token
-        drafted = torch.cat(tokens).cpu()  # [k]
-        self.cached_ids = torch.cat([context, drafted[:-1]])
-        return Draft(drafted, torch.cat(probs) if probs else None)
+        return k if max_context is None else min(k, max_context - context.shape[0] + 1)
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next draft token from ``logits`` [1, vocab], and q when it was sampled.  # -> [1], [1, vocab]"""
+        if self.params.is_greedy:
+            return logits.argmax(dim=-1), None
+        q = logits_to_probs(logits, self.params)
+        return sample(q, self.generator), q
 
     def rollback(self, context: torch.Tensor) -> None:
         # Keep the longest prefix the cache shares with the verified context, and always leave the last
@@ -60,6 +62,41 @@ class DraftModelDrafter(Drafter):
         keep = min(_common_prefix_length(self.cached_ids, context), context.shape[0] - 1)
         self.seq.truncate(keep)
         self.cached_ids = self.cached_ids[:keep]
+
+
+@torch.inference_mode()
+def propose_together(
+    drafters: Sequence[DraftModelDrafter], contexts: Sequence[torch.Tensor], ks: Sequence[int], forward: ForwardMany
+) -> list[Draft]:
+    """Draft for several sequences, one ``forward`` over all those still drafting per draft position.
+
+    Each sequence first feeds what its cache has not seen (the last round's bonus token, and any accepted
+    draft token never fed), then one token per step; its last drafted token is not fed. Sequences draft
+    their own K: one that asked for fewer drops out of later passes. The result equals each drafter's
+    ``propose`` on its own.  # contexts[i]: [t_i] int64 on CPU
+    """
+    ks = [d.usable_k(c, k) for d, c, k in zip(drafters, contexts, ks, strict=True)]
+    feeds = [c[d.seq.length :] for d, c in zip(drafters, contexts, strict=True)]  # [>= 1] each
+    tokens: list[list[torch.Tensor]] = [[] for _ in drafters]
+    probs: list[list[torch.Tensor]] = [[] for _ in drafters]
+    for step in range(max(ks, default=0)):
+        active = [i for i, k in enumerate(ks) if k > step]
+        logits = forward([(drafters[i].seq, feeds[i]) for i in active])  # [1, vocab] each
+        for i, row_logits in zip(active, logits, strict=True):
+            token, q = drafters[i].pick(row_logits[-1:])
+            tokens[i].append(token)
+            if q is not None:
+                probs[i].append(q)
+            feeds[i] = token
+    drafts = []
+    for i, drafter in enumerate(drafters):
+        if not tokens[i]:
+            drafts.append(Draft(EMPTY_TOKENS))
+            continue
+        drafted = torch.cat(tokens[i]).cpu()  # [k]
+        drafter.cached_ids = torch.cat([contexts[i], drafted[:-1]])
+        drafts.append(Draft(drafted, torch.cat(probs[i]) if probs[i] else None))
+    return drafts
 
 
 def _common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -1,0 +1,139 @@
+"""Continuous batching: several sequences decoded together, one round each per step, with ragged acceptance.
+
+Sequences join (prefill) and leave between steps. Each step drafts for every sequence (the draft model in
+one batched pass per draft position, prompt lookup per sequence), verifies all of them in one batched
+target pass, and lets each sequence accept and roll back on its own: each advances by its own accepted
+count, and no accepted token is ever recomputed (the KV slots are truncated, not rebuilt).
+A sequence asked to draft 0 tokens decodes one plain target step in the same pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from decoder.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from decoder.drafters.draft_model import propose_together
+from decoder.engine import DecodeSession
+from decoder.kv_cache import ModelSequence
+from decoder.llama_fast import LlamaKVPool, PooledSequence
+from decoder.models import LoadedModel, check_pair
+from decoder.sampling import SamplingParams, make_generator
+from decoder.stopping import StopRules
+
+
+class BatchEngine:
+    """A target (and optional draft) model with KV slots for ``max_batch`` sequences decoded together."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None = None,
+        prompt_lookup: PromptLookupConfig | None = None,
+        max_batch: int = 16,
+    ) -> None:
+        if draft is not None:
+            check_pair(target, draft)
+        self.target = target
+        self.draft = draft
+        self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+        self.max_batch = max_batch
+        self.target_pool = LlamaKVPool(target, max_batch, capacity=target.max_context or 1024)
+        self.draft_pool = LlamaKVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters this worker can run."""
+        return ("draft", "prompt_lookup", "none") if self.draft is not None else ("prompt_lookup", "none")
+
+    @property
+    def free_slots(self) -> int:
+        return self.target_pool.free_slots
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def open(self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules) -> DecodeSession:
+        """A new sequence in a free slot, prefilled and ready for ``step``. Raises ValueError on a bad request."""
+        generator = make_generator(params.seed, self.target.device)
+        target_seq = self.target_pool.open()
+        try:
+            made = self._make_drafter(drafter, params, generator)
+            session = DecodeSession(self.target, made, prompt_ids, params, rules, generator, target_seq)
+            session.prefill()
+        except BaseException:
+            self.target_pool.release(target_seq)
+            if drafter == "draft" and "made" in locals():
+                self._release_drafter(made)
+            raise
+        return session
+
+    def close(self, session: DecodeSession) -> None:
+        """Give the sequence's KV slots back (finished or cancelled)."""
+        assert isinstance(session.target, PooledSequence)
+        self.target_pool.release(session.target)
+        self._release_drafter(session.drafter)
+
+    @torch.inference_mode()
+    def step(self, sessions: Sequence[DecodeSession], ks: Sequence[int]) -> list[list[int]]:
+        """One round for each session (K = ``ks[i]``, clamped); returns the tokens each emitted."""
+        assert len(sessions) == len(ks) and sessions, (len(sessions), len(ks))
+        ks = [s.clamp(k) for s, k in zip(sessions, ks, strict=True)]
+        # 1. Draft, batched across the sequences that use the draft model.
+        start = time.perf_counter()
+        drafts = self._draft(sessions, ks)
+        drafted = time.perf_counter()
+        # 2. Verify every sequence's last token + draft in one target pass.
+        rows: list[tuple[PooledSequence, torch.Tensor]] = []
+        for s, d in zip(sessions, drafts, strict=True):
+            assert isinstance(s.target, PooledSequence)
+            rows.append((s.target, s.verify_input(d)))
+        logits = self.target_pool.forward_many(rows)  # [K_i + 1, vocab] each
+        # 3-5. Accept, emit and roll back, each sequence on its own.
+        return [
+            s.finish_round(k, d, out, drafted - start, drafted)
+            for s, k, d, out in zip(sessions, ks, drafts, logits, strict=True)
+        ]
+
+    def _draft(self, sessions: Sequence[DecodeSession], ks: Sequence[int]) -> list[Draft]:
+        drafts: list[Draft | None] = [None] * len(sessions)
+        together = [i for i, s in enumerate(sessions) if isinstance(s.drafter, DraftModelDrafter) and ks[i] > 0]
+        if together:
+            pool = self.draft_pool
+            assert pool is not None
+
+            def forward(batch: list[tuple[ModelSequence, torch.Tensor]]) -> list[torch.Tensor]:
+                rows = [(seq, ids) for seq, ids in batch if isinstance(seq, PooledSequence)]
+                assert len(rows) == len(batch)
+                return pool.forward_many(rows, logits_to_keep=1)
+
+            made = propose_together(
+                [sessions[i].drafter for i in together],  # type: ignore[misc]
+                [sessions[i].context for i in together],
+                [ks[i] for i in together],
+                forward,
+            )
+            for i, draft in zip(together, made, strict=True):
+                drafts[i] = draft
+        return [
+            d if d is not None else s.drafter.propose(s.context, k)
+            for s, k, d in zip(sessions, ks, drafts, strict=True)
+        ]
+
+    def _make_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
+        if name == "draft":
+            if self.draft is None or self.draft_pool is None:
+                raise ValueError("drafter 'draft' needs a draft model")
+            return DraftModelDrafter(self.draft, params, generator, self.draft_pool.open())
+        if name == "prompt_lookup":
+            return PromptLookupDrafter(self.prompt_lookup)
+        if name == "none":
+            return NoDrafter()
+        raise ValueError(f"unknown drafter {name!r}; choose one of draft, prompt_lookup, none")
+
+    def _release_drafter(self, drafter: Drafter) -> None:
+        if isinstance(drafter, DraftModelDrafter) and self.draft_pool is not None:
+            assert isinstance(drafter.seq, PooledSequence)
+            self.draft_pool.release(drafter.seq)
