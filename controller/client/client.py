@@ -1,0 +1,365 @@
+"""ControllerClient: what a decode worker calls to ask the specd controller for decisions and to report rounds.
+
+decide() answers within about its deadline whatever the controller does, and never raises (contract 2).
+report() only converts and enqueues; a background thread sends, retrying a failed report with the same
+report_id (the controller deduplicates), and the buffer is bounded (what it drops is counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from types import TracebackType
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+
+from controller import validation
+from controller.client.buffer import PendingReport, ReportBuffer
+from controller.client.config import ClientConfig, ClientStats
+from controller.client.fallback import (
+    DecisionMemory,
+    DecisionOutcome,
+    Fallback,
+    fallback_cause,
+    fallback_decision,
+    from_decision,
+    worth_remembering,
+)
+from controller.client.reports import RoundLike, rounds_to_aggregates
+from controller.tracing import metadata_with_context
+from specd.v1 import controller_pb2 as pb
+from specd.v1 import controller_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specd.controller.client")
+DECIDE_SPAN = "specd.controller.decide"
+# A report the controller refused as invalid is refused again on every retry: give it up (and count it).
+NOT_RETRIED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
+NOT_CONNECTED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+MAX_GRPC_MS = 2**31 - 1
+
+
+def decide_request(
+    segment: str,
+    batch_size: int,
+    drafters: Sequence[str],
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    self_repetition: float,
+) -> pb.DecideRequest:
+    return pb.DecideRequest(
+        segment=segment,
+        batch_size=batch_size,
+        drafters=list(drafters),
+        sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+        prompt_tokens=prompt_tokens,
+        prompt_features=pb.PromptFeatures(self_repetition=self_repetition),
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
+    """Reconnect soon after the controller comes back, and keep an idle connection open (a reconnect inside a
+    few-millisecond deadline would turn the first decision after a quiet spell into a fallback)."""
+    low, high = config.reconnect_backoff_s
+    return [
+        ("grpc.initial_reconnect_backoff_ms", round(low * 1000)),
+        ("grpc.min_reconnect_backoff_ms", round(low * 1000)),
+        ("grpc.max_reconnect_backoff_ms", round(high * 1000)),
+        ("grpc.client_idle_timeout_ms", MAX_GRPC_MS),
+    ]
+
+
+def span_attributes(segment: str, outcome: DecisionOutcome) -> dict[str, str | int | bool]:
+    return {
+        "specd.segment": segment,
+        "specd.drafter": outcome.drafter,
+        "specd.num_draft_tokens": outcome.num_draft_tokens,
+        "specd.decision.reason": outcome.reason,
+        "specd.decision.source": outcome.source,
+        "specd.fallback": outcome.fallback or "",
+        "specd.policy_version": outcome.policy_version,
+        "specd.exploration": outcome.exploration,
+    }
+
+
+class Backoff:
+    """Exponential delays between failed sends, with jitter so that many workers do not retry in step."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+        self._next = low
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self._next * 2, self.high)
+        return random.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self._next = self.low
+
+
+class ControllerClient:
+    """One per worker process; thread-safe. ``start()`` before use, ``close()`` when done (or use ``with``)."""
+
+    def __init__(self, config: ClientConfig, tracer: trace.Tracer | None = None) -> None:
+        self.config = config
+        self._tracer = tracer
+        self._memory = DecisionMemory(config.max_remembered_segments)
+        self._buffer = ReportBuffer(config.max_buffered_aggregates, config.max_aggregates_per_report)
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.ControllerStub | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # the reporter should send now
+        self._closing = threading.Event()
+        self._flush_deadline = 0.0
+        self._lock = threading.Lock()  # the counters below
+        self._decisions = 0
+        self._fallbacks: Counter[str] = Counter()
+        self._reports_invalid = 0
+        self._reachable = True  # for logging the changes only
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the channel and start connecting (without waiting), and start the background reporter."""
+        if self._channel is not None:
+            raise RuntimeError("ControllerClient.start() was called twice")
+        self._channel = grpc.insecure_channel(self.config.address, options=channel_options(self.config))
+        self._stub = pb_grpc.ControllerStub(self._channel)
+        # Any call makes an idle channel connect; this one's answer is not needed. (Not channel.subscribe: its
+        # polling thread raises when the channel is closed soon after.)
+        self._stub.GetPolicy.future(pb.GetPolicyRequest(), timeout=self.config.report_timeout_s)
+        self._thread = threading.Thread(target=self._report_loop, name="specd-client-reporter", daemon=True)
+        self._thread.start()
+
+    def wait_until_ready(self, timeout_s: float) -> bool:
+        """Wait until the controller answers (GetPolicy); False after ``timeout_s``. Optional: decide() never
+        needs it, but the first decision then does not pay for connecting."""
+        if self._stub is None:
+            return False
+        try:
+            self._stub.GetPolicy(pb.GetPolicyRequest(), timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as e:  # any answer, even a refusal, means the connection is up
+            return isinstance(e, grpc.Call) and e.code() not in NOT_CONNECTED
+        return True
+
+    def close(self, flush_timeout_s: float = 2.0) -> None:
+        """Send what can be sent within ``flush_timeout_s``, stop the reporter, close the channel. Whatever is
+        still unsent is counted as dropped."""
+        if self._thread is not None:
+            self._flush_deadline = time.monotonic() + flush_timeout_s
+            self._closing.set()
+            self._wake.set()
+            self._thread.join(timeout=flush_timeout_s + 1.0)
+            if self._thread.is_alive():
+                log.warning("the report sender did not stop within %.1fs", flush_timeout_s + 1.0)
+            self._thread = None
+        dropped = self._buffer.drop_all()
+        if dropped:
+            log.warning("closing with %d aggregates unsent: dropped", dropped)
+        if self._channel is not None:
+            self._channel.close()
+            self._channel, self._stub = None, None
+
+    def __enter__(self) -> ControllerClient:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # --- decisions ----------------------------------------------------------------------------------
+
+    def decide(
+        self,
+        *,
+        segment: str,
+        batch_size: int,
+        drafters: Sequence[str],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        self_repetition: float,
+    ) -> DecisionOutcome:
+        """How to speculate for this request: the controller's answer within the deadline, else a fallback.
+        Never raises."""
+        args = (segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens)
+        if self._tracer is None:
+            return self._decide(*args, self_repetition)
+        with self._tracer.start_as_current_span(DECIDE_SPAN, kind=SpanKind.CLIENT) as span:
+            outcome = self._decide(*args, self_repetition)
+            span.set_attributes(span_attributes(segment, outcome))
+            return outcome
+
+    def _decide(
+        self,
+        segment: str,
+        batch_size: int,
+        drafters: Sequence[str],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        self_repetition: float,
+    ) -> DecisionOutcome:
+        start = time.perf_counter()
+        stub = self._stub
+        code: grpc.StatusCode | None = grpc.StatusCode.UNAVAILABLE
+        detail = "the client is not started (or closed)"
+        if stub is not None:
+            try:
+                request = decide_request(
+                    segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens,
+                    self_repetition,
+                )  # fmt: skip
+                decision = stub.Decide(
+                    request,
+                    timeout=self.config.decide_deadline_s,
+                    metadata=metadata_with_context(),
+                    wait_for_ready=False,
+                )
+            except grpc.RpcError as e:
+                code = e.code() if isinstance(e, grpc.Call) else None
+                detail = e.details() if isinstance(e, grpc.Call) else str(e)
+            except Exception as e:  # a bad argument (e.g. an int out of int32 range) must not fail the request
+                code, detail = None, f"{type(e).__name__}: {e}"
+            else:
+                outcome = from_decision(decision, time.perf_counter() - start)
+                if worth_remembering(outcome):
+                    self._memory.remember(segment, outcome)
+                self._count_decision(None, "")
+                return outcome
+        cause = fallback_cause(code)
+        self._count_decision(cause, detail)
+        last = self._memory.recall(segment)
+        return fallback_decision(
+            last, self.config.local_default, drafters, batch_size, cause, time.perf_counter() - start
+        )
+
+    def _count_decision(self, cause: Fallback | None, detail: str) -> None:
+        with self._lock:
+            self._decisions += 1
+            if cause is not None:
+                self._fallbacks[cause] += 1
+            changed = self._reachable != (cause is None)
+            self._reachable = cause is None
+        if changed and cause is not None:
+            log.warning("controller at %s did not answer (%s: %s): using fallbacks", self.config.address, cause, detail)
+        elif changed:
+            log.info("controller at %s answers again", self.config.address)
+
+    # --- reports ------------------------------------------------------------------------------------
+
+    def report(
+        self,
+        *,
+        segment: str,
+        rounds: Sequence[RoundLike],
+        batch_size: int,
+        temperature: float,
+        prompt_tokens: int,
+        self_repetition: float,
+    ) -> None:
+        """Convert one request's rounds and enqueue them for the background sender. Never blocks on the network,
+        never raises: rounds the controller would refuse are logged, counted and left out."""
+        try:
+            aggregates = rounds_to_aggregates(segment, rounds, batch_size, temperature, prompt_tokens, self_repetition)
+            for aggregate in aggregates:
+                validation.aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report
+        except Exception as e:
+            with self._lock:
+                self._reports_invalid += 1
+            log.warning("report for segment %r left out: %s", segment, e)
+            return
+        if not aggregates:
+            return
+        full, dropped = self._buffer.add(aggregates)
+        if dropped:
+            log.warning("report buffer full (%d aggregates): dropped the %d oldest", self._buffer.capacity, dropped)
+        if full:
+            self._wake.set()
+
+    def _report_loop(self) -> None:
+        backoff = Backoff(*self.config.retry_backoff_s)
+        while not self._closing.is_set():
+            self._wake.wait(self.config.report_interval_s)
+            self._wake.clear()
+            self._send_all(backoff, until=None)
+        self._send_all(backoff, until=self._flush_deadline)
+
+    def _send_all(self, backoff: Backoff, until: float | None) -> None:
+        """Send until the buffer is empty; after a failure wait (backoff) and retry the same report. Returns
+        early when closing starts (``until`` None) or at ``until`` (the flush at close)."""
+        while (pending := self._buffer.take()) is not None:
+            timeout = self.config.report_timeout_s
+            if until is not None:
+                timeout = min(timeout, until - time.monotonic())
+                if timeout <= 0:
+                    return
+            try:
+                sent = self._send(pending, timeout)
+            except Exception:  # the sender must outlive any bug: log it in full, treat it as a failed send
+                log.exception("sending report %s failed", pending.report_id)
+                sent = False
+            if sent:
+                backoff.reset()
+                continue
+            delay = backoff.next()
+            if until is None:
+                if self._closing.wait(delay):
+                    return
+            else:
+                time.sleep(max(min(delay, until - time.monotonic()), 0.0))
+
+    def _send(self, pending: PendingReport, timeout: float) -> bool:
+        """One ReportRounds attempt; True when the report is settled (stored, or refused for good)."""
+        stub = self._stub
+        if stub is None:
+            return False
+        request = pb.ReportRoundsRequest(
+            report_id=pending.report_id, worker_id=self.config.worker_id, aggregates=pending.aggregates
+        )
+        try:
+            stub.ReportRounds(request, timeout=timeout, wait_for_ready=False)
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.Call) else None
+            if code in NOT_RETRIED:
+                log.error("controller refused report %s (%s): dropped", pending.report_id, e)
+                self._buffer.rejected(pending)
+                return True
+            self._buffer.failed()
+            log.debug("report %s not delivered (%s): will retry", pending.report_id, code)
+            return False
+        self._buffer.acknowledged(pending)
+        return True
+
+    # --- counters -----------------------------------------------------------------------------------
+
+    def stats(self) -> ClientStats:
+        counts = self._buffer.counts()
+        with self._lock:
+            return ClientStats(
+                decisions=self._decisions,
+                fallbacks=dict(self._fallbacks),
+                reports_sent=counts.reports_sent,
+                aggregates_sent=counts.aggregates_sent,
+                aggregates_dropped=counts.aggregates_dropped,
+                aggregates_rejected=counts.aggregates_rejected,
+                reports_invalid=self._reports_invalid,
+                send_failures=counts.send_failures,
+                buffered=counts.buffered,
+            )
