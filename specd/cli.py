@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     from controller import cli as controller_cli
     from decoder import generate_cli, tiny
     from decoder.distill import cli as distill_cli
+    from decoder.worker import cli as worker_cli
 
     parser = OneLineParser(prog="specd", description="Adaptive speculative decoding.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cli.add_parser(commands)
     controller_cli.add_parsers(commands)
     distill_cli.add_parser(commands)
+    worker_cli.add_parser(commands)
     tiny_parser = commands.add_parser("tiny-pair", help="write a tiny random target/draft pair (for trying things)")
     tiny.add_arguments(tiny_parser)
     tiny_parser.set_defaults(handler=tiny.run)

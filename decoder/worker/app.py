@@ -1,0 +1,244 @@
+"""The worker's HTTP API: OpenAI-compatible completions and chat (streaming with server-sent events, or
+not), plus /health, /v1/models and Prometheus /metrics. Everything else lives in WorkerService."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate
+
+from decoder.errors import SpecdError
+from decoder.sampling import SamplingParams
+from decoder.worker.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    chat_body,
+    chat_chunk,
+    completion_body,
+    error_body,
+    new_id,
+    render_chat,
+    usage,
+)
+from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, WorkerService
+
+SEGMENT_HEADER = "x-specd-segment"
+RETRY_AFTER_SECONDS = 1
+
+
+def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else None
+    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
+
+
+def build_app(service: WorkerService) -> FastAPI:
+    app = FastAPI(title="specd worker", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = str(first.get("msg", "invalid request"))
+        return error(400, f"{where}: {message}" if where else message, "invalid_request_error", where or None)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        scheduler = service.scheduler
+        body = {
+            "status": "ok" if service.healthy else ("draining" if service.draining else "failed"),
+            "model": service.model_name,
+            "queue_depth": scheduler.queue_depth if scheduler else 0,
+            "batch_size": scheduler.batch_size if scheduler else 0,
+            "controller": service.cfg.controller.address,
+        }
+        return JSONResponse(body, status_code=200 if service.healthy else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": service.model_name, "object": "model", "created": int(service.started_unix), "owned_by": "specd"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if service.scheduler is not None:
+            service.metrics.queue_depth.set(service.scheduler.queue_depth)
+        return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        if isinstance(body.prompt, str):
+            text: str | None = body.prompt
+        elif isinstance(body.prompt[0], str):
+            text = str(body.prompt[0])
+        else:
+            text = None
+        ids = service.encode(text) if text is not None else [int(t) for t in body.prompt]
+        return await serve(service, body, request, text, ids, completion_shapes)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        text = render_chat(body.messages, service.tokenizer)
+        return await serve(service, body, request, text, service.encode(text), chat_shapes)
+
+    return app
+
+
+# -- request handling ---------------------------------------------------------------------------------------
+
+
+class Shapes:
+    """How one endpoint words its responses."""
+
+    def __init__(
+        self,
+        full: Callable[..., dict[str, Any]],
+        chunk: Callable[[str, str, str | None, str | None, dict[str, int] | None], dict[str, Any]],
+        id_kind: str,
+    ) -> None:
+        self.full, self.chunk, self.id_kind = full, chunk, id_kind
+
+
+def _completion_chunk(
+    request_id: str, model: str, text: str | None, finish: str | None, use: dict[str, int] | None
+) -> dict[str, Any]:
+    body = completion_body(request_id, model, text or "", finish, use, {})
+    if text is None and finish is None:
+        body["choices"] = []
+    return body
+
+
+def _chat_chunk(
+    request_id: str, model: str, text: str | None, finish: str | None, use: dict[str, int] | None
+) -> dict[str, Any]:
+    delta = {"content": text} if text is not None else {}
+    return chat_chunk(request_id, model, delta, finish, use)
+
+
+completion_shapes = Shapes(completion_body, _completion_chunk, "cmpl")
+chat_shapes = Shapes(chat_body, _chat_chunk, "chatcmpl")
+
+
+def request_spec(service: WorkerService, body: Any, request: Request, text: str | None, ids: list[int]) -> RequestSpec:
+    cfg = service.cfg
+    max_tokens = body.max_tokens or cfg.default_max_tokens
+    if max_tokens > cfg.max_tokens_limit:
+        raise ValueError(f"max_tokens: {max_tokens} is above this worker's limit of {cfg.max_tokens_limit}")
+    segment = body.segment or request.headers.get(SEGMENT_HEADER)
+    if segment is not None:
+        from decoder.worker.openai_api import _Common
+
+        _Common.model_validate({"segment": segment})  # the header obeys the same rule as the body field
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+    return RequestSpec(
+        prompt_text=text,
+        prompt_ids=ids,
+        max_new_tokens=max_tokens,
+        params=params,
+        stop_strings=body.stop_strings(),
+        segment=segment,
+        trace_context=propagate.extract(dict(request.headers)),
+    )
+
+
+async def serve(
+    service: WorkerService, body: Any, request: Request, text: str | None, ids: list[int], shapes: Shapes
+) -> Response:
+    if body.model not in (None, "", service.model_name):
+        return error(404, f"model {body.model!r} is not served here (try {service.model_name!r})", "not_found_error",
+                     "model")  # fmt: skip
+    try:
+        spec = request_spec(service, body, request, text, ids)
+    except (ValueError, SpecdError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return error(400, message, "invalid_request_error")
+    events = service.run_request(spec)
+    try:
+        first = await anext(events)  # queueing errors surface here, before any byte is sent
+    except QueueFull as e:
+        return error(429, f"the worker is at capacity ({e}); retry shortly", "rate_limit_error")
+    except ShuttingDown as e:
+        return error(503, str(e), "service_unavailable")
+    request_id = new_id(shapes.id_kind)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            sse(service, shapes, request_id, first, events, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await collect(service, shapes, request_id, first, events, request)
+
+
+async def collect(
+    service: WorkerService, shapes: Shapes, request_id: str, first: Event, events: AsyncGenerator[Event, None],
+    request: Request,
+) -> Response:  # fmt: skip
+    """A non-streaming answer; cancels the decode when the client disconnects while it waits."""
+    parts: list[str] = []
+    event: Event | None = first
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        while event is not None and event.kind == "text":
+            parts.append(event.text)
+            nxt = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if nxt not in done:  # the client went away
+                nxt.cancel()
+                await events.aclose()
+                return Response(status_code=499)
+            event = nxt.result()
+    finally:
+        watcher.cancel()
+    assert event is not None
+    if event.kind == "error":
+        kind = "server_error" if event.status >= 500 else "invalid_request_error"
+        return error(event.status, event.error or "failed", kind)
+    use = usage(event.prompt_tokens, event.completion_tokens)
+    body = shapes.full(request_id, service.model_name, "".join(parts), event.finish_reason, use, event.specd)
+    return JSONResponse(body)
+
+
+async def sse(
+    service: WorkerService, shapes: Shapes, request_id: str, first: Event, events: AsyncGenerator[Event, None],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """Server-sent events: a chunk per text delta, a final chunk with finish_reason, then [DONE].
+    When the client disconnects, Starlette cancels this generator and closing ``events`` cancels the decode."""
+    model = service.model_name
+
+    def data(payload: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    try:
+        if shapes is chat_shapes:
+            yield data(chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None))
+        event: Event = first
+        while True:
+            if event.kind == "text":
+                yield data(shapes.chunk(request_id, model, event.text, None, None))
+            elif event.kind == "done":
+                final = shapes.chunk(request_id, model, None, event.finish_reason, None)
+                final["specd"] = event.specd
+                yield data(final)
+                if include_usage:
+                    use = usage(event.prompt_tokens, event.completion_tokens)
+                    yield data(shapes.chunk(request_id, model, None, None, use))
+                break
+            else:
+                yield data(error_body(event.error or "failed", "server_error"))
+                break
+            event = await anext(events)
+        yield b"data: [DONE]\n\n"
+    finally:
+        await events.aclose()

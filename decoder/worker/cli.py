@@ -1,0 +1,98 @@
+"""`specd worker`: load the models once and serve the OpenAI-compatible API until SIGTERM/SIGINT.
+
+Lifecycle (uvicorn's, around ours): startup (models, decode thread, controller client, tracing) -> serve ->
+on SIGTERM uvicorn stops accepting and waits for open requests (``shutdown_grace_seconds``) -> drain the
+decode loop, flush telemetry to the controller and spans to the exporter -> exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from decoder.errors import UsageError
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("worker", help="serve the OpenAI-compatible decode worker")
+    p.add_argument("--config", default="configs/worker.yaml", help="worker configuration (YAML)")
+    p.add_argument("--listen", help="host:port, overriding the config's listen (port 0 picks a free one)")
+    p.add_argument("--controller", help="controller host:port, overriding the config ('none': no controller)")
+    p.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.set_defaults(handler=run)
+
+
+def split_address(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"listen address must be host:port, got {listen!r}")
+    return host, int(port)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from decoder.worker.app import build_app
+    from decoder.worker.config import load_worker_config
+    from decoder.worker.service import WorkerService
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_worker_config(args.config)
+    overrides: dict[str, Any] = {}
+    if args.listen:
+        overrides["listen"] = args.listen
+    if args.controller:
+        address = None if args.controller == "none" else args.controller
+        overrides["controller"] = cfg.controller.model_copy(update={"address": address})
+    cfg = cfg.model_copy(update=overrides)
+    host, port = split_address(cfg.listen)
+    service = WorkerService(cfg)
+    service.startup(worker_id=cfg.listen)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(service),
+            host=host,
+            port=port,
+            log_level=args.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=int(cfg.shutdown_grace_seconds) or None,
+            lifespan="off",
+        )
+    )
+    announce = _Announcer(server, cfg)
+    try:
+        announce.install()
+        server.run()
+    finally:
+        service.shutdown()
+    return 0 if service.scheduler is None or service.scheduler.failure is None else 1
+
+
+class _Announcer:
+    """Prints the bound address once uvicorn has started (port 0 picks a free one): tests and the demo
+    read this line."""
+
+    def __init__(self, server: Any, cfg: Any) -> None:
+        self.server, self.cfg = server, cfg
+
+    def install(self) -> None:
+        original = self.server.startup
+
+        async def startup(sockets: Any = None) -> None:
+            await original(sockets=sockets)
+            for srv in getattr(self.server, "servers", []):
+                for sock in srv.sockets:
+                    host, port = sock.getsockname()[:2]
+                    drafters = ", ".join(self.cfg_drafters())
+                    print(
+                        f"specd worker listening on http://{host}:{port} (model {self.cfg.model_name}, drafters "
+                        f"{drafters}, controller {self.cfg.controller.address or 'none'})",
+                        flush=True,
+                    )
+                    return
+
+        self.server.startup = startup
+
+    def cfg_drafters(self) -> list[str]:
+        return ["draft", "prompt_lookup", "none"] if self.cfg.draft is not None else ["prompt_lookup", "none"]

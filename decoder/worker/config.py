@@ -1,0 +1,91 @@
+"""The worker's configuration (configs/worker.yaml), parsed once at start-up.
+
+Relative paths (models, the file exporter's endpoint) are resolved against the file's own folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controller.config import TelemetryConfig
+from controller.yaml_config import load_yaml_model
+
+SEGMENT_PATTERN = r"^[A-Za-z0-9_.:/-]{1,128}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ControllerLink(_Strict):
+    address: str | None = Field("127.0.0.1:50061", description="the controller's host:port; null: no controller")
+    decide_deadline_ms: float = Field(5.0, gt=0, le=10_000)
+    default_drafter: Literal["draft", "prompt_lookup", "none"] = "none"
+    default_num_draft_tokens: int = Field(0, ge=0, le=32)
+    report_interval_seconds: float = Field(0.5, gt=0)
+    max_buffered_aggregates: int = Field(10_000, ge=1)
+
+    @model_validator(mode="after")
+    def _default_k_fits_drafter(self) -> ControllerLink:
+        if (self.default_drafter == "none") != (self.default_num_draft_tokens == 0):
+            raise ValueError("default_num_draft_tokens must be 0 exactly when default_drafter is none")
+        return self
+
+
+class WorkerTelemetry(TelemetryConfig):
+    service_name: str = "specd-worker"
+
+
+class PromptLookupSettings(_Strict):
+    min_ngram: int = Field(1, ge=1, le=16)
+    max_ngram: int = Field(3, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PromptLookupSettings:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+        return self
+
+
+class WorkerConfig(_Strict):
+    listen: str = Field("127.0.0.1:8000", description="host:port for HTTP (port 0 picks a free one)")
+    worker_id: str | None = Field(None, description="reported to the controller; default: hostname:port")
+    target: Path = Path("../models/reference/target")
+    draft: Path | None = Path("../models/reference/draft")
+    model_name: str = Field("specd-reference", min_length=1, description="the name /v1/models lists")
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = "float32"
+    threads: int | None = Field(None, ge=1, description="torch threads; null: torch's default")
+    max_batch: int = Field(16, ge=1, le=256, description="sequences decoded together")
+    speculation_max_batch: int = Field(8, ge=0, description="above this batch size, decode without speculation")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
+    request_timeout_seconds: float = Field(300.0, gt=0)
+    default_max_tokens: int = Field(64, ge=1)
+    max_tokens_limit: int = Field(2048, ge=1)
+    default_segment: str = Field("default", pattern=SEGMENT_PATTERN)
+    segment_classifier: Literal["none", "heuristic"] = Field(
+        "heuristic", description="infer the segment of a request that names none; none: use default_segment"
+    )
+    shutdown_grace_seconds: float = Field(10.0, ge=0)
+    prompt_lookup: PromptLookupSettings = Field(default_factory=lambda: PromptLookupSettings())
+    controller: ControllerLink = Field(default_factory=lambda: ControllerLink())
+    telemetry: WorkerTelemetry = Field(default_factory=lambda: WorkerTelemetry())
+
+    def resolve(self, base: Path) -> WorkerConfig:
+        """Relative paths against ``base`` (the config file's folder)."""
+        return self.model_copy(
+            update={
+                "target": base / self.target.expanduser(),
+                "draft": base / self.draft.expanduser() if self.draft is not None else None,
+                "telemetry": self.telemetry.resolve(base),
+            }
+        )
+
+
+def load_worker_config(path: str | Path) -> WorkerConfig:
+    """Read the config; raises ConfigError (file, line, field) when invalid."""
+    config, _ = load_yaml_model(path, WorkerConfig)
+    return config.resolve(Path(path).resolve().parent)

@@ -1,0 +1,179 @@
+"""The OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions) and response shapes.
+
+Unknown fields are ignored, as OpenAI's own server tolerates client-library extras; fields we cannot
+honour (n > 1, logprobs, echo, best_of) are refused with a 400 naming the field. ``segment`` is specd's
+extension: the traffic segment the controller judges the request by (also the X-Specd-Segment header).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from decoder.worker.config import SEGMENT_PATTERN
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # an extension several servers accept; 0 = off
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    segment: str | None = Field(None, pattern=SEGMENT_PATTERN)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        if value not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stop
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
+            raise ValueError("one prompt per request (batch them as concurrent requests)")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: keep the text ones
+            return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:
+    """The prompt for a chat: the tokenizer's chat template when it has one, else a plain transcript."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return str(rendered)
+    lines = [f"{m.role}: {m.text()}" for m in messages]
+    return "\n".join([*lines, "assistant:"])
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_body(
+    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int] | None, specd: dict[str, Any]
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+    if use is not None:
+        body["usage"] = use
+    if specd:
+        body["specd"] = specd
+    return body
+
+
+def chat_body(
+    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int] | None, specd: dict[str, Any]
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+             "finish_reason": finish_reason}
+        ],
+    }  # fmt: skip
+    if use is not None:
+        body["usage"] = use
+    if specd:
+        body["specd"] = specd
+    return body
+
+
+def chat_chunk(
+    request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None, use: dict[str, int] | None = None
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}] if delta or
+        finish_reason else [],
+    }  # fmt: skip
+    if use is not None:
+        chunk["usage"] = use
+    return chunk
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

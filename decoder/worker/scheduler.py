@@ -1,0 +1,226 @@
+"""The decode loop of the worker: one thread that owns the engine, admits queued requests between steps,
+runs one batched round per step, and hands each request its tokens as they come.
+
+Requests wait in a bounded queue (``submit`` refuses when it is full: the HTTP layer answers 429). Between
+steps, waiting requests take free KV slots (prefill), and finished, cancelled or timed-out ones leave.
+While the batch is at or under ``speculation_max_batch`` every sequence drafts with its own decision's K;
+above it the whole batch decodes without speculation (one target token per sequence per step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from decoder.batch_engine import BatchEngine
+from decoder.engine import DecodeSession, GenerationResult
+from decoder.sampling import SamplingParams
+from decoder.stopping import StopRules
+
+
+class QueueFull(Exception):
+    """The wait queue is at its bound; the caller should retry later."""
+
+
+class ShuttingDown(Exception):
+    """The worker is draining and takes no new requests."""
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one step did, for metrics."""
+
+    batch_size: int
+    speculative: bool
+    seconds: float
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the scheduler. Callbacks run on the scheduler thread: keep them short."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rules: StopRules
+    drafter: str
+    num_draft_tokens: int
+    timeout_seconds: float
+    on_tokens: Callable[[list[int]], None]  # every step's emitted tokens (maybe empty)
+    on_started: Callable[[float], None]  # prefill done: its seconds
+    on_finish: Callable[[JobOutcome], None]  # exactly once
+    submitted_at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    session: DecodeSession | None = None
+
+    def cancel(self) -> None:
+        """Stop at the next step boundary (a client went away). Safe from any thread."""
+        self.cancelled = True
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    status: str  # "finished" | "cancelled" | "timeout" | "error"
+    result: GenerationResult | None = None
+    error: str | None = None
+    steps_in_batch: tuple[int, ...] = ()  # the batch size at each step this request took part in
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine: BatchEngine,
+        max_queue: int,
+        speculation_max_batch: int,
+        on_step: Callable[[StepObservation], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.speculation_max_batch = speculation_max_batch
+        self.on_step = on_step or (lambda _: None)
+        self._queue: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._batch_history: dict[int, list[int]] = {}
+        self._wake = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # -- the HTTP side -------------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises QueueFull or ShuttingDown instead of waiting."""
+        with self._wake:
+            if not self._accepting:
+                raise ShuttingDown("the worker is shutting down")
+            if len(self._queue) >= self.max_queue and self.engine.free_slots <= len(self._queue):
+                raise QueueFull(f"{len(self._queue)} requests are waiting")
+            self._queue.append(job)
+            self._wake.notify()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._active)
+
+    def load(self) -> int:
+        """Sequences that will share the batch with one more request: active + waiting + it."""
+        return len(self._active) + len(self._queue) + 1
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._thread is None, "start() twice"
+        self._thread = threading.Thread(target=self._run, name="specd-decode", daemon=True)
+        self._thread.start()
+
+    def drain(self, timeout_seconds: float) -> bool:
+        """Refuse new requests, let the admitted ones finish; True when all did within the timeout."""
+        with self._wake:
+            self._accepting = False
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            if not self._queue and not self._active:
+                return True
+            time.sleep(0.02)
+        return not self._queue and not self._active
+
+    def stop(self) -> None:
+        """Cancel whatever is left and end the thread."""
+        with self._wake:
+            self._accepting = False
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the decode thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    if self._stopping:
+                        break
+                    if not self._queue and not self._active:
+                        self._wake.wait(timeout=0.1)
+                        continue
+                self._admit()
+                if self._active:
+                    self._step()
+        except BaseException as e:  # a bug in the engine: fail every request loudly, not silently hang
+            self.failure = e
+            for job in [*self._active, *self._queue]:
+                self._finish(job, JobOutcome("error", error=f"decode loop failed: {e!r}"))
+            raise
+        finally:
+            for job in [*self._active, *self._queue]:
+                self._finish(job, JobOutcome("cancelled", error="the worker shut down"))
+
+    def _admit(self) -> None:
+        while self.engine.free_slots:
+            with self._wake:
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            if job.cancelled:
+                self._finish(job, JobOutcome("cancelled"))
+                continue
+            if time.monotonic() - job.submitted_at > job.timeout_seconds:
+                self._finish(job, JobOutcome("timeout", error=f"timed out after {job.timeout_seconds:g} s queued"))
+                continue
+            started = time.perf_counter()
+            try:
+                job.session = self.engine.open(job.prompt_ids, job.drafter, job.params, job.rules)
+            except ValueError as e:  # a request the engine cannot run (e.g. a prompt longer than the context)
+                self._finish(job, JobOutcome("error", error=str(e)))
+                continue
+            self._active.append(job)
+            self._batch_history[id(job)] = []
+            job.on_started(time.perf_counter() - started)
+
+    def _step(self) -> None:
+        batch = list(self._active)
+        speculative = len(batch) <= self.speculation_max_batch
+        sessions: list[DecodeSession] = [job.session for job in batch]  # type: ignore[misc]
+        ks = [job.num_draft_tokens if speculative else 0 for job in batch]
+        started = time.perf_counter()
+        emitted = self.engine.step(sessions, ks)
+        self.on_step(StepObservation(len(batch), speculative, time.perf_counter() - started))
+        now = time.monotonic()
+        for job, tokens in zip(batch, emitted, strict=True):
+            self._batch_history[id(job)].append(len(batch))
+            job.on_tokens(tokens)
+            session = job.session
+            assert session is not None
+            if session.finish_reason is not None:
+                self._finish(job, JobOutcome("finished", result=session.result()))
+            elif job.cancelled:
+                self._finish(job, JobOutcome("cancelled"))
+            elif now - job.submitted_at > job.timeout_seconds:
+                self._finish(job, JobOutcome("timeout", error=f"timed out after {job.timeout_seconds:g} s"))
+
+    def _finish(self, job: Job, outcome: JobOutcome) -> None:
+        if job in self._active:
+            self._active.remove(job)
+        if job.session is not None:
+            self.engine.close(job.session)
+            job.session = None
+        history = tuple(self._batch_history.pop(id(job), ()))
+        with self._wake:
+            if job in self._queue:
+                self._queue.remove(job)
+        try:
+            job.on_finish(JobOutcome(outcome.status, outcome.result, outcome.error, history))
+        except Exception as e:  # a callback's bug must not take the decode loop down
+            print(f"specd worker: on_finish callback failed: {e!r}", flush=True)
+
+    def describe(self) -> dict[str, Any]:
+        return {"queue_depth": self.queue_depth, "batch_size": self.batch_size, "accepting": self._accepting}
