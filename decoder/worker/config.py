@@ -57,7 +57,7 @@ class WorkerConfig(_Strict):
     draft: Path | None = Path("../models/reference/draft")
     model_name: str = Field("specd-reference", min_length=1, description="the name /v1/models lists")
     device: str = "auto"
-    dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = "float32"
+    dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
     threads: int | None = Field(None, ge=1, description="torch threads; null: torch's default")
     max_batch: int = Field(16, ge=1, le=256, description="sequences decoded together")
     speculation_max_batch: int = Field(8, ge=0, description="above this batch size, decode without speculation")

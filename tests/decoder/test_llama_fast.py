@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 
 from decoder.kv_cache import CachedSequence, open_sequence
-from decoder.llama_fast import INITIAL_CAPACITY, LlamaSequence, supports_fast_path
+from decoder.llama_fast import INITIAL_CAPACITY, LlamaSequence, PooledSequence, supports_fast_path
 from decoder.models import from_objects
 
 VOCAB = 97
@@ -95,7 +95,7 @@ def test_cache_grows_past_its_initial_capacity():
 def test_only_plain_llama_takes_the_fast_path(model, fast, why):
     built = model()
     assert supports_fast_path(built) is fast, why
-    assert isinstance(open_sequence(from_objects(built, None, "m")), LlamaSequence) is fast
+    assert isinstance(open_sequence(from_objects(built, None, "m")), PooledSequence) is fast
 
 
 def test_runner_transformers_opts_out():
