@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 from decoder.errors import UsageError
@@ -48,25 +53,50 @@ def run(args: argparse.Namespace) -> int:
     cfg = cfg.model_copy(update=overrides)
     host, port = split_address(cfg.listen)
     service = WorkerService(cfg)
-    service.startup(worker_id=cfg.listen)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(service),
-            host=host,
-            port=port,
-            log_level=args.log_level.lower(),
-            access_log=False,
-            timeout_graceful_shutdown=int(cfg.shutdown_grace_seconds) or None,
-            lifespan="off",
-        )
-    )
-    announce = _Announcer(server, cfg)
     try:
-        announce.install()
-        server.run()
+        with _sigterm_raises():
+            service.startup(worker_id=cfg.listen)
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    build_app(service),
+                    host=host,
+                    port=port,
+                    log_level=args.log_level.lower(),
+                    access_log=False,
+                    timeout_graceful_shutdown=int(cfg.shutdown_grace_seconds) or None,
+                    lifespan="off",
+                )
+            )
+            _Announcer(server, cfg).install()
+            server.run()
+    except _Terminated:
+        pass  # uvicorn has already stopped accepting and waited for open requests
     finally:
         service.shutdown()
     return 0 if service.scheduler is None or service.scheduler.failure is None else 1
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (during start-up, or re-raised by uvicorn after its graceful shutdown)."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """uvicorn handles SIGTERM while it serves, then re-raises it once it has stopped; with the default
+    handler that kills the process before ``service.shutdown()`` (drain, telemetry and span flush) runs. Here
+    it becomes an exception, so the ``finally`` does run."""
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals can only be handled on the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Announcer:
