@@ -83,13 +83,16 @@ def start(
     ready = threading.Event()
     threading.Thread(target=_pump, args=(service, ready), name=f"{name}-output", daemon=True).start()
     deadline = time.monotonic() + timeout_seconds
-    while not ready.wait(0.05):
-        if not service.alive():
-            ready.wait(0.5)  # let the pump read the last lines
-            raise LaunchError(f"{name} exited with status {process.returncode}:\n" + "".join(service.tail))
-        if time.monotonic() > deadline:
-            service.kill()
-            raise LaunchError(f"{name} did not start within {timeout_seconds:g} s:\n" + "".join(service.tail))
+    try:
+        while not ready.wait(0.05):
+            if not service.alive():
+                ready.wait(0.5)  # let the pump read the last lines
+                raise LaunchError(f"{name} exited with status {process.returncode}:\n" + "".join(service.tail))
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{name} did not start within {timeout_seconds:g} s:\n" + "".join(service.tail))
+    except BaseException:  # not started, timed out, or Ctrl-C while waiting: the caller has no Service to stop
+        service.kill()
+        raise
     return service
 
 
