@@ -1,10 +1,11 @@
-"""Copy the finished reference pair into the repository with its model card.
+"""Copy finished reference models into the repository and (re)write their model card.
 
-    python -m refmodels.ship [--runs refmodels/runs] [--out models/reference]
+    python -m refmodels.ship [--runs refmodels/runs] [--out models/reference] [--roles target,draft]
 
-Takes ``RUNS/{target,draft}/final`` (bfloat16 safetensors + tokenizer), copies them to ``OUT/{target,draft}``
-and writes ``OUT/README.md``: shapes and parameter counts, how to run them, the training commands and
-seeds, corpus statistics, the loss curves and the final validation losses of both models.
+For each role, takes ``RUNS/ROLE/final`` (bfloat16 safetensors + tokenizer + ``refmodels.json``) into
+``OUT/ROLE`` together with the run's loss curve. A run that continued an earlier model (``--init-from``)
+ships the earlier curve followed by its own, steps counted from the start. The card (``OUT/README.md``) is
+built from the shipped folders only, so one role can be retrained and re-shipped while the other stays.
 """
 
 from __future__ import annotations
@@ -24,41 +25,79 @@ SHIPPED_FILES = (
     "special_tokens_map.json",
     "refmodels.json",
 )
+CURVE = "loss_curve.jsonl"
 
 
-def read_curve(run: Path) -> list[dict[str, Any]]:
-    path = run / "loss_curve.jsonl"
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def copy_final(run: Path, dest: Path) -> None:
+def total_steps(summary: dict[str, Any]) -> int:
+    """Steps of this run and of every run it continued."""
+    earlier = summary.get("init_from")
+    return int(summary["steps"]) + (total_steps(earlier) if earlier else 0)
+
+
+def shipped_curve(run: Path, dest: Path, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's curve, after the curve of the model it continued (read before ``dest`` is replaced)."""
+    earlier: list[dict[str, Any]] = []
+    offset = 0
+    init = summary.get("init_from")
+    if init:
+        offset = total_steps(init)
+        earlier = [r for r in read_jsonl(Path(init["path"]) / CURVE) if r["step"] <= offset]
+    own = [{**r, "step": r["step"] + offset, "stage": len(_chain(summary))} for r in read_jsonl(run / CURVE)]
+    return earlier + own
+
+
+def ship_role(run: Path, dest: Path) -> None:
     final = run / "final"
     if not (final / "model.safetensors").is_file():
         raise SystemExit(f"{final} is not a finished run (no model.safetensors); train it to the end first")
+    summary = json.loads((final / "refmodels.json").read_text())
+    curve = shipped_curve(run, dest, summary)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     for name in SHIPPED_FILES:
         if (final / name).is_file():
             shutil.copyfile(final / name, dest / name)
+    (dest / CURVE).write_text("".join(json.dumps(r) + "\n" for r in curve))
+
+
+def _chain(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs that made a model, first to last."""
+    earlier = summary.get("init_from")
+    return [*(_chain(earlier) if earlier else []), summary]
+
+
+def command_of(summary: dict[str, Any]) -> str:
+    cfg = summary["train_config"]
+    role = cfg["role"]
+    parts = [f"python -m refmodels.train --out refmodels/runs/{role} --role {role} --steps {cfg['steps']}"]
+    if summary.get("init_from"):
+        init = summary["init_from"]["path"]
+        parts.append(f"--lr {cfg['lr']} --warmup-steps {cfg['warmup_steps']} --init-from {init}")
+    return " ".join(parts)
 
 
 def curve_table(curves: dict[str, list[dict[str, Any]]], every: int = 300) -> list[str]:
     rows = ["| step | target val | draft val |", "|---|---|---|"]
-    target = {r["step"]: r["val_loss"] for r in curves["target"]}
-    draft = {r["step"]: r["val_loss"] for r in curves["draft"]}
-    for step in sorted(set(target) | set(draft)):
-        if step % every == 0 or step == max(target, default=0) or step == max(draft, default=0):
-            cells = [f"{v:.3f}" if v is not None else "-" for v in (target.get(step), draft.get(step))]
-            rows.append(f"| {step} | {cells[0]} | {cells[1]} |")
+    by_role = {role: {r["step"]: r["val_loss"] for r in curve} for role, curve in curves.items()}
+    last = {role: max(points, default=0) for role, points in by_role.items()}
+    for step in sorted(set().union(*by_role.values())):
+        if step % every == 0 or step in last.values():
+            cells = [by_role[role].get(step) for role in ("target", "draft")]
+            rows.append(f"| {step} | " + " | ".join(f"{v:.3f}" if v is not None else "-" for v in cells) + " |")
     return rows
 
 
-def model_card(runs: Path, out: Path) -> str:
-    curves = {role: read_curve(runs / role) for role in ("target", "draft")}
-    configs = {role: json.loads((runs / role / "run_config.json").read_text()) for role in ("target", "draft")}
-    meta = json.loads((runs / "data" / "meta.json").read_text())
-    last = {role: curves[role][-1] for role in curves}
-    gap = last["draft"]["val_loss"] - last["target"]["val_loss"]
+def model_card(out: Path, meta: dict[str, Any]) -> str:
+    summaries = {role: json.loads((out / role / "refmodels.json").read_text()) for role in ("target", "draft")}
+    configs = {role: json.loads((out / role / "config.json").read_text()) for role in ("target", "draft")}
+    curves = {role: read_jsonl(out / role / CURVE) for role in ("target", "draft")}
+    gap = summaries["draft"]["final_val_loss"] - summaries["target"]["final_val_loss"]
     lines = [
         "# specd reference pair: model card",
         "",
@@ -75,12 +114,12 @@ def model_card(runs: Path, out: Path) -> str:
         "|---|---|---|",
     ]
     for role in ("target", "draft"):
-        spec = configs[role]["model_spec"]
+        c = configs[role]
         shape = (
-            f"hidden {spec['hidden_size']}, {spec['num_layers']} layers, {spec['num_heads']} heads "
-            f"({spec['num_kv_heads']} KV), MLP {spec['intermediate_size']}, context {spec['max_position_embeddings']}"
+            f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, {c['num_attention_heads']} heads "
+            f"({c['num_key_value_heads']} KV), MLP {c['intermediate_size']}, context {c['max_position_embeddings']}"
         )
-        lines.append(f"| {role} | {configs[role]['parameters']:,} | {shape} |")
+        lines.append(f"| {role} | {summaries[role]['parameters']:,} | {shape} |")
     lines += [
         "",
         "## Training",
@@ -90,27 +129,32 @@ def model_card(runs: Path, out: Path) -> str:
         + f" (held out by document). Tokenizer: byte-level BPE, {meta['vocab_size']} tokens, sha256 "
         f"`{meta['tokenizer_sha256'][:16]}…`; corpus fingerprint `{meta['corpus_fingerprint'][:16]}…`.",
         "",
+        "Each model, run by run (seed 0, corpus seed 0, batch 16×256 tokens, bf16 autocast, 2 CPU cores):",
+        "",
     ]
     for role in ("target", "draft"):
-        cfg = configs[role]["train_config"]
-        command = f"python -m refmodels.train --out refmodels/runs/{role} --role {role} --steps {cfg['steps']}"
-        lines.append(
-            f"- {role}: `{command}` (seed {cfg['seed']}, corpus seed {cfg['corpus_seed']}, batch "
-            f"{cfg['batch_size']}×{cfg['seq_len']} tokens, peak lr {cfg['lr']}, bf16 autocast): {last[role]['step']} "
-            f"steps, {last[role]['tokens_seen'] / 1e6:.1f}M tokens, {last[role]['wall_seconds'] / 3600:.1f} h "
-            "on 2 CPU cores"
-        )
+        for i, run in enumerate(_chain(summaries[role]), start=1):
+            cfg = run["train_config"]
+            lines.append(
+                f"- {role}, run {i}: `{command_of(run)}` (peak lr {cfg['lr']}): {run['steps']} steps, "
+                f"{run['tokens_seen'] / 1e6:.1f}M tokens, {run['wall_seconds'] / 3600:.2f} h, "
+                f"val loss {run['final_val_loss']:.3f}"
+            )
+    by_domain = summaries["target"]["final_val_loss_by_domain"]
     lines += [
         "",
         "## Validation loss (nats/token)",
         "",
-        "| role | overall | " + " | ".join(last["target"]["val_loss_by_domain"]) + " |",
-        "|---|---|" + "---|" * len(last["target"]["val_loss_by_domain"]),
+        "| role | overall | " + " | ".join(by_domain) + " |",
+        "|---|---|" + "---|" * len(by_domain),
     ]
     for role in ("target", "draft"):
-        by_domain = " | ".join(f"{v:.3f}" for v in last[role]["val_loss_by_domain"].values())
-        lines.append(f"| {role} | {last[role]['val_loss']:.3f} | {by_domain} |")
-    lines += ["", f"The target is {gap:.2f} nats/token below the draft overall.", "", "Loss curve:", ""]
+        s = summaries[role]
+        cells = " | ".join(f"{s['final_val_loss_by_domain'][d]:.3f}" for d in by_domain)
+        lines.append(f"| {role} | {s['final_val_loss']:.3f} | {cells} |")
+    lines += ["", f"The target is {gap:.2f} nats/token below the draft overall.", "", "Loss curve (steps counted"
+              " from the first run; points before a run's own folder existed come from the card that shipped them, see"
+              " `source` in `loss_curve.jsonl`):", ""]  # fmt: skip
     lines += curve_table(curves)
     return "\n".join(lines) + "\n"
 
@@ -119,10 +163,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=Path, default=Path("refmodels/runs"))
     parser.add_argument("--out", type=Path, default=Path("models/reference"))
+    parser.add_argument("--roles", default="target,draft", help="which roles to (re)ship; the others stay")
     args = parser.parse_args()
-    for role in ("target", "draft"):
-        copy_final(args.runs / role, args.out / role)
-    (args.out / "README.md").write_text(model_card(args.runs, args.out))
+    for role in args.roles.split(","):
+        ship_role(args.runs / role, args.out / role)
+    meta = json.loads((args.runs / "data" / "meta.json").read_text())
+    (args.out / "README.md").write_text(model_card(args.out, meta))
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"shipped to {args.out} ({size / 1e6:.1f} MB)")
 
