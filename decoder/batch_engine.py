@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from decoder.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig
 from decoder.drafters.draft_model import propose_together
-from decoder.engine import DecodeSession
+from decoder.engine import DecodeSession, make_drafter
 from decoder.kv_cache import ModelSequence
 from decoder.llama_fast import LlamaKVPool, PooledSequence
 from decoder.models import LoadedModel, check_pair
@@ -59,13 +59,14 @@ class BatchEngine:
         """A new sequence in a free slot, prefilled and ready for ``step``. Raises ValueError on a bad request."""
         generator = make_generator(params.seed, self.target.device)
         target_seq = self.target_pool.open()
+        made: Drafter | None = None
         try:
             made = self._make_drafter(drafter, params, generator)
             session = DecodeSession(self.target, made, prompt_ids, params, rules, generator, target_seq)
             session.prefill()
         except BaseException:
             self.target_pool.release(target_seq)
-            if drafter == "draft" and "made" in locals():
+            if made is not None:
                 self._release_drafter(made)
             raise
         return session
@@ -123,15 +124,9 @@ class BatchEngine:
         ]
 
     def _make_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
-        if name == "draft":
-            if self.draft is None or self.draft_pool is None:
-                raise ValueError("drafter 'draft' needs a draft model")
-            return DraftModelDrafter(self.draft, params, generator, self.draft_pool.open())
-        if name == "prompt_lookup":
-            return PromptLookupDrafter(self.prompt_lookup)
-        if name == "none":
-            return NoDrafter()
-        raise ValueError(f"unknown drafter {name!r}; choose one of draft, prompt_lookup, none")
+        if name == "draft" and self.draft_pool is not None:
+            return make_drafter(name, self.draft, self.prompt_lookup, params, generator, self.draft_pool.open())
+        return make_drafter(name, self.draft, self.prompt_lookup, params, generator)
 
     def _release_drafter(self, drafter: Drafter) -> None:
         if isinstance(drafter, DraftModelDrafter) and self.draft_pool is not None:

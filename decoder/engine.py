@@ -223,12 +223,24 @@ class SpeculativeDecoder:
         return session.result()
 
     def _make_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
-        if name == "draft":
-            if self.draft is None:
-                raise ValueError("drafter 'draft' needs a draft model (--draft PATH)")
-            return DraftModelDrafter(self.draft, params, generator)
-        if name == "prompt_lookup":
-            return PromptLookupDrafter(self.prompt_lookup)
-        if name == "none":
-            return NoDrafter()
-        raise ValueError(f"unknown drafter {name!r}; choose one of draft, prompt_lookup, none")
+        return make_drafter(name, self.draft, self.prompt_lookup, params, generator)
+
+
+def make_drafter(
+    name: str,
+    draft: LoadedModel | None,
+    prompt_lookup: PromptLookupConfig,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    draft_sequence: ModelSequence | None = None,
+) -> Drafter:
+    """The drafter called ``name`` for one sequence (the draft model's cache in ``draft_sequence`` if given)."""
+    if name == "draft":
+        if draft is None:
+            raise ValueError("drafter 'draft' needs a draft model (--draft PATH)")
+        return DraftModelDrafter(draft, params, generator, draft_sequence)
+    if name == "prompt_lookup":
+        return PromptLookupDrafter(prompt_lookup)
+    if name == "none":
+        return NoDrafter()
+    raise ValueError(f"unknown drafter {name!r}; choose one of draft, prompt_lookup, none")

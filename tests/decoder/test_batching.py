@@ -143,3 +143,13 @@ def test_non_llama_models_are_refused_with_a_clear_error(tokenizer):
     gpt2 = tiny_lm("gpt2", tokenizer, seed=0)
     with pytest.raises(ValueError, match="plain Llama"):
         BatchEngine(gpt2)
+
+
+def test_a_refused_request_gives_its_slots_back(llama_target, llama_draft):
+    engine = BatchEngine(llama_target, llama_draft, max_batch=2)
+    too_long = [1] * (llama_target.max_context or 4096)
+    for drafter in ("draft", "prompt_lookup"):
+        with pytest.raises(ValueError, match="context"):
+            engine.open(too_long, drafter, GREEDY, StopRules(max_new_tokens=4))
+    assert engine.free_slots == 2
+    assert engine.draft_pool is not None and engine.draft_pool.free_slots == 2
