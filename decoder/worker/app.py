@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from opentelemetry import propagate
 
 from decoder.errors import SpecdError
 from decoder.sampling import SamplingParams
+from decoder.worker.config import SEGMENT_PATTERN
 from decoder.worker.openai_api import (
     ChatRequest,
     CompletionRequest,
@@ -43,6 +45,9 @@ def build_app(service: WorkerService) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return error(400, f"the request body is not valid JSON ({reason})", "invalid_request_error")
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
         message = str(first.get("msg", "invalid request"))
         return error(400, f"{where}: {message}" if where else message, "invalid_request_error", where or None)
@@ -66,8 +71,9 @@ def build_app(service: WorkerService) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if service.scheduler is not None:
+        if service.scheduler is not None:  # as of now: the last step's batch may be long gone
             service.metrics.queue_depth.set(service.scheduler.queue_depth)
+            service.metrics.batch_size.set(service.scheduler.batch_size)
         return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions", response_model=None)
@@ -124,16 +130,25 @@ completion_shapes = Shapes(completion_body, _completion_chunk, "cmpl")
 chat_shapes = Shapes(chat_body, _chat_chunk, "chatcmpl")
 
 
+class BadRequest(ValueError):
+    """A request the worker refuses (400), naming the field at fault."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param = param
+
+
 def request_spec(service: WorkerService, body: Any, request: Request, text: str | None, ids: list[int]) -> RequestSpec:
     cfg = service.cfg
     max_tokens = body.max_tokens or cfg.default_max_tokens
     if max_tokens > cfg.max_tokens_limit:
-        raise ValueError(f"max_tokens: {max_tokens} is above this worker's limit of {cfg.max_tokens_limit}")
+        raise BadRequest("max_tokens", f"{max_tokens} is above this worker's limit of {cfg.max_tokens_limit}")
+    outside = [t for t in ids if not 0 <= t < service.vocab_size]
+    if outside:  # an embedding lookup past the table would fail the whole decode batch
+        raise BadRequest("prompt", f"token id {outside[0]} is outside the vocabulary (0..{service.vocab_size - 1})")
     segment = body.segment or request.headers.get(SEGMENT_HEADER)
-    if segment is not None:
-        from decoder.worker.openai_api import _Common
-
-        _Common.model_validate({"segment": segment})  # the header obeys the same rule as the body field
+    if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
+        raise BadRequest("segment", f"{segment!r} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     return RequestSpec(
         prompt_text=text,
@@ -154,6 +169,8 @@ async def serve(
                      "model")  # fmt: skip
     try:
         spec = request_spec(service, body, request, text, ids)
+    except BadRequest as e:
+        return error(400, str(e), "invalid_request_error", e.param)
     except (ValueError, SpecdError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         return error(400, message, "invalid_request_error")
@@ -194,7 +211,8 @@ async def collect(
             nxt = asyncio.ensure_future(anext(events))
             done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if nxt not in done:  # the client went away
-                nxt.cancel()
+                nxt.cancel()  # cancels the decode (run_request's finally); the generator is closed once it has run
+                await asyncio.wait({nxt})
                 await events.aclose()
                 return Response(status_code=499)
             event = nxt.result()

@@ -36,14 +36,10 @@ def split_address(listen: str) -> tuple[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from decoder.worker.app import build_app
     from decoder.worker.config import load_worker_config
-    from decoder.worker.service import WorkerService
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_worker_config(args.config)
+    cfg = load_worker_config(args.config)  # before the heavy imports (torch, uvicorn): a bad file fails at once
     overrides: dict[str, Any] = {}
     if args.listen:
         overrides["listen"] = args.listen
@@ -52,6 +48,12 @@ def run(args: argparse.Namespace) -> int:
         overrides["controller"] = cfg.controller.model_copy(update={"address": address})
     cfg = cfg.model_copy(update=overrides)
     host, port = split_address(cfg.listen)
+
+    import uvicorn
+
+    from decoder.worker.app import build_app
+    from decoder.worker.service import WorkerService
+
     service = WorkerService(cfg)
     try:
         with _sigterm_raises():

@@ -50,7 +50,7 @@ class WorkerMetrics:
                                  registry=r)  # fmt: skip
         self.rejected = Counter("specd_rejected_requests", "Requests refused before decoding", ["reason"], registry=r)
         self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for a KV slot", registry=r)
-        self.batch_size = Gauge("specd_batch_size", "Sequences in the last decode step", registry=r)
+        self.batch_size = Gauge("specd_batch_size", "Sequences being decoded", registry=r)
         self.step_batch = Histogram(
             "specd_step_batch_size", "Sequences per decode step", buckets=(1, 2, 4, 8, 12, 16, 32, 64), registry=r
         )

@@ -63,7 +63,7 @@ class Job:
 
 @dataclass(frozen=True)
 class JobOutcome:
-    status: str  # "finished" | "cancelled" | "timeout" | "error"
+    status: str  # "finished" | "cancelled" | "timeout" | "error" (the request's fault) | "failed" (the worker's)
     result: GenerationResult | None = None
     error: str | None = None
     steps_in_batch: tuple[int, ...] = ()  # the batch size at each step this request took part in
@@ -95,9 +95,11 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue ``job``; raises QueueFull or ShuttingDown instead of waiting."""
         with self._wake:
+            if self.failure is not None:
+                raise ShuttingDown(f"the decode loop failed ({self.failure!r}); the worker needs a restart")
             if not self._accepting:
                 raise ShuttingDown("the worker is shutting down")
-            if len(self._queue) >= self.max_queue and self.engine.free_slots <= len(self._queue):
+            if len(self._queue) - self.engine.free_slots >= self.max_queue:  # beyond what free slots take now
                 raise QueueFull(f"{len(self._queue)} requests are waiting")
             self._queue.append(job)
             self._wake.notify()
@@ -156,9 +158,11 @@ class Scheduler:
                 if self._active:
                     self._step()
         except BaseException as e:  # a bug in the engine: fail every request loudly, not silently hang
-            self.failure = e
+            with self._wake:
+                self.failure = e  # and refuse new requests: nothing would decode them
+                self._accepting = False
             for job in [*self._active, *self._queue]:
-                self._finish(job, JobOutcome("error", error=f"decode loop failed: {e!r}"))
+                self._finish(job, JobOutcome("failed", error=f"decode loop failed: {e!r}"))
             raise
         finally:
             for job in [*self._active, *self._queue]:

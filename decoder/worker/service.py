@@ -151,6 +151,12 @@ class WorkerService:
         return self.engine.encode(text)
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: 0 .. vocab_size - 1 (the rows of the target's embedding table)."""
+        assert self.engine is not None
+        return int(self.engine.target.model.get_input_embeddings().num_embeddings)
+
+    @property
     def tokenizer(self) -> Any:
         assert self.engine is not None
         return self.engine.target.tokenizer
@@ -196,6 +202,8 @@ class WorkerService:
         decode_span: list[trace.Span] = []
 
         def on_started(prefill_seconds: float) -> None:
+            if job.cancelled:  # the request was already accounted for as cancelled
+                return
             now = time.time_ns()
             prefill = self.tracer.start_span(
                 "specd.prefill", context=span_ctx, start_time=now - int(prefill_seconds * 1e9)
@@ -236,8 +244,10 @@ class WorkerService:
                 else:
                     outcome = value
         finally:
-            if outcome is None:  # the consumer went away (client disconnected): stop decoding it
-                job.cancel()
+            if outcome is None:  # the consumer went away (client disconnected): stop decoding it, count it now
+                job.cancel()  # (nothing reads this request's events any more, so its on_finish would go unseen)
+                cancelled = JobOutcome("cancelled", error="the client went away")
+                self._finish(segment, decision, repetition, spec, cancelled, started, span, decode_span)
         result = outcome.result
         final_text = result.text if result is not None else ""
         rest = stream.finish(final_text)
@@ -253,7 +263,7 @@ class WorkerService:
                 specd=info,
             )
         else:
-            status = {"timeout": 504, "cancelled": 499, "error": 400}.get(outcome.status, 500)
+            status = {"timeout": 504, "cancelled": 499, "error": 400, "failed": 500}.get(outcome.status, 500)
             yield Event("error", status=status, error=outcome.error or outcome.status, specd=info)
 
     async def _decide(self, spec: RequestSpec, segment: str, repetition: float, ctx: Context) -> DecisionOutcome:

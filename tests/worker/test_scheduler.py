@@ -1,0 +1,177 @@
+"""The scheduler on its own (no HTTP, no process): the queue bound, cancellation, timeouts, draining, and a
+decode loop that fails. A tiny float64 Llama target, no draft."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from decoder.batch_engine import BatchEngine
+from decoder.sampling import SamplingParams
+from decoder.stopping import StopRules
+from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
+from tests.conftest import tiny_lm
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return tiny_lm("llama", tokenizer, seed=0)
+
+
+class Recorder:
+    """A job's callbacks, recorded; ``done`` is set by on_finish."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.started = False
+        self.outcomes: list[JobOutcome] = []
+        self.done = threading.Event()
+
+    def job(self, target, max_new_tokens: int = 8, prompt: list[int] | None = None, timeout: float = 60.0) -> Job:
+        self.job_ = Job(
+            prompt_ids=prompt or [5, 6, 7, 8],
+            params=SamplingParams(),
+            rules=StopRules(max_new_tokens, frozenset()),  # no EOS: every job runs to max_new_tokens
+            drafter="prompt_lookup",
+            num_draft_tokens=2,
+            timeout_seconds=timeout,
+            on_tokens=self.tokens.extend,
+            on_started=lambda seconds: setattr(self, "started", True),
+            on_finish=self._finish,
+        )
+        return self.job_
+
+    def _finish(self, outcome: JobOutcome) -> None:
+        self.outcomes.append(outcome)
+        self.done.set()
+
+    def outcome(self, timeout: float = 30.0) -> JobOutcome:
+        assert self.done.wait(timeout), "the job never finished"
+        assert len(self.outcomes) == 1, "on_finish must run exactly once"
+        return self.outcomes[0]
+
+
+@pytest.fixture
+def make(target) -> Iterator:
+    """make(max_batch, max_queue, speculation_max_batch=8) -> (scheduler, steps); stopped afterwards."""
+    made: list[Scheduler] = []
+
+    def make(max_batch: int, max_queue: int, speculation_max_batch: int = 8) -> tuple[Scheduler, list]:
+        steps: list[StepObservation] = []
+        scheduler = Scheduler(BatchEngine(target, max_batch=max_batch), max_queue, speculation_max_batch, steps.append)
+        made.append(scheduler)
+        return scheduler, steps
+
+    yield make
+    for scheduler in made:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "max_queue", "accepted", "why"),
+    [
+        (1, 1, 2, "one takes the free slot, one waits"),
+        (1, 0, 1, "one takes the free slot, none may wait"),
+        (4, 0, 4, "free slots take four at once"),
+        (2, 3, 5, "two slots and three waiting"),
+    ],
+)
+def test_the_queue_bound_counts_only_requests_that_must_wait(make, target, max_batch, max_queue, accepted, why):
+    scheduler, _ = make(max_batch, max_queue)  # not started: nothing leaves the queue
+    for _ in range(accepted):
+        scheduler.submit(Recorder().job(target))
+    with pytest.raises(QueueFull):
+        scheduler.submit(Recorder().job(target))
+    assert scheduler.queue_depth == accepted, why
+
+
+def test_jobs_run_to_their_end_and_report_each_step(make, target):
+    scheduler, steps = make(max_batch=4, max_queue=4)
+    recorders = [Recorder() for _ in range(3)]
+    for n, recorder in zip((5, 9, 13), recorders, strict=True):
+        scheduler.submit(recorder.job(target, max_new_tokens=n))
+    scheduler.start()
+    for n, recorder in zip((5, 9, 13), recorders, strict=True):
+        outcome = recorder.outcome()
+        assert outcome.status == "finished" and outcome.result is not None
+        assert outcome.result.token_ids == recorder.tokens and len(recorder.tokens) == n
+        assert recorder.started
+        assert max(outcome.steps_in_batch) == 3, "the three were decoded together"
+    assert max(s.batch_size for s in steps) == 3 and all(s.speculative for s in steps)
+    assert scheduler.batch_size == scheduler.queue_depth == 0
+
+
+def test_above_speculation_max_batch_steps_do_not_speculate(make, target):
+    scheduler, steps = make(max_batch=4, max_queue=4, speculation_max_batch=1)
+    recorders = [Recorder(), Recorder()]
+    for recorder in recorders:
+        scheduler.submit(recorder.job(target, max_new_tokens=6))
+    scheduler.start()
+    for recorder in recorders:
+        assert recorder.outcome().status == "finished"
+    assert {(s.batch_size, s.speculative) for s in steps} == {(2, False)}  # in lockstep, one token a step
+
+
+def test_a_cancelled_job_leaves_and_frees_its_slot(make, target):
+    scheduler, _ = make(max_batch=1, max_queue=2)
+    running, waiting = Recorder(), Recorder()
+    scheduler.submit(running.job(target, max_new_tokens=400))
+    scheduler.submit(waiting.job(target, max_new_tokens=4))
+    waiting.job_.cancel()  # cancelled while queued: never started
+    scheduler.start()
+    deadline = time.monotonic() + 10
+    while not running.tokens and time.monotonic() < deadline:
+        time.sleep(0.01)
+    running.job_.cancel()  # cancelled while decoding
+    assert running.outcome().status == "cancelled" and running.outcome().result is None
+    assert waiting.outcome().status == "cancelled" and not waiting.started
+    assert 0 < len(running.tokens) < 400
+    after = Recorder()
+    scheduler.submit(after.job(target, max_new_tokens=3))  # the slot is free again
+    assert after.outcome().status == "finished"
+
+
+def test_timeouts_in_the_queue_and_while_decoding(make, target):
+    scheduler, _ = make(max_batch=1, max_queue=2)
+    running, waiting = Recorder(), Recorder()
+    scheduler.submit(running.job(target, max_new_tokens=400, timeout=0.2))
+    scheduler.submit(waiting.job(target, max_new_tokens=4, timeout=0.1))
+    scheduler.start()
+    assert running.outcome().status == "timeout" and "0.2 s" in str(running.outcome().error)
+    assert waiting.outcome().status == "timeout" and "queued" in str(waiting.outcome().error)
+    assert not waiting.started
+
+
+def test_drain_finishes_admitted_jobs_and_refuses_new_ones(make, target):
+    scheduler, _ = make(max_batch=1, max_queue=2)
+    recorders = [Recorder(), Recorder()]
+    for recorder in recorders:
+        scheduler.submit(recorder.job(target, max_new_tokens=20))
+    scheduler.start()
+    assert scheduler.drain(timeout_seconds=30)
+    assert [r.outcome().status for r in recorders] == ["finished", "finished"]
+    with pytest.raises(ShuttingDown):
+        scheduler.submit(Recorder().job(target))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failed_decode_loop_fails_its_jobs_and_refuses_new_ones(make, target, monkeypatch):
+    scheduler, _ = make(max_batch=2, max_queue=2)
+    recorders = [Recorder(), Recorder()]
+    for recorder in recorders:
+        scheduler.submit(recorder.job(target, max_new_tokens=50))
+
+    def broken_step(sessions, ks):
+        raise RuntimeError("a bug in the engine")
+
+    monkeypatch.setattr(scheduler.engine, "step", broken_step)
+    scheduler.start()
+    for recorder in recorders:
+        outcome = recorder.outcome()
+        assert outcome.status == "failed" and "a bug in the engine" in str(outcome.error)
+    assert isinstance(scheduler.failure, RuntimeError)
+    with pytest.raises(ShuttingDown, match="decode loop failed"):  # nothing would decode it: refuse, not hang
+        scheduler.submit(Recorder().job(target))
