@@ -14,8 +14,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/specd generate --target models/reference/target --draft models/reference/draft --drafter draft --k 4 \
-		--max-new-tokens 48 --json "def read_config(path):"
+	$(BIN)/specd demo
 
 lint: setup
 	$(BIN)/ruff check .

@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from decoder import generate_cli, tiny
     from decoder.distill import cli as distill_cli
     from decoder.worker import cli as worker_cli
+    from specd.demo import cli as demo_cli
 
     parser = OneLineParser(prog="specd", description="Adaptive speculative decoding.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     controller_cli.add_parsers(commands)
     distill_cli.add_parser(commands)
     worker_cli.add_parser(commands)
+    demo_cli.add_parser(commands)
     tiny_parser = commands.add_parser("tiny-pair", help="write a tiny random target/draft pair (for trying things)")
     tiny.add_arguments(tiny_parser)
     tiny_parser.set_defaults(handler=tiny.run)

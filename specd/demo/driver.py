@@ -1,0 +1,318 @@
+"""Sending the demo's traffic and adding it up.
+
+``plan`` picks the prompts (round-robin over segments, each prompt for both workers, the first one
+alternating); ``Driver`` sends them over HTTP from a few threads and collects a ``Result`` per response;
+``summarize`` turns results into one ``SegmentRow`` per segment. Everything but ``Driver`` is a pure function.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from workloads import Prompt
+
+ADAPTIVE, BASELINE = "adaptive", "baseline"
+ARMS = (ADAPTIVE, BASELINE)
+SEGMENT_ORDER = ("code", "prose", "structured", "extractive", "adversarial")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt, sent to both workers in ``order``."""
+
+    prompt: Prompt
+    max_tokens: int
+    seed: int
+    order: tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Result:
+    """One worker's answer to one prompt (or why there was none)."""
+
+    prompt_id: str
+    segment: str
+    arm: str
+    ok: bool
+    error: str | None = None
+    completion_tokens: int = 0
+    drafter: str = "none"
+    num_draft_tokens: int = 0
+    decision_reason: str = ""
+    decision_source: str = ""
+    exploration: bool = False
+    fallback: str | None = None
+    proposed: int = 0  # draft tokens proposed over the request's rounds
+    accepted: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    seconds: float = 0.0  # the HTTP call, as the client saw it
+
+
+@dataclass(frozen=True)
+class SegmentRow:
+    """What the table shows for one segment (or for all of them)."""
+
+    segment: str
+    total: int  # requests planned (prompts x 2 workers)
+    done: int  # requests answered, failed ones included
+    failures: int
+    proposed: int
+    accepted: int
+    drafter: str | None  # the latest decision the controller made (not a probe), None before any
+    num_draft_tokens: int | None
+    decision_source: str | None
+    explored: int  # adaptive requests that were probes
+    decided: int  # adaptive requests answered
+    pairs: int  # prompts both workers answered: what the tokens/s compare
+    tokens_per_second_adaptive: float | None
+    tokens_per_second_baseline: float | None
+    median_pair_speedup: float | None  # the median over prompts of adaptive / baseline: robust to CPU hiccups
+
+    @property
+    def alpha(self) -> float | None:
+        """α = accepted / proposed over the adaptive worker's requests."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Decode tokens/s of the adaptive worker over the baseline's, on the same prompts."""
+        a, b = self.tokens_per_second_adaptive, self.tokens_per_second_baseline
+        return a / b if a is not None and b else None
+
+
+# -- planning -----------------------------------------------------------------------------------------------
+
+
+def segment_order(segments: Iterable[str]) -> list[str]:
+    """The README's order for the shipped segments, any others after them by name."""
+    known = {name: i for i, name in enumerate(SEGMENT_ORDER)}
+    return sorted(segments, key=lambda s: (known.get(s, len(known)), s))
+
+
+def plan(workloads: Mapping[str, Sequence[Prompt]], per_segment: int, max_tokens: int, seed: int) -> list[Request]:
+    """``per_segment`` prompts of each segment (a seeded sample; repeated when the segment has fewer),
+    interleaved round-robin so that the controller learns every segment at once. Within a segment the worker
+    that goes first alternates, so both see the same machine noise."""
+    if per_segment < 1 or max_tokens < 1:
+        raise ValueError("per_segment and max_tokens must be >= 1")
+    rng = random.Random(seed)
+    chosen: dict[str, list[Prompt]] = {}
+    for segment in segment_order(workloads):
+        prompts = list(workloads[segment])
+        if not prompts:
+            continue
+        picked: list[Prompt] = []
+        while len(picked) < per_segment:
+            picked.extend(rng.sample(prompts, min(len(prompts), per_segment - len(picked))))
+        chosen[segment] = picked
+    requests: list[Request] = []
+    for i in range(per_segment):
+        for j, prompts in enumerate(chosen.values()):
+            prompt = prompts[i]
+            order = (ADAPTIVE, BASELINE) if (i + j) % 2 == 0 else (BASELINE, ADAPTIVE)
+            sampling_seed = seed * 1_000_003 + len(requests)
+            requests.append(Request(prompt, min(prompt.max_new_tokens, max_tokens), sampling_seed, order))
+    return requests
+
+
+def request_body(request: Request) -> dict[str, Any]:
+    p = request.prompt
+    return {
+        "prompt": p.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": p.temperature,
+        "seed": request.seed,
+        "segment": p.segment,
+    }
+
+
+# -- one response -------------------------------------------------------------------------------------------
+
+
+def parse_response(status: int, body: Any, request: Request, arm: str, seconds: float) -> Result:
+    """A worker's answer as a ``Result``; anything but a 200 with a ``specd`` block is a failure."""
+    p = request.prompt
+    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("specd"), dict):
+        message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        error = f"HTTP {status}: {message if message else repr(body)}"[:200]
+        return Result(p.id, p.segment, arm, ok=False, error=error, seconds=seconds)
+    info = body["specd"]
+    return Result(
+        prompt_id=p.id,
+        segment=p.segment,
+        arm=arm,
+        ok=True,
+        completion_tokens=int(body.get("usage", {}).get("completion_tokens", 0)),
+        drafter=str(info.get("drafter", "none")),
+        num_draft_tokens=int(info.get("num_draft_tokens", 0)),
+        decision_reason=str(info.get("decision_reason", "")),
+        decision_source=str(info.get("decision_source", "")),
+        exploration=bool(info.get("exploration", False)),
+        fallback=info.get("fallback"),
+        proposed=int(info.get("num_draft_tokens_proposed", 0)),
+        accepted=int(info.get("num_accepted", 0)),
+        prefill_seconds=float(info.get("prefill_seconds", 0.0)),
+        decode_seconds=float(info.get("decode_seconds", 0.0)),
+        seconds=seconds,
+    )
+
+
+def send(client: httpx.Client, url: str, request: Request, arm: str) -> Result:
+    started = time.perf_counter()
+    try:
+        response = client.post(f"{url}/v1/completions", json=request_body(request))
+        body = response.json()
+        status = response.status_code
+    except (httpx.HTTPError, ValueError) as e:
+        p = request.prompt
+        return Result(p.id, p.segment, arm, ok=False, error=f"{type(e).__name__}: {e}"[:200],
+                      seconds=time.perf_counter() - started)  # fmt: skip
+    return parse_response(status, body, request, arm, time.perf_counter() - started)
+
+
+# -- adding up ----------------------------------------------------------------------------------------------
+
+
+def decode_rate(results: Iterable[Result]) -> float | None:
+    """Decode tokens/s over a set of answers: all their tokens over all their decode time."""
+    tokens = seconds = 0.0
+    for r in results:
+        tokens += r.completion_tokens
+        seconds += r.decode_seconds
+    return tokens / seconds if seconds > 0 else None
+
+
+def median_ratio(pairs: Sequence[tuple[Result, Result]]) -> float | None:
+    """The median over prompts of (adaptive decode tokens/s) / (baseline decode tokens/s)."""
+    ratios = []
+    for adaptive, baseline in pairs:
+        a, b = decode_rate([adaptive]), decode_rate([baseline])
+        if a is not None and b:
+            ratios.append(a / b)
+    return statistics.median(ratios) if ratios else None
+
+
+def summarize_segment(segment: str, total: int, results: Sequence[Result]) -> SegmentRow:
+    """One row from the results of one segment (or of all, for the overall row), in arrival order."""
+    adaptive = [r for r in results if r.arm == ADAPTIVE and r.ok]
+    answered: dict[str, dict[str, Result]] = {}
+    for r in results:
+        if r.ok:
+            answered.setdefault(r.prompt_id, {})[r.arm] = r
+    pairs = [both for both in answered.values() if len(both) == 2]
+    latest = next((r for r in reversed(adaptive) if not r.exploration and r.decision_source == "controller"), None)
+    latest = latest or next((r for r in reversed(adaptive) if not r.exploration), None)
+    return SegmentRow(
+        segment=segment,
+        total=total,
+        done=len(results),
+        failures=sum(not r.ok for r in results),
+        proposed=sum(r.proposed for r in adaptive),
+        accepted=sum(r.accepted for r in adaptive),
+        drafter=latest.drafter if latest else None,
+        num_draft_tokens=latest.num_draft_tokens if latest else None,
+        decision_source=latest.decision_source if latest else None,
+        explored=sum(r.exploration for r in adaptive),
+        decided=len(adaptive),
+        pairs=len(pairs),
+        tokens_per_second_adaptive=decode_rate(both[ADAPTIVE] for both in pairs),
+        tokens_per_second_baseline=decode_rate(both[BASELINE] for both in pairs),
+        median_pair_speedup=median_ratio([(both[ADAPTIVE], both[BASELINE]) for both in pairs]),
+    )
+
+
+def summarize(totals: Mapping[str, int], results: Sequence[Result]) -> tuple[list[SegmentRow], SegmentRow]:
+    """A row per segment of ``totals`` (requests planned per segment), and the overall row."""
+    by_segment: dict[str, list[Result]] = {segment: [] for segment in totals}
+    for r in results:
+        by_segment.setdefault(r.segment, []).append(r)
+    rows = [summarize_segment(s, totals.get(s, 0), rs) for s, rs in by_segment.items()]
+    overall = summarize_segment("all", sum(totals.values()), results)
+    return rows, overall
+
+
+def totals_of(requests: Sequence[Request]) -> dict[str, int]:
+    """Requests planned per segment, in plan order (each prompt goes to both workers)."""
+    totals: dict[str, int] = {}
+    for r in requests:
+        totals[r.prompt.segment] = totals.get(r.prompt.segment, 0) + len(ARMS)
+    return totals
+
+
+# -- sending ------------------------------------------------------------------------------------------------
+
+
+class Driver:
+    """Sends the plan from ``concurrency`` threads (each one prompt at a time, to both workers in its order)
+    and keeps the results. ``stop`` lets the threads finish the request they are in, then end."""
+
+    def __init__(self, urls: Mapping[str, str], requests: Sequence[Request], concurrency: int = 1,
+                 timeout_seconds: float = 300.0) -> None:  # fmt: skip
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        self.urls, self.requests = dict(urls), list(requests)
+        self.concurrency, self.timeout_seconds = concurrency, timeout_seconds
+        self._results: list[Result] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for i in range(self.concurrency):
+            thread = threading.Thread(target=self._work, name=f"demo-driver-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def join(self, timeout_seconds: float) -> bool:
+        """Waits for the threads; True when all have ended."""
+        deadline = time.monotonic() + timeout_seconds
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not self.running
+
+    @property
+    def running(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
+    def results(self) -> list[Result]:
+        with self._lock:
+            return list(self._results)
+
+    def _take(self) -> Request | None:
+        with self._lock:
+            if self._stopping.is_set() or self._next >= len(self.requests):
+                return None
+            self._next += 1
+            return self.requests[self._next - 1]
+
+    def _work(self) -> None:
+        with httpx.Client(timeout=self.timeout_seconds) as client:
+            while (request := self._take()) is not None:
+                for arm in request.order:
+                    if self._stopping.is_set():
+                        return
+                    result = send(client, self.urls[arm], request, arm)
+                    with self._lock:
+                        self._results.append(result)
+
+
+def fallback_counts(results: Iterable[Result]) -> dict[str, int]:
+    """Adaptive requests decided without the controller's answer for them, by cause (timeout, unavailable …)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if r.ok and r.arm == ADAPTIVE and r.fallback:
+            counts[r.fallback] = counts.get(r.fallback, 0) + 1
+    return counts
