@@ -259,6 +259,11 @@ def test_demo_runs_to_the_end(tmp_path):
     requests = [s for s in worker if s["name"] == "specd.worker.request"]
     assert len(requests) == 10 and len([s for s in baseline_spans if s["name"] == "specd.worker.request"]) == 10
     assert {s["service_name"] for s in controller} == {"specd-controller"}
+    # The baseline asks the controller too (same code path as the adaptive worker) and is always told "none".
+    baseline_requests = [s for s in baseline_spans if s["name"] == "specd.worker.request"]
+    assert {s["attributes"]["specd.drafter"] for s in baseline_requests} == {"none"}
+    assert all(s["attributes"]["specd.segment"].startswith("baseline/") for s in baseline_requests)
+    assert "baseline/" not in out.split("what the controller learned", 1)[1]
     # A request's trace continues in the controller (its Decide call): the files share trace ids.
     shared = {s["trace_id"] for s in requests} & {s["trace_id"] for s in controller}
     assert shared, "no trace spans both the adaptive worker and the controller"
@@ -317,3 +322,14 @@ def test_the_run_folder_is_wiped_only_when_it_is_the_demos(tmp_path):
     done = subprocess.run(demo_command(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "refusing to wipe" in done.stderr
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_the_demo_policy_puts_the_baseline_rule_first(tmp_path):
+    from controller.policy import load_policy
+    from specd.demo.configs import demo_policy, write_config
+
+    path = write_config(tmp_path / "policy.yaml", demo_policy(Path("policies/default.yaml"), "baseline/"), "test")
+    policy = load_policy(path)
+    assert policy.for_segment("baseline/adversarial").force == "none"  # ahead of the adversarial* rule
+    assert policy.for_segment("baseline/code").force == "none"
+    assert policy.for_segment("code").force is None

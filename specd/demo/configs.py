@@ -101,3 +101,11 @@ def write_config(path: Path, config: dict[str, Any], comment: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# {comment}\n" + yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def demo_policy(policy: Path, baseline_prefix: str) -> dict[str, Any]:
+    """The user's policy with one rule in front: segments named ``BASELINE_PREFIX*`` never speculate (the
+    baseline worker's traffic). Among glob rules the first listed wins, so nothing can override it."""
+    loaded = yaml.safe_load(policy.read_text()) or {}
+    rule = {"match": f"{baseline_prefix}*", "force": "none"}
+    return {**loaded, "segments": [rule, *(loaded.get("segments") or [])]}

@@ -124,14 +124,20 @@ def plan(workloads: Mapping[str, Sequence[Prompt]], per_segment: int, max_tokens
     return requests
 
 
-def request_body(request: Request) -> dict[str, Any]:
+BASELINE_PREFIX = "baseline/"  # the demo's policy never speculates for these segments
+
+
+def request_body(request: Request, arm: str = "") -> dict[str, Any]:
+    """The baseline worker's requests name ``baseline/SEGMENT``, which the demo's policy forces to no
+    speculation: both workers then run the same code path (controller client included) and differ only in
+    the decision, so the speedup column measures speculation and nothing else."""
     p = request.prompt
     return {
         "prompt": p.prompt,
         "max_tokens": request.max_tokens,
         "temperature": p.temperature,
         "seed": request.seed,
-        "segment": p.segment,
+        "segment": BASELINE_PREFIX + p.segment if arm == BASELINE else p.segment,
     }
 
 
@@ -169,7 +175,7 @@ def parse_response(status: int, body: Any, request: Request, arm: str, seconds: 
 def send(client: httpx.Client, url: str, request: Request, arm: str) -> Result:
     started = time.perf_counter()
     try:
-        response = client.post(f"{url}/v1/completions", json=request_body(request))
+        response = client.post(f"{url}/v1/completions", json=request_body(request, arm))
         body = response.json()
         status = response.status_code
     except (httpx.HTTPError, ValueError) as e:

@@ -28,9 +28,12 @@ class Learned:
 def learned_from(segments: Iterable[Any]) -> list[Learned]:
     """From ``SegmentStats`` messages (or anything shaped like them)."""
     from controller.cli import describe, segment_summary
+    from specd.demo.driver import BASELINE_PREFIX
 
     learned = []
     for s in segments:
+        if s.segment.startswith(BASELINE_PREFIX):  # the baseline's own traffic: forced off, nothing learned
+            continue
         summary = segment_summary(s)
         learned.append(Learned(s.segment, float(s.rounds), dict(summary["alpha_by_drafter"]), describe(s.decision),
                                bool(s.stale)))  # fmt: skip

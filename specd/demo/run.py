@@ -27,7 +27,8 @@ import workloads as workloads_package
 from controller.redis_conn import PID_FILE, stop_orphan
 from decoder.errors import SpecdError
 from specd.demo import driver as drv
-from specd.demo.configs import DemoPaths, controller_config, worker_config, write_config
+from specd.demo.configs import DemoPaths, controller_config, demo_policy, worker_config, write_config
+from specd.demo.driver import BASELINE_PREFIX
 from specd.demo.plot import plot
 from specd.demo.report import DemoReport, Learned, fetch_learned, read_traces
 from specd.demo.view import progress_line, progress_table, render_summary, shown
@@ -147,16 +148,19 @@ def prepare_run_folder(paths: DemoPaths) -> None:
 
 
 def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, Service], console: Console) -> None:
-    """Controller, then the adaptive worker (asks it), then the baseline worker (no controller: no speculation).
+    """Controller, then the adaptive worker (asks it), then the baseline worker (asks it too; the demo's
+    policy forces no speculation for its baseline/* segments, so the two differ only in the decision).
     Each one is in ``services`` as soon as it runs, so that the caller can stop it whatever happens next."""
-    controller_file = write_config(paths.config(CONTROLLER), controller_config(paths, options.policy),
+    policy = write_config(paths.config("policy"), demo_policy(options.policy, BASELINE_PREFIX),
+                          f"specd demo: {options.policy} plus the baseline rule")  # fmt: skip
+    controller_file = write_config(paths.config(CONTROLLER), controller_config(paths, policy),
                                    "specd demo: the controller")  # fmt: skip
     console.print(f"starting the controller (embedded Redis, policy {shown(options.policy)}) …", soft_wrap=True)
     controller = launch(CONTROLLER, ["controller", "--config", str(controller_file)], paths, options)
     services[CONTROLLER] = controller
     for name, link, what in (
         (ADAPTIVE, controller.address, f"asks the controller at {controller.address}"),
-        (BASELINE, "none", "no controller: no speculation"),
+        (BASELINE, controller.address, f"asks the controller, whose policy says no speculation for {BASELINE_PREFIX}*"),
     ):
         config = worker_config(paths, name, options.target, options.draft)
         path = write_config(paths.config(name), config, f"specd demo: {TITLES[name]}")
