@@ -8,6 +8,7 @@ Every worker's log is checked for tracebacks when it stops: the worker must neve
 
 from __future__ import annotations
 
+import atexit
 import json
 import signal
 import time
@@ -190,6 +191,7 @@ class WorkerLauncher:
         path = self.config(name, **overrides)
         log = self.folder / f"{name}.log"
         service = start(f"worker-{name}", ["worker", "--config", str(path)], log_path=log, timeout_seconds=120)
+        atexit.register(service.kill)  # should the session end without its teardown (no-op once stopped)
         worker = Worker(service, log)
         self.workers.append(worker)
         return worker
@@ -200,11 +202,14 @@ class WorkerLauncher:
         return status
 
     def stop_all(self) -> None:
-        for worker in self.workers:  # all drain at once
+        """Stop every worker (all drain at once), then check every log."""
+        for worker in self.workers:
             if worker.service.alive():
                 worker.service.process.send_signal(signal.SIGTERM)
         for worker in self.workers:
-            self.stop(worker)
+            worker.service.stop(timeout_seconds=20)
+        for worker in self.workers:
+            assert_clean_log(worker)
 
 
 def assert_clean_log(worker: Worker) -> None:

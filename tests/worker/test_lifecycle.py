@@ -118,7 +118,7 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_worker: Worker, lau
 
 @pytest.fixture(scope="module")
 def impatient_worker(launcher: WorkerLauncher) -> Iterator[Worker]:
-    worker = slow_worker(launcher, "impatient", max_batch=1, request_timeout_seconds=0.5)
+    worker = slow_worker(launcher, "impatient", max_batch=1, request_timeout_seconds=0.3)
     yield worker
     launcher.stop(worker)
 
@@ -133,7 +133,7 @@ def test_a_request_past_its_timeout_is_a_504(impatient_worker: Worker):
     for request in (decoding.join(), queued.join()):
         assert request.response is not None and request.response.status_code == 504, request.response
         error = request.response.json()["error"]
-        assert error["type"] == "server_error" and "timed out after 0.5 s" in error["message"]
+        assert error["type"] == "server_error" and "timed out after 0.3 s" in error["message"]
     assert time.monotonic() - started < 10
     payloads = streamed.join().payloads  # a stream has sent its 200 already: the error comes as an event
     assert payloads is not None and payloads[-1] == "[DONE]" and "timed out" in payloads[-2]["error"]["message"]

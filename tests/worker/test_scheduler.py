@@ -115,8 +115,20 @@ def test_above_speculation_max_batch_steps_do_not_speculate(make, target):
     assert {(s.batch_size, s.speculative) for s in steps} == {(2, False)}  # in lockstep, one token a step
 
 
-def test_a_cancelled_job_leaves_and_frees_its_slot(make, target):
+def slow_steps(scheduler: Scheduler, monkeypatch, seconds: float = 0.02) -> None:
+    """Every step takes at least ``seconds``: a 400-token job then lasts over a second on any machine."""
+    step = scheduler.engine.step
+
+    def slow_step(sessions, ks):
+        time.sleep(seconds)
+        return step(sessions, ks)
+
+    monkeypatch.setattr(scheduler.engine, "step", slow_step)
+
+
+def test_a_cancelled_job_leaves_and_frees_its_slot(make, target, monkeypatch):
     scheduler, _ = make(max_batch=1, max_queue=2)
+    slow_steps(scheduler, monkeypatch)
     running, waiting = Recorder(), Recorder()
     scheduler.submit(running.job(target, max_new_tokens=400))
     scheduler.submit(waiting.job(target, max_new_tokens=4))
@@ -134,8 +146,9 @@ def test_a_cancelled_job_leaves_and_frees_its_slot(make, target):
     assert after.outcome().status == "finished"
 
 
-def test_timeouts_in_the_queue_and_while_decoding(make, target):
+def test_timeouts_in_the_queue_and_while_decoding(make, target, monkeypatch):
     scheduler, _ = make(max_batch=1, max_queue=2)
+    slow_steps(scheduler, monkeypatch)
     running, waiting = Recorder(), Recorder()
     scheduler.submit(running.job(target, max_new_tokens=400, timeout=0.2))
     scheduler.submit(waiting.job(target, max_new_tokens=4, timeout=0.1))
