@@ -57,7 +57,11 @@ class WorkerMetrics:
         self.step_seconds = Histogram("specd_step_seconds", "Seconds per decode step", registry=r)
         self.request_seconds = Histogram("specd_request_seconds", "Seconds per request, queue included", registry=r)
         self.decide_seconds = Histogram(
-            "specd_decide_seconds", "Seconds spent getting a decision",
+            "specd_decide_seconds", "Seconds of the controller call (Decide or its fallback), as the client timed it",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=r,
+        )  # fmt: skip
+        self.decision_wait_seconds = Histogram(
+            "specd_decision_wait_seconds", "Seconds a request waited for its decision (the call plus a thread hop)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=r,
         )  # fmt: skip
         self.by_segment: dict[str, SegmentCounters] = {}

@@ -268,7 +268,11 @@ class WorkerService:
 
     async def _decide(self, spec: RequestSpec, segment: str, repetition: float, ctx: Context) -> DecisionOutcome:
         assert self.engine is not None and self.scheduler is not None
-        batch_size = self.scheduler.load()
+        # The decision holds for the request's life while the batch grows and shrinks; the scheduler switches
+        # speculation off for every step the batch is above speculation_max_batch. So the controller is asked
+        # what to run when speculating is allowed: a request arriving in a full batch still gets a drafter and
+        # speculates once the batch shrinks.
+        batch_size = min(self.scheduler.load(), max(1, self.cfg.speculation_max_batch))
         started = time.perf_counter()
         if self.client is None:
             decision = local_decision(self.cfg, batch_size)
@@ -296,7 +300,10 @@ class WorkerService:
             finally:
                 otel_context.detach(token)
             decision = await asyncio.get_running_loop().run_in_executor(None, context.run, call)
-        self.metrics.decide_seconds.observe(time.perf_counter() - started)
+        # The controller call as the client timed it (the deadline applies to it), and the whole wait,
+        # which adds the hop to a thread and back (it grows when the CPU is saturated).
+        self.metrics.decide_seconds.observe(decision.latency_s)
+        self.metrics.decision_wait_seconds.observe(time.perf_counter() - started)
         return decision
 
     def _observe_decision(self, segment: str, decision: DecisionOutcome) -> None:
@@ -336,6 +343,7 @@ class WorkerService:
             "decision_reason": decision.reason,
             "decision_source": decision.source,
             "fallback": decision.fallback,
+            "decide_ms": round(decision.latency_s * 1000, 3),
             "exploration": decision.exploration,
             "batch_size": batch_size,
         }
