@@ -122,17 +122,14 @@ class LlamaKVPool:
         counts = [int(ids.shape[0]) for _, ids in rows]
         self._reserve(max(s + n for s, n in zip(starts, counts, strict=True)))
         if len(rows) == 1:
-            logits = self._forward_one(slots[0], rows[0][1], starts[0])
-            outputs = [logits]
+            outputs = [self._forward_one(slots[0], rows[0][1], starts[0], logits_to_keep)]
         else:
-            outputs = self._forward_ragged(slots, [ids for _, ids in rows], starts, counts)
+            outputs = self._forward_ragged(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
-        if logits_to_keep:
-            outputs = [out[-logits_to_keep:] for out in outputs]
         return outputs
 
-    def _forward_one(self, slot: int, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+    def _forward_one(self, slot: int, input_ids: torch.Tensor, start: int, logits_to_keep: int) -> torch.Tensor:
         """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""
         model = self.lm.model.model
         n = input_ids.shape[0]
@@ -165,10 +162,12 @@ class LlamaKVPool:
             )  # [1, heads, n, d]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm.model.lm_head(model.norm(x))[0]  # [n, vocab]
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # the head only where logits are wanted (a prefill needs one row)
+        return self.lm.model.lm_head(model.norm(x))[0]  # [n or logits_to_keep, vocab]
 
     def _forward_ragged(
-        self, slots: list[int], inputs: list[torch.Tensor], starts: list[int], counts: list[int]
+        self, slots: list[int], inputs: list[torch.Tensor], starts: list[int], counts: list[int], logits_to_keep: int
     ) -> list[torch.Tensor]:
         """Several sequences, padded to the longest row; padding is neither cached nor returned."""
         model = self.lm.model.model
@@ -208,8 +207,13 @@ class LlamaKVPool:
             )  # [b, heads, w, d]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, width, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = model.norm(x[row_of, col_of])  # [t, hidden] real tokens only
-        return list(self.lm.model.lm_head(hidden).split(counts))  # [n_i, vocab] each
+        if logits_to_keep:  # the head only on each row's last real tokens
+            kept = [min(n, logits_to_keep) for n in counts]
+            first_kept = torch.tensor([n - k for n, k in zip(counts, kept, strict=True)], device=device)  # [b]
+            row_of, col_of = ((offsets[None, :] >= first_kept[:, None]) & real).nonzero(as_tuple=True)
+            counts = kept
+        hidden = model.norm(x[row_of, col_of])  # [t, hidden]
+        return list(self.lm.model.lm_head(hidden).split(counts))  # [n_i or logits_to_keep, vocab] each
 
     def cached_keys(self, slot: int) -> list[torch.Tensor]:
         """Per layer: the keys ``slot`` holds, [1, kv_heads, length, head_dim]."""

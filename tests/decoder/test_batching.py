@@ -153,3 +153,15 @@ def test_a_refused_request_gives_its_slots_back(llama_target, llama_draft):
             engine.open(too_long, drafter, GREEDY, StopRules(max_new_tokens=4))
     assert engine.free_slots == 2
     assert engine.draft_pool is not None and engine.draft_pool.free_slots == 2
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_logits_to_keep_returns_the_tail_of_the_full_logits(llama_target, rows):
+    full, tail = LlamaKVPool(llama_target, rows), LlamaKVPool(llama_target, rows)
+    inputs = [torch.arange(1, n + 1) for n in (6, 2, 9)[:rows]]
+    want = full.forward_many([(full.open(), ids) for ids in inputs])
+    got = tail.forward_many([(tail.open(), ids) for ids in inputs], logits_to_keep=3)
+    for w, g, ids in zip(want, got, inputs, strict=True):
+        assert g.shape[0] == min(3, ids.shape[0])
+        torch.testing.assert_close(g, w[-3:], rtol=1e-9, atol=1e-9)
+    assert tail.lengths == full.lengths  # every token is cached, whatever logits are kept
