@@ -9,11 +9,12 @@ with one line naming its log (exit 2). No child process outlives the demo.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,9 @@ from rich.live import Live
 from rich.text import Text
 
 import workloads as workloads_package
+from controller.policy import load_policy
 from controller.redis_conn import PID_FILE, stop_orphan
+from controller.yaml_config import ConfigError
 from decoder.errors import SpecdError
 from specd.demo import driver as drv
 from specd.demo.configs import DemoPaths, controller_config, demo_policy, worker_config, write_config
@@ -86,7 +89,10 @@ def run_demo(options: DemoOptions, console: Console) -> int:
             driver.urls = {drv.ADAPTIVE: services[ADAPTIVE].url, drv.BASELINE: services[BASELINE].url}
             started = time.monotonic()
             driver.start()
-            watch(driver, drv.totals_of(requests), options, services, console, started)
+            # From here a first signal only sets a flag that the watch loop polls: raising KeyboardInterrupt
+            # into a thread join or a console write can leave a lock or the output half-done.
+            received["cooperative"] = 1
+            watch(driver, drv.totals_of(requests), options, services, console, started, lambda: "signal" in received)
         except KeyboardInterrupt:
             received.setdefault("signal", signal.SIGINT)
         finally:
@@ -151,8 +157,11 @@ def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, S
     """Controller, then the adaptive worker (asks it), then the baseline worker (asks it too; the demo's
     policy forces no speculation for its baseline/* segments, so the two differ only in the decision).
     Each one is in ``services`` as soon as it runs, so that the caller can stop it whatever happens next."""
-    policy = write_config(paths.config("policy"), demo_policy(options.policy, BASELINE_PREFIX),
-                          f"specd demo: {options.policy} plus the baseline rule")  # fmt: skip
+    policy = options.policy  # if it is invalid, the controller refuses it naming its file, line and field
+    with contextlib.suppress(ConfigError):
+        load_policy(options.policy)
+        policy = write_config(paths.config("policy"), demo_policy(options.policy, BASELINE_PREFIX),
+                              f"specd demo: {options.policy} plus the baseline rule")  # fmt: skip
     controller_file = write_config(paths.config(CONTROLLER), controller_config(paths, policy),
                                    "specd demo: the controller")  # fmt: skip
     console.print(f"starting the controller (embedded Redis, policy {shown(options.policy)}) …", soft_wrap=True)
@@ -221,7 +230,7 @@ def shut_down(
 
 
 def watch(driver: drv.Driver, totals: dict[str, int], options: DemoOptions, services: dict[str, Service],
-          console: Console, started: float) -> None:  # fmt: skip
+          console: Console, started: float, stop_requested: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
     """Until the driver is done: a live table on a terminal, a progress line every few seconds elsewhere. A
     worker that dies ends the traffic (the summary then shows the failed requests)."""
 
@@ -237,7 +246,7 @@ def watch(driver: drv.Driver, totals: dict[str, int], options: DemoOptions, serv
     if options.live:
         footer = Text("Ctrl-C stops: shuts everything down and prints what was measured so far", style="dim")
         with Live(console=console, refresh_per_second=4, transient=True) as live:
-            while driver.running:
+            while driver.running and not stop_requested():
                 rows, overall = snapshot()
                 table = progress_table(rows, overall, f"specd demo ({options.settings})", console.width)
                 live.update(Group(table, footer))
@@ -246,7 +255,7 @@ def watch(driver: drv.Driver, totals: dict[str, int], options: DemoOptions, serv
         return
     last = time.monotonic()
     console.print(f"sending {sum(totals.values())} requests ({options.settings})", soft_wrap=True)
-    while driver.running:
+    while driver.running and not stop_requested():
         driver.join(0.25)
         check_services()
         if time.monotonic() - last >= PLAIN_EVERY_SECONDS:
@@ -256,18 +265,22 @@ def watch(driver: drv.Driver, totals: dict[str, int], options: DemoOptions, serv
 
 @contextmanager
 def signals_as_interrupt() -> Iterator[dict[str, int]]:
-    """SIGTERM and SIGHUP (the terminal closed) behave like Ctrl-C: an orderly shutdown. The dict says which
-    signal arrived first."""
+    """SIGINT, SIGTERM and SIGHUP (the terminal closed) all mean an orderly shutdown. The dict says which signal
+    arrived first. SIGINT is installed too because a process started in the background by a non-interactive
+    shell inherits it as ignored, and Ctrl-C (or a supervisor's SIGINT) must still stop the demo."""
     received: dict[str, int] = {}
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
+        first = "signal" not in received
         received.setdefault("signal", signum)
+        if first and received.get("cooperative"):
+            return  # the watch loop polls for it
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield received
     finally:
