@@ -16,16 +16,16 @@ import torch
 
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig
 from decoder.drafters.draft_model import propose_together
-from decoder.engine import DecodeSession, make_drafter
+from decoder.engine import DecodeSession, SpeculativeDecoder, make_drafter
 from decoder.kv_cache import ModelSequence
 from decoder.llama_fast import LlamaKVPool, PooledSequence
-from decoder.models import LoadedModel, check_pair
+from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams, make_generator
 from decoder.stopping import StopRules
 
 
-class BatchEngine:
-    """A target (and optional draft) model with KV slots for ``max_batch`` sequences decoded together."""
+class BatchEngine(SpeculativeDecoder):
+    """A SpeculativeDecoder with KV slots for ``max_batch`` sequences decoded together (``open``/``step``)."""
 
     def __init__(
         self,
@@ -34,26 +34,14 @@ class BatchEngine:
         prompt_lookup: PromptLookupConfig | None = None,
         max_batch: int = 16,
     ) -> None:
-        if draft is not None:
-            check_pair(target, draft)
-        self.target = target
-        self.draft = draft
-        self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+        super().__init__(target, draft, prompt_lookup)
         self.max_batch = max_batch
         self.target_pool = LlamaKVPool(target, max_batch, capacity=target.max_context or 1024)
         self.draft_pool = LlamaKVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None
 
     @property
-    def drafters(self) -> tuple[str, ...]:
-        """The drafters this worker can run."""
-        return ("draft", "prompt_lookup", "none") if self.draft is not None else ("prompt_lookup", "none")
-
-    @property
     def free_slots(self) -> int:
         return self.target_pool.free_slots
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def open(self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules) -> DecodeSession:
         """A new sequence in a free slot, prefilled and ready for ``step``. Raises ValueError on a bad request."""
@@ -61,7 +49,7 @@ class BatchEngine:
         target_seq = self.target_pool.open()
         made: Drafter | None = None
         try:
-            made = self._make_drafter(drafter, params, generator)
+            made = self._pooled_drafter(drafter, params, generator)
             session = DecodeSession(self.target, made, prompt_ids, params, rules, generator, target_seq)
             session.prefill()
         except BaseException:
@@ -123,7 +111,8 @@ class BatchEngine:
             for s, k, d in zip(sessions, ks, drafts, strict=True)
         ]
 
-    def _make_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
+    def _pooled_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
+        """Like ``_make_drafter``, with the draft model's cache in a slot of the pool (released by ``close``)."""
         if name == "draft" and self.draft_pool is not None:
             return make_drafter(name, self.draft, self.prompt_lookup, params, generator, self.draft_pool.open())
         return make_drafter(name, self.draft, self.prompt_lookup, params, generator)

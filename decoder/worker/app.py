@@ -143,9 +143,10 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     max_tokens = body.max_tokens or cfg.default_max_tokens
     if max_tokens > cfg.max_tokens_limit:
         raise BadRequest("max_tokens", f"{max_tokens} is above this worker's limit of {cfg.max_tokens_limit}")
-    outside = [t for t in ids if not 0 <= t < service.vocab_size]
+    vocab_size = service.vocab_size
+    outside = [t for t in ids if not 0 <= t < vocab_size]
     if outside:  # an embedding lookup past the table would fail the whole decode batch
-        raise BadRequest("prompt", f"token id {outside[0]} is outside the vocabulary (0..{service.vocab_size - 1})")
+        raise BadRequest("prompt", f"token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
     segment = body.segment or request.headers.get(SEGMENT_HEADER)
     if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
         raise BadRequest("segment", f"{segment!r} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
