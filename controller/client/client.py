@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import grpc
@@ -196,38 +196,33 @@ class ControllerClient:
     ) -> DecisionOutcome:
         """How to speculate for this request: the controller's answer within the deadline, else a fallback.
         Never raises."""
-        args = (segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens)
+
+        def make_request() -> pb.DecideRequest:
+            return decide_request(
+                segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens,
+                self_repetition,
+            )  # fmt: skip
+
         if self._tracer is None:
-            return self._decide(*args, self_repetition)
+            return self._decide(segment, batch_size, drafters, make_request)
         with self._tracer.start_as_current_span(DECIDE_SPAN, kind=SpanKind.CLIENT) as span:
-            outcome = self._decide(*args, self_repetition)
+            outcome = self._decide(segment, batch_size, drafters, make_request)
             span.set_attributes(span_attributes(segment, outcome))
             return outcome
 
     def _decide(
-        self,
-        segment: str,
-        batch_size: int,
-        drafters: Sequence[str],
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        prompt_tokens: int,
-        max_new_tokens: int,
-        self_repetition: float,
+        self, segment: str, batch_size: int, drafters: Sequence[str], make_request: Callable[[], pb.DecideRequest]
     ) -> DecisionOutcome:
+        """The call, or the fallback. ``make_request`` is called inside the guard: a bad argument (e.g. an int
+        out of int32 range) is a fallback too, not an exception."""
         start = time.perf_counter()
         stub = self._stub
         code: grpc.StatusCode | None = grpc.StatusCode.UNAVAILABLE
         detail = "the client is not started (or closed)"
         if stub is not None:
             try:
-                request = decide_request(
-                    segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens,
-                    self_repetition,
-                )  # fmt: skip
                 decision = stub.Decide(
-                    request,
+                    make_request(),
                     timeout=self.config.decide_deadline_s,
                     metadata=metadata_with_context(),
                     wait_for_ready=False,
