@@ -122,57 +122,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_body(
-    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int] | None, specd: dict[str, Any]
-) -> dict[str, Any]:
+def envelope(
+    request_id: str, model: str, kind: str, choices: list[dict[str, Any]], use: dict[str, int] | None,
+    specd: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The fields every response and chunk share; ``usage`` and the ``specd`` block only when given."""
     body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
+        "id": request_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices,
+    }  # fmt: skip
     if use is not None:
         body["usage"] = use
     if specd:
         body["specd"] = specd
     return body
+
+
+def completion_body(
+    request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int] | None, specd: dict[str, Any]
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return envelope(request_id, model, "text_completion", [choice], use, specd)
 
 
 def chat_body(
     request_id: str, model: str, text: str, finish_reason: str | None, use: dict[str, int] | None, specd: dict[str, Any]
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-             "finish_reason": finish_reason}
-        ],
-    }  # fmt: skip
-    if use is not None:
-        body["usage"] = use
-    if specd:
-        body["specd"] = specd
-    return body
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return envelope(request_id, model, "chat.completion", [choice], use, specd)
 
 
 def chat_chunk(
     request_id: str, model: str, delta: dict[str, Any], finish_reason: str | None, use: dict[str, int] | None = None
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}] if delta or
-        finish_reason else [],
-    }  # fmt: skip
-    if use is not None:
-        chunk["usage"] = use
-    return chunk
+    choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    return envelope(request_id, model, "chat.completion.chunk", choices if delta or finish_reason else [], use)
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
