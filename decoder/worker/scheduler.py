@@ -14,7 +14,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, GenerationResult
@@ -55,6 +54,7 @@ class Job:
     submitted_at: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     session: DecodeSession | None = None
+    batch_sizes: list[int] = field(default_factory=list)  # the batch size at each step it took part in
 
     def cancel(self) -> None:
         """Stop at the next step boundary (a client went away). Safe from any thread."""
@@ -83,7 +83,6 @@ class Scheduler:
         self.on_step = on_step or (lambda _: None)
         self._queue: deque[Job] = deque()
         self._active: list[Job] = []
-        self._batch_history: dict[int, list[int]] = {}
         self._wake = threading.Condition()
         self._accepting = True
         self._stopping = False
@@ -187,7 +186,6 @@ class Scheduler:
                 self._finish(job, JobOutcome("error", error=str(e)))
                 continue
             self._active.append(job)
-            self._batch_history[id(job)] = []
             job.on_started(time.perf_counter() - started)
 
     def _step(self) -> None:
@@ -200,7 +198,7 @@ class Scheduler:
         self.on_step(StepObservation(len(batch), speculative, time.perf_counter() - started))
         now = time.monotonic()
         for job, tokens in zip(batch, emitted, strict=True):
-            self._batch_history[id(job)].append(len(batch))
+            job.batch_sizes.append(len(batch))
             job.on_tokens(tokens)
             session = job.session
             assert session is not None
@@ -217,7 +215,7 @@ class Scheduler:
         if job.session is not None:
             self.engine.close(job.session)
             job.session = None
-        history = tuple(self._batch_history.pop(id(job), ()))
+        history = tuple(job.batch_sizes)
         with self._wake:
             if job in self._queue:
                 self._queue.remove(job)
@@ -225,6 +223,3 @@ class Scheduler:
             job.on_finish(JobOutcome(outcome.status, outcome.result, outcome.error, history))
         except Exception as e:  # a callback's bug must not take the decode loop down
             print(f"specd worker: on_finish callback failed: {e!r}", flush=True)
-
-    def describe(self) -> dict[str, Any]:
-        return {"queue_depth": self.queue_depth, "batch_size": self.batch_size, "accepting": self._accepting}
