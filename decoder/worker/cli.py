@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                     lifespan="off",
                 )
             )
-            _Announcer(server, cfg).install()
+            _Announcer(server, service).install()
             server.run()
     except _Terminated:
         pass  # uvicorn has already stopped accepting and waited for open requests
@@ -105,8 +105,8 @@ class _Announcer:
     """Prints the bound address once uvicorn has started (port 0 picks a free one): tests and the demo
     read this line."""
 
-    def __init__(self, server: Any, cfg: Any) -> None:
-        self.server, self.cfg = server, cfg
+    def __init__(self, server: Any, service: Any) -> None:
+        self.server, self.service = server, service
 
     def install(self) -> None:
         original = self.server.startup
@@ -116,15 +116,12 @@ class _Announcer:
             for srv in getattr(self.server, "servers", []):
                 for sock in srv.sockets:
                     host, port = sock.getsockname()[:2]
-                    drafters = ", ".join(self.cfg_drafters())
+                    cfg, drafters = self.service.cfg, ", ".join(self.service.engine.drafters)
                     print(
-                        f"specd worker listening on http://{host}:{port} (model {self.cfg.model_name}, drafters "
-                        f"{drafters}, controller {self.cfg.controller.address or 'none'})",
+                        f"specd worker listening on http://{host}:{port} (model {cfg.model_name}, drafters "
+                        f"{drafters}, controller {cfg.controller.address or 'none'})",
                         flush=True,
                     )
                     return
 
         self.server.startup = startup
-
-    def cfg_drafters(self) -> list[str]:
-        return ["draft", "prompt_lookup", "none"] if self.cfg.draft is not None else ["prompt_lookup", "none"]
