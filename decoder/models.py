@@ -53,15 +53,18 @@ class LoadedModel:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """``None`` or "auto" picks CUDA when present, else CPU."""
+    """``None`` or "auto" picks CUDA when present, else CPU; a CUDA device always carries its index."""
     if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError as e:
         raise ModelLoadError(f"unknown device {name!r}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {name!r} asked for, but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        # "cuda" and the "cuda:0" a tensor reports must compare equal (the draft/target check compares them)
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from decoder.errors import ModelLoadError, TokenizerMismatchError
-from decoder.models import check_pair, load_model
+from decoder.models import check_pair, load_model, resolve_device
 from decoder.tiny import build_model, build_tokenizer, save_tiny_pair
 
 CPU = torch.device("cpu")
@@ -54,3 +54,17 @@ def test_corrupt_config_gives_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot load model"):
         load_model(tmp_path, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["cuda", "auto", None])
+def test_a_cuda_device_carries_its_index(monkeypatch, name):
+    # Tensors report "cuda:0"; a bare "cuda" compares unequal to it, and the draft/target device check then
+    # refused every pair loaded with --device cuda (seen on an H100: "target is on cuda and draft on cuda:0").
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device(name) == torch.device("cuda", 0)
+
+
+def test_an_explicit_cuda_index_is_kept(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
