@@ -31,8 +31,8 @@ import grpc
 from controller.config import ControllerConfig, load_config
 from controller.decide import Request
 from controller.server import ControllerDaemon
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 SEGMENTS = [f"tenant-{i}" for i in range(50)]

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
 
@@ -59,7 +59,7 @@ def run_daemon(args: argparse.Namespace) -> int:
 
 
 def _stub(address: str | None) -> Any:
-    from specd.v1 import controller_pb2_grpc
+    from specd_api.v1 import controller_pb2_grpc
 
     channel = grpc.insecure_channel(address or os.environ.get("SPECD_CONTROLLER") or DEFAULT_ADDRESS)
     return controller_pb2_grpc.ControllerStub(channel)
@@ -76,7 +76,7 @@ def _call(address: str | None, method: str, request: Any) -> Any:
 
 
 def run_alpha(args: argparse.Namespace) -> int:
-    from specd.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2 as pb
 
     if args.segment:
         segments = [_call(args.address, "GetSegmentStats", pb.GetSegmentStatsRequest(segment=args.segment))]
@@ -102,7 +102,7 @@ def run_alpha(args: argparse.Namespace) -> int:
 
 
 def run_segments(args: argparse.Namespace) -> int:
-    from specd.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2 as pb
 
     segments = list(_call(args.address, "ListSegments", pb.ListSegmentsRequest()).segments)
     if args.json:
@@ -117,7 +117,7 @@ def run_segments(args: argparse.Namespace) -> int:
 
 
 def run_policy(args: argparse.Namespace) -> int:
-    from specd.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2 as pb
 
     if args.action == "check":
         return check_policies(args.files)

@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 log = logging.getLogger(__name__)
 

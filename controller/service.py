@@ -23,8 +23,8 @@ from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.speedup import speedup_curve, wilson_interval
 from controller.tracing import context_from_metadata
 from controller.yaml_config import ConfigError
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 TYPICAL_MAX_NEW_TOKENS = 128
 # Decisions made from the statistics (not from a rule): the ones hysteresis remembers.

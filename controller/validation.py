@@ -11,7 +11,7 @@ import re
 from controller.counts import Aggregate
 from controller.decide import Request
 from controller.segments import validate_segment as validate_segment
-from specd.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2 as pb
 
 KNOWN_DRAFTERS = ("draft", "prompt_lookup", "none")
 MAX_K = 64

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 M = TypeVar("M", bound=BaseModel)
 

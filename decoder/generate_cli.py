@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES, RUNNER_NAMES
-from decoder.errors import UsageError
+from specd_api.errors import UsageError
 
 
 def add_parser(commands: Any) -> None:

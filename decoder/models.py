@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from decoder.errors import ModelLoadError, TokenizerMismatchError
+from specd_api.errors import ModelLoadError, TokenizerMismatchError
 
 DTYPES: dict[str, torch.dtype] = {  # keys: decoder.choices.DTYPE_NAMES
     "float32": torch.float32,

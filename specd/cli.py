@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 _LISTENING = re.compile(r"listening on (?:http://)?(\S+?:\d+)")
 

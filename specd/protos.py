@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent.parent / "protos"
-PROTO_FILES = ("specd/v1/controller.proto",)
+PROTO_FILES = ("specd_api/v1/controller.proto",)
 
 
 def generate(out_dir: Path) -> None:
-    """Write controller_pb2.py, controller_pb2.pyi and controller_pb2_grpc.py under out_dir/specd/v1."""
+    """Write controller_pb2.py, controller_pb2.pyi and controller_pb2_grpc.py under out_dir/specd_api/v1."""
     from grpc_tools import protoc
 
     args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",

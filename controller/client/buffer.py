@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from specd.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2 as pb
 
 
 @dataclass(frozen=True)

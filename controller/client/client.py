@@ -33,8 +33,8 @@ from controller.client.fallback import (
 )
 from controller.client.reports import RoundLike, rounds_to_aggregates
 from controller.tracing import metadata_with_context
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specd.controller.client")
 DECIDE_SPAN = "specd.controller.decide"

@@ -12,7 +12,7 @@ from typing import Literal
 
 import grpc
 
-from specd.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2 as pb
 
 Fallback = Literal["timeout", "unavailable", "error"]
 Source = Literal["controller", "last_decision", "local_default"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specd.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2 as pb
 
 SELF_REPETITION_N = 3  # the n of PromptFeatures.self_repetition (controller.proto)
 

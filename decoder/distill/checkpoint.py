@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from decoder.distill.config import DistillConfig
-from decoder.errors import UsageError
+from specd_api.errors import UsageError
 
 STATE_FILE = "state.pt"
 

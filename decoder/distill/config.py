@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decoder.choices import DTYPE_NAMES
-from decoder.errors import UsageError
+from specd_api.errors import UsageError
 
 EVAL_K = 4  # draft tokens per round when α is measured
 EVAL_PROMPT_TOKENS = 32  # length of each held-out prompt α is measured on

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 TEXT_FIELDS = ("text", "prompt")

@@ -13,8 +13,8 @@ from decoder.distill.models import check_lengths, load_draft, load_target, save_
 from decoder.distill.progress import Progress
 from decoder.distill.report import Report
 from decoder.distill.trainer import StopRequest, Trainer, make_optimizer
-from decoder.errors import UsageError
 from decoder.models import LoadedModel, parse_dtype, resolve_device
+from specd_api.errors import UsageError
 
 
 def distill(cfg: DistillConfig, stop: StopRequest | None = None, progress: Progress | None = None) -> Report | None:

@@ -17,8 +17,8 @@ from decoder.distill.checkpoint import RunState, save_checkpoint
 from decoder.distill.config import DistillConfig
 from decoder.distill.loss import forward_kl
 from decoder.distill.progress import Progress
-from decoder.errors import SpecdError
 from decoder.schedules import warmup_cosine
+from specd_api.errors import SpecdError
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 

@@ -14,7 +14,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
 
-from decoder.errors import SpecdError
 from decoder.sampling import SamplingParams
 from decoder.worker.config import SEGMENT_PATTERN
 from decoder.worker.openai_api import (
@@ -29,6 +28,7 @@ from decoder.worker.openai_api import (
     usage,
 )
 from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, WorkerService
+from specd_api.errors import SpecdError
 
 SEGMENT_HEADER = "x-specd-segment"
 RETRY_AFTER_SECONDS = 1

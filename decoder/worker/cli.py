@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from decoder.errors import UsageError
+from specd_api.errors import UsageError
 
 
 def add_parser(commands: Any) -> None:

@@ -42,7 +42,7 @@ def learned_from(segments: Iterable[Any]) -> list[Learned]:
 
 def fetch_learned(address: str, timeout_seconds: float = 5.0) -> list[Learned]:
     """The controller's ListSegments."""
-    from specd.v1 import controller_pb2, controller_pb2_grpc
+    from specd_api.v1 import controller_pb2, controller_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)

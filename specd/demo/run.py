@@ -28,7 +28,6 @@ import workloads as workloads_package
 from controller.policy import load_policy
 from controller.redis_conn import PID_FILE, stop_orphan
 from controller.yaml_config import ConfigError
-from decoder.errors import SpecdError
 from specd.demo import driver as drv
 from specd.demo.configs import DemoPaths, controller_config, demo_policy, worker_config, write_config
 from specd.demo.driver import BASELINE_PREFIX
@@ -36,6 +35,7 @@ from specd.demo.plot import plot
 from specd.demo.report import DemoReport, Learned, fetch_learned, read_traces
 from specd.demo.view import progress_line, progress_table, render_summary, shown
 from specd.launch import LaunchError, Service, start
+from specd_api.errors import SpecdError
 from workloads import Prompt, load_all
 
 MARKER = ".specd-demo"  # a run folder holds this, so that wiping never touches a folder the demo did not make

@@ -13,8 +13,8 @@ import pytest
 
 from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -40,8 +40,8 @@ from controller.config import ControllerConfig, LearningConfig
 from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
 from decoder.telemetry import RoundRecord
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_POLICY = REPO / "policies" / "default.yaml"

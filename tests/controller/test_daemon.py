@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -22,8 +22,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from controller.config import ControllerConfig, LearningConfig
 from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
 SERVICE = "specd.v1.Controller"

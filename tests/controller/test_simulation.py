@@ -18,8 +18,8 @@ import pytest
 from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
 from controller.speedup import VerifyCost, speedup_curve
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 STEP_SECONDS = 0.010  # the synthetic target's decode step
 VERIFY_SLOPE = 0.03  # v(n) = 1 + 0.03 n

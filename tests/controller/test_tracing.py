@@ -27,8 +27,8 @@ from controller.redis_conn import make_client
 from controller.service import Controller, ControllerServicer
 from controller.store import StoreConfig, TelemetryStore
 from controller.tracing import metadata_with_context
-from specd.v1 import controller_pb2 as pb
-from specd.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
 DECIDE_SPAN = "specd.v1.Controller/Decide"

@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from controller.yaml_config import ConfigError, ConfigIssue, load_yaml_model, parse_yaml_model
-from decoder.errors import SpecdError
+from specd_api.errors import SpecdError
 
 
 class Draft(BaseModel):

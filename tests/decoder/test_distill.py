@@ -26,10 +26,10 @@ from decoder.distill.loss import forward_kl, top1_agreement
 from decoder.distill.pipeline import distill
 from decoder.distill.progress import Progress
 from decoder.distill.trainer import StopRequest, learning_rate
-from decoder.errors import TokenizerMismatchError, UsageError
 from decoder.models import load_model
 from decoder.tiny import build_model, build_tokenizer
 from specd.cli import main
+from specd_api.errors import TokenizerMismatchError, UsageError
 
 DRAFT_CONFIG = {
     "model_type": "llama",

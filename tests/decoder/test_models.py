@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoder.errors import ModelLoadError, TokenizerMismatchError
 from decoder.models import check_pair, load_model, resolve_device
 from decoder.tiny import build_model, build_tokenizer, save_tiny_pair
+from specd_api.errors import ModelLoadError, TokenizerMismatchError
 
 CPU = torch.device("cpu")
 

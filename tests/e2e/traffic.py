@@ -117,8 +117,8 @@ def controller_counts(address: str) -> dict[tuple[str, str], tuple[float, float,
     """(rounds, proposed, accepted) per (segment, drafter) as the controller has them, over all K."""
     import grpc
 
-    from specd.v1 import controller_pb2 as pb
-    from specd.v1 import controller_pb2_grpc as pb_grpc
+    from specd_api.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as channel:
         segments = pb_grpc.ControllerStub(channel).ListSegments(pb.ListSegmentsRequest(), timeout=10).segments

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from specd.v1 import controller_pb2 as specd_dot_v1_dot_controller__pb2
+from specd_api.v1 import controller_pb2 as specd__api_dot_v1_dot_controller__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in specd/v1/controller_pb2_grpc.py depends on'
+        + ' but the generated code in specd_api/v1/controller_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class ControllerStub:
         """
         self.Decide = channel.unary_unary(
                 '/specd.v1.Controller/Decide',
-                request_serializer=specd_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_controller__pb2.Decision.FromString,
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.Decision.FromString,
                 _registered_method=True)
         self.ReportRounds = channel.unary_unary(
                 '/specd.v1.Controller/ReportRounds',
-                request_serializer=specd_dot_v1_dot_controller__pb2.ReportRoundsRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_controller__pb2.ReportRoundsResponse.FromString,
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.ReportRoundsRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.ReportRoundsResponse.FromString,
                 _registered_method=True)
         self.GetSegmentStats = channel.unary_unary(
                 '/specd.v1.Controller/GetSegmentStats',
-                request_serializer=specd_dot_v1_dot_controller__pb2.GetSegmentStatsRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_controller__pb2.SegmentStats.FromString,
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.GetSegmentStatsRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.SegmentStats.FromString,
                 _registered_method=True)
         self.ListSegments = channel.unary_unary(
                 '/specd.v1.Controller/ListSegments',
-                request_serializer=specd_dot_v1_dot_controller__pb2.ListSegmentsRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_controller__pb2.ListSegmentsResponse.FromString,
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.ListSegmentsRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.ListSegmentsResponse.FromString,
                 _registered_method=True)
         self.GetPolicy = channel.unary_unary(
                 '/specd.v1.Controller/GetPolicy',
-                request_serializer=specd_dot_v1_dot_controller__pb2.GetPolicyRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.GetPolicyRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
                 _registered_method=True)
         self.ReloadPolicy = channel.unary_unary(
                 '/specd.v1.Controller/ReloadPolicy',
-                request_serializer=specd_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
-                response_deserializer=specd_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
                 _registered_method=True)
 
 
@@ -115,33 +115,33 @@ def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decide': grpc.unary_unary_rpc_method_handler(
                     servicer.Decide,
-                    request_deserializer=specd_dot_v1_dot_controller__pb2.DecideRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_controller__pb2.Decision.SerializeToString,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.DecideRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.Decision.SerializeToString,
             ),
             'ReportRounds': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportRounds,
-                    request_deserializer=specd_dot_v1_dot_controller__pb2.ReportRoundsRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_controller__pb2.ReportRoundsResponse.SerializeToString,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.ReportRoundsRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.ReportRoundsResponse.SerializeToString,
             ),
             'GetSegmentStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSegmentStats,
-                    request_deserializer=specd_dot_v1_dot_controller__pb2.GetSegmentStatsRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_controller__pb2.SegmentStats.SerializeToString,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.GetSegmentStatsRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.SegmentStats.SerializeToString,
             ),
             'ListSegments': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSegments,
-                    request_deserializer=specd_dot_v1_dot_controller__pb2.ListSegmentsRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_controller__pb2.ListSegmentsResponse.SerializeToString,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.ListSegmentsRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.ListSegmentsResponse.SerializeToString,
             ),
             'GetPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPolicy,
-                    request_deserializer=specd_dot_v1_dot_controller__pb2.GetPolicyRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_controller__pb2.PolicyInfo.SerializeToString,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.GetPolicyRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.PolicyInfo.SerializeToString,
             ),
             'ReloadPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadPolicy,
-                    request_deserializer=specd_dot_v1_dot_controller__pb2.ReloadPolicyRequest.FromString,
-                    response_serializer=specd_dot_v1_dot_controller__pb2.PolicyInfo.SerializeToString,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.ReloadPolicyRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.PolicyInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -169,8 +169,8 @@ class Controller:
             request,
             target,
             '/specd.v1.Controller/Decide',
-            specd_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
-            specd_dot_v1_dot_controller__pb2.Decision.FromString,
+            specd__api_dot_v1_dot_controller__pb2.DecideRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.Decision.FromString,
             options,
             channel_credentials,
             insecure,
@@ -196,8 +196,8 @@ class Controller:
             request,
             target,
             '/specd.v1.Controller/ReportRounds',
-            specd_dot_v1_dot_controller__pb2.ReportRoundsRequest.SerializeToString,
-            specd_dot_v1_dot_controller__pb2.ReportRoundsResponse.FromString,
+            specd__api_dot_v1_dot_controller__pb2.ReportRoundsRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.ReportRoundsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class Controller:
             request,
             target,
             '/specd.v1.Controller/GetSegmentStats',
-            specd_dot_v1_dot_controller__pb2.GetSegmentStatsRequest.SerializeToString,
-            specd_dot_v1_dot_controller__pb2.SegmentStats.FromString,
+            specd__api_dot_v1_dot_controller__pb2.GetSegmentStatsRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.SegmentStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class Controller:
             request,
             target,
             '/specd.v1.Controller/ListSegments',
-            specd_dot_v1_dot_controller__pb2.ListSegmentsRequest.SerializeToString,
-            specd_dot_v1_dot_controller__pb2.ListSegmentsResponse.FromString,
+            specd__api_dot_v1_dot_controller__pb2.ListSegmentsRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.ListSegmentsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class Controller:
             request,
             target,
             '/specd.v1.Controller/GetPolicy',
-            specd_dot_v1_dot_controller__pb2.GetPolicyRequest.SerializeToString,
-            specd_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
+            specd__api_dot_v1_dot_controller__pb2.GetPolicyRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class Controller:
             request,
             target,
             '/specd.v1.Controller/ReloadPolicy',
-            specd_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
-            specd_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
+            specd__api_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
             options,
             channel_credentials,
             insecure,
