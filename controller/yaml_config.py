@@ -3,11 +3,19 @@
 The text is composed once into a node tree (each node carries its `start_mark`) and then constructed
 into plain Python data with PyYAML's safe constructor. Duplicate keys are found on the node tree before
 construction, and each pydantic error's `loc` is followed through the same tree to find its line.
+
+A file is hostile until proven otherwise (`YamlLimits`): it is read no further than its size limit, composed
+by a loader that counts nodes, aliases and depth as it goes, and its node graph is measured with every alias
+expanded (memoised per node, so measuring costs the graph, not the expansion) before anything is constructed:
+a few hundred bytes of nested merge keys (`<<: [*a, *a, ...]`) that would expand to gigabytes are refused in
+milliseconds. An empty file (nothing but whitespace or comments) is refused: a file meaning "every default"
+says so with `{}`. Messages quote at most a short piece of the file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +29,31 @@ M = TypeVar("M", bound=BaseModel)
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 _NODE_KINDS = {yaml.MappingNode: "a mapping", yaml.SequenceNode: "a sequence", yaml.ScalarNode: "a scalar"}
+QUOTE_CHARS = 64  # the most characters of the file's own text a message repeats
+_MESSAGE_CHARS = 300  # the longest message or field path an issue carries
+EMPTY_FILE = "the file is empty (no YAML document, only whitespace or comments); write {} to accept every default"
+
+
+@dataclass(frozen=True)
+class YamlLimits:
+    """Bounds on one YAML file, each checked before the work it bounds."""
+
+    max_bytes: int = 512 << 10  # the file, never read past this; PyYAML composes 512 KiB in ~1.5 s at worst
+    max_nodes: int = 100_000  # nodes with every alias and merge key expanded (a 1,000-rule policy has ~20,000)
+    max_aliases: int = 1_000  # alias uses (`*name`) in the text
+    max_depth: int = 64  # nesting of mappings and sequences
+
+
+DEFAULT_LIMITS = YamlLimits()
+
+
+def quote(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`repr(text)`, cut after `limit` characters with its full length noted."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -31,6 +64,11 @@ class ConfigIssue:
     line: int | None  # 1-based line of the offending key/value; None if unknown
     field: str  # dotted path, e.g. "segments[2].drafters.draft.k_max"; "" for the whole document
     message: str  # reason, e.g. "Input should be greater than or equal to 1"
+
+    def __post_init__(self) -> None:
+        """Field paths and messages can carry the file's own text (a key, a tag): never more than a line's worth."""
+        object.__setattr__(self, "field", _clip(self.field))
+        object.__setattr__(self, "message", _clip(self.message))
 
     def __str__(self) -> str:
         """`file:line: field: message`, leaving out the line or field when there is none."""
@@ -47,29 +85,77 @@ class ConfigError(SpecdError):
         super().__init__("\n".join(str(issue) for issue in self.issues))
 
 
-def load_yaml_model(path: str | Path, model: type[M]) -> tuple[M, str]:
+def load_yaml_model(path: str | Path, model: type[M], limits: YamlLimits = DEFAULT_LIMITS) -> tuple[M, str]:
     """Read, parse and validate `path` as `model`. Returns (instance, text). Raises ConfigError."""
+    text = read_yaml_text(path, limits)
+    return parse_yaml_model(text, model, str(path), limits), text
+
+
+def read_yaml_text(path: str | Path, limits: YamlLimits = DEFAULT_LIMITS) -> str:
+    """The file's text: at most `limits.max_bytes` are read, and they must be UTF-8. Raises ConfigError."""
+    return _decode(_read_bytes(path, limits), str(path))
+
+
+def read_stable_text(
+    path: str | Path,
+    limits: YamlLimits = DEFAULT_LIMITS,
+    settle_seconds: float = 0.25,
+    max_reads: int = 8,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """The file's text once two reads `settle_seconds` apart agree, so an editor's save in progress (written in
+    pieces, not renamed into place) is not taken half-written. Raises ConfigError when the file cannot be read,
+    is not UTF-8, or is still changing after `max_reads` reads."""
+    source = str(path)
+    previous = _read_bytes(path, limits)
+    for _ in range(max_reads - 1):
+        sleep(settle_seconds)
+        current = _read_bytes(path, limits)
+        if current == previous:
+            return _decode(current, source)
+        previous = current
+    message = f"the file kept changing while it was read ({max_reads} reads {settle_seconds:g} s apart); not loaded"
+    raise ConfigError([ConfigIssue(source, None, "", message)])
+
+
+def _read_bytes(path: str | Path, limits: YamlLimits) -> bytes:
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            data = file.read(limits.max_bytes + 1)
     except OSError as exc:
         message = f"cannot read file: {exc.strerror or exc}"
         raise ConfigError([ConfigIssue(source, None, "", message)]) from exc
+    if len(data) > limits.max_bytes:
+        message = f"the file is larger than {limits.max_bytes} bytes (the limit); not read further"
+        raise ConfigError([ConfigIssue(source, None, "", message)])
+    return data
+
+
+def _decode(data: bytes, source: str) -> str:
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        message = f"cannot read file: not UTF-8 text ({exc.reason} at byte {exc.start})"
-        raise ConfigError([ConfigIssue(source, None, "", message)]) from exc
-    return parse_yaml_model(text, model, source), text
+        line = data.count(b"\n", 0, exc.start) + 1
+        message = f"not UTF-8 text at byte {exc.start} ({exc.reason})"
+        raise ConfigError([ConfigIssue(source, line, "", message)]) from None
 
 
-def parse_yaml_model(text: str, model: type[M], source: str) -> M:
+def parse_yaml_model(text: str, model: type[M], source: str, limits: YamlLimits = DEFAULT_LIMITS) -> M:
     """Parse and validate YAML `text` as `model`; `source` names the text in messages. Raises ConfigError."""
-    root = _compose(text, source)
+    if len(text) > limits.max_bytes or len(text.encode("utf-8", "surrogatepass")) > limits.max_bytes:
+        message = f"the text is larger than {limits.max_bytes} bytes (the limit)"
+        raise ConfigError([ConfigIssue(source, None, "", message)])
+    root = _compose(text, source, limits)
+    if root is None:
+        raise ConfigError([ConfigIssue(source, None, "", EMPTY_FILE)])
+    _check_expansion(root, source, limits)
     # Before construction: SafeConstructor flattens `<<` merge keys into mapping nodes in place, after
     # which a legitimate override of a merged key would look like a duplicate.
     issues = list(_duplicate_key_issues(root, source))
     data = _construct(root, text, source, issues)
-    if data is None:  # empty document: let all-default models load
-        data = {}
+    if data is None:  # a document that is only `null` or `~`
+        raise ConfigError([*issues, ConfigIssue(source, _line(root), "", EMPTY_FILE)])
     if not isinstance(data, dict):
         message = f"expected a mapping at the top level, found {_NODE_KINDS.get(type(root), 'another node')}"
         issues.append(ConfigIssue(source, _line(root), "", message))
@@ -84,12 +170,96 @@ def parse_yaml_model(text: str, model: type[M], source: str) -> M:
     return instance
 
 
-def _compose(text: str, source: str) -> yaml.Node | None:
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, counting as it composes: nodes, alias uses and depth past `limits` raise.
+
+    Flow nesting (`[[[...`) is bounded in the scanner too: it reads ahead over a flow collection that might turn
+    out to be a key, keeping a candidate per open level, so 4,000 levels cost it 2.6 s (libyaml: 100,000 levels,
+    39 s) before the composer sees a node."""
+
+    def __init__(self, text: str, limits: YamlLimits) -> None:
+        super().__init__(text)
+        self.limits = limits
+        self.nodes = self.aliases = self.depth = 0
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        if self.flow_level >= self.limits.max_depth:
+            problem = f"nested more than {self.limits.max_depth} levels deep (the limit)"
+            raise yaml.scanner.ScannerError(None, None, problem, self.get_mark())
+        super().fetch_flow_collection_start(TokenClass)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        limits = self.limits
+        if isinstance(event, yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > limits.max_aliases:
+                raise _limit_error(f"more than {limits.max_aliases} aliases (*name) in one file (the limit)", event)
+        else:
+            self.nodes += 1
+            if self.nodes > limits.max_nodes:
+                raise _limit_error(f"more than {limits.max_nodes} nodes in one file (the limit)", event)
+        self.depth += 1
+        try:
+            if self.depth > limits.max_depth:
+                raise _limit_error(f"nested more than {limits.max_depth} levels deep (the limit)", event)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _limit_error(problem: str, event: yaml.Event) -> yaml.composer.ComposerError:
+    mark: Any = event.start_mark  # a yaml.error.Mark from the pure-Python parser this loader runs
+    return yaml.composer.ComposerError(None, None, problem, mark)
+
+
+def _compose(text: str, source: str, limits: YamlLimits) -> yaml.Node | None:
     """The node tree of the single document in `text` (None when it is empty); syntax errors raise."""
+    loader = _BoundedLoader(text, limits)
     try:
-        return yaml.compose(text, Loader=yaml.SafeLoader)
+        root: yaml.Node | None = loader.get_single_node()
+        return root
     except yaml.YAMLError as exc:
         raise ConfigError([_yaml_error_issue(exc, text, source)]) from exc
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node, source: str, limits: YamlLimits) -> None:
+    """Refuse a graph whose aliases (merge keys included) would expand past `limits.max_nodes` nodes, or that
+    contains itself. Each distinct node's expanded size is computed once, children first (an alias is the same
+    node object as its anchor), so this costs the composed graph, never the expansion."""
+    size: dict[int, int] = {}  # id(node) -> nodes under it, itself included, every alias expanded
+    open_nodes: set[int] = set()  # nodes whose children are being measured: meeting one again is a cycle
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, measured = stack.pop()
+        key = id(node)
+        if measured:
+            open_nodes.discard(key)
+            total = 1 + sum(size[id(child)] for child in _children(node))
+            if total > limits.max_nodes:
+                message = (
+                    f"aliases expand this {_NODE_KINDS[type(node)][2:]} to more than {limits.max_nodes} nodes "
+                    "(the limit); anchors and merge keys (<<) may repeat content, not multiply it"
+                )
+                raise ConfigError([ConfigIssue(source, _line(node), "", message)])
+            size[key] = total
+        elif key in open_nodes:
+            message = "an alias refers to a collection that contains it (a recursive structure)"
+            raise ConfigError([ConfigIssue(source, _line(node), "", message)])
+        elif key not in size:
+            open_nodes.add(key)
+            stack.append((node, True))
+            stack.extend((child, False) for child in _children(node) if id(child) not in size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
 
 
 def _construct(root: yaml.Node | None, text: str, source: str, issues: list[ConfigIssue]) -> Any:
@@ -134,7 +304,7 @@ def _duplicate_key_issues(root: yaml.Node | None, source: str) -> Iterator[Confi
             if key is None:
                 continue
             if key in first_line:
-                message = f"duplicate key {key_node.value!r} (first at line {first_line[key]})"
+                message = f"duplicate key {quote(str(key_node.value))} (first at line {first_line[key]})"
                 yield ConfigIssue(source, _line(key_node), _render_path((*path, key)), message)
             else:
                 first_line[key] = _line(key_node)
@@ -219,12 +389,13 @@ def _render_path(loc: tuple[Any, ...]) -> str:
     """`("segments", 2, "k_max")` → `"segments[2].k_max"`; pydantic's `"[key]"` parts attach without a dot."""
     out = ""
     for part in loc:
+        text = str(part) if len(str(part)) <= QUOTE_CHARS else quote(str(part))  # a key is the file's own text
         if isinstance(part, int) and not isinstance(part, bool):
             out += f"[{part}]"
-        elif str(part).startswith("[") or not out:
-            out += str(part)
+        elif text.startswith("[") or not out:
+            out += text
         else:
-            out += f".{part}"
+            out += f".{text}"
     return out
 
 

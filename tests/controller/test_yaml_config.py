@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.yaml_config import ConfigError, ConfigIssue, load_yaml_model, parse_yaml_model
+from controller.yaml_config import EMPTY_FILE, ConfigError, ConfigIssue, load_yaml_model, parse_yaml_model
 from specd_api.errors import SpecdError
 
 
@@ -254,19 +254,32 @@ def test_issue_lines_and_fields(text, expected, why):
 
 
 @pytest.mark.parametrize(
-    ("text", "why"),
+    ("text", "line", "why"),
     [
-        ("", "an empty file validates as {}"),
-        ("# only a comment\n", "a comment-only file has no document: validates as {}"),
-        ("---\n", "an explicit empty document is null: validates as {}"),
+        ("", None, "an empty file: a save that has not written anything yet looks just like it"),
+        ("# only a comment\n", None, "comments only: no document"),
+        ("---\n", 2, "a document marker and nothing else: an empty (null) document, after the marker"),
+        ("# policy\n~\n", 2, "a document that is only null"),
     ],
 )
-def test_empty_document_uses_defaults(text, why):
-    assert parse_yaml_model(text, AllDefaults, "empty.yaml") == AllDefaults(), why
+def test_an_empty_document_is_refused(text, line, why):
+    """An empty policy once went live as "0 segment rules", silently dropping every forced rule."""
+    assert _issues(text, AllDefaults) == [(line, "", EMPTY_FILE)], why
 
 
-def test_empty_document_still_reports_required_fields():
-    assert _issues("") == [(None, "name", "Field required")], "no node to point at, so no line"
+@pytest.mark.parametrize(
+    ("text", "expected", "why"),
+    [
+        ("{}\n", AllDefaults(), "{} says so: every default"),
+        ("# every default\n{}\n", AllDefaults(), "comments around it change nothing"),
+    ],
+)
+def test_an_explicitly_empty_mapping_uses_defaults(text, expected, why):
+    assert parse_yaml_model(text, AllDefaults, "empty.yaml") == expected, why
+
+
+def test_an_explicitly_empty_list_is_a_document():
+    assert parse_yaml_model("name: demo\nsegments: []\n", Policy, "p.yaml") == Policy(name="demo", segments=[])
 
 
 def test_valid_file_loads_and_returns_text(tmp_path: Path):
