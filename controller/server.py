@@ -1,7 +1,8 @@
-"""The controller daemon's lifecycle, in plain sight: run -> startup -> main_loop -> shutdown.
+"""The controller daemon's lifecycle, in plain sight: run -> startup -> main_loop -> shutdown (specd_api.lifecycle).
 
-SIGTERM and SIGINT drain gracefully (a second SIGINT forces exit); SIGHUP reloads the policy. systemd is
-told READY, RELOADING, STOPPING and pinged for the watchdog through NOTIFY_SOCKET when it is set.
+SIGTERM and SIGINT drain gracefully (a second SIGINT stops waiting for the RPCs in flight); SIGHUP reloads the
+policy. systemd is told READY, RELOADING, STOPPING and pinged for the watchdog through NOTIFY_SOCKET when it is set.
+The drain is logged: the RPCs it finished or cut short, and the reports still only in the journal.
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
-from contextlib import contextmanager
-from types import FrameType
 from typing import Any
 
 import grpc
@@ -31,6 +30,7 @@ from controller.systemd import Notifier, WatchdogPinger
 from controller.tracing import make_exporter, make_provider, no_tracer
 from controller.yaml_config import ConfigError
 from specd_api.errors import SpecdError
+from specd_api.lifecycle import Drain, Lifecycle, serve
 from specd_api.v1 import controller_pb2, controller_pb2_grpc
 
 log = logging.getLogger("specd.controller")
@@ -45,12 +45,11 @@ class ControllerDaemon:
     def __init__(self, config: ControllerConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        self.should_exit = threading.Event()
-        self.reload_requested = threading.Event()
+        self.lifecycle = Lifecycle(reload_signals=(signal.SIGHUP,))
         self.notifier = Notifier.from_environment()
         self.port: int | None = None
         self.controller: Controller | None = None
-        self._force_exit = False
+        self._in_flight = InFlight()
         self._redis: RedisHandle | None = None
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
@@ -61,12 +60,7 @@ class ControllerDaemon:
     # --- lifecycle ----------------------------------------------------------------------------------
 
     def run(self) -> int:
-        with self._signals_installed():
-            self.startup()
-            try:
-                self.main_loop()
-            finally:
-                self.shutdown()
+        serve(self, log)
         return 0
 
     def startup(self) -> None:
@@ -89,7 +83,9 @@ class ControllerDaemon:
         else:
             self._provider = make_provider(cfg.telemetry.service_name, exporter)
             tracer = self._provider.get_tracer("specd.controller")
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers))
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=[self._in_flight]
+        )
         controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.controller, tracer), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -121,31 +117,53 @@ class ControllerDaemon:
         self.notifier.ready(f"serving on {self.address}")
 
     def main_loop(self) -> None:
-        while not self.should_exit.wait(0.2):
-            if self.reload_requested.is_set():
-                self.reload_requested.clear()
+        while not self.lifecycle.should_exit.wait(0.2):
+            if self.lifecycle.take_reload():
                 self.reload_policy()
 
-    def shutdown(self) -> None:
-        log.info("draining (up to %.0fs)", self.config.shutdown_grace_seconds)
+    def shutdown(self) -> Drain:
+        """Stop serving (RPCs in flight get the grace period), stop the loops, move what the journal holds into
+        Redis, flush spans, close. Copes with a start-up that failed half way."""
+        self.lifecycle.request_exit()  # ends the background loops (and main_loop, when called directly)
+        if self._server is not None:
+            log.info("draining (up to %.0fs)", self.config.shutdown_grace_seconds)
         self.notifier.stopping("draining")
         if self._health is not None:
             self._health.enter_graceful_shutdown()
+        in_flight = self._in_flight.count
         if self._server is not None:
-            self._server.stop(self.config.shutdown_grace_seconds).wait()
-        self.should_exit.set()
+            self._stop_server(self._server)
+        cut_short = self._in_flight.count  # handlers still running once the grace ended: their RPCs were cancelled
         for thread in self._threads:
             thread.join(timeout=5)
         if self._watchdog is not None:
             self._watchdog.stop()
+        journaled = 0
         if self.controller is not None:
             self.controller.learner.refresh()  # a last chance to move journaled reports into Redis
+            journaled = len(self.controller.learner.journal)
         if self._provider is not None:
             self._provider.shutdown()
         if self._redis is not None:
             self._redis.close()
         self.notifier.close()
-        log.info("stopped")
+        return Drain(
+            finished={"RPCs in flight": max(in_flight - cut_short, 0)},
+            cut_short={
+                "RPCs cancelled at the end of the grace period": cut_short,
+                "reports left in the journal (Redis unreachable; replayed at the next start)": journaled,
+            },
+            forced=self.lifecycle.force_exit.is_set(),
+        )
+
+    def _stop_server(self, server: grpc.Server) -> None:
+        """Refuse new RPCs and give those in flight the grace period; a second Ctrl-C cancels them at once."""
+        stopped = server.stop(self.config.shutdown_grace_seconds)
+        while not stopped.wait(0.1):
+            if self.lifecycle.force_exit.is_set():
+                server.stop(0)  # a smaller grace than before stops sooner (grpc.Server.stop)
+                stopped.wait()
+                return
 
     # --- reloads ------------------------------------------------------------------------------------
 
@@ -165,7 +183,7 @@ class ControllerDaemon:
 
     def _reload_if_file_changed(self) -> None:
         if self.controller is not None and self.controller.policies.file_changed():
-            self.reload_requested.set()
+            self.lifecycle.reload_requested.set()
 
     # --- plumbing -----------------------------------------------------------------------------------
 
@@ -179,7 +197,7 @@ class ControllerDaemon:
 
     def _start_loop(self, name: str, every: float, work: Callable[[], object]) -> None:
         def loop() -> None:
-            while not self.should_exit.wait(every):
+            while not self.lifecycle.should_exit.wait(every):
                 try:
                     work()
                 except Exception:  # a background failure must not kill the loop; it is logged in full
@@ -189,24 +207,34 @@ class ControllerDaemon:
         thread.start()
         self._threads.append(thread)
 
-    @contextmanager
-    def _signals_installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals can only be handled on the main thread (tests run the daemon on others)
-            return
-        handlers = {signal.SIGTERM: self._on_exit, signal.SIGINT: self._on_exit, signal.SIGHUP: self._on_hup}
-        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
-    def _on_exit(self, signum: int, frame: FrameType | None) -> None:
-        if self.should_exit.is_set() and signum == signal.SIGINT:
-            self._force_exit = True
-            raise KeyboardInterrupt  # a second Ctrl-C: stop draining
-        self.should_exit.set()
+class InFlight(grpc.ServerInterceptor):
+    """Counts the unary RPCs being handled, so that a shutdown can say how many its grace period cut short."""
 
-    def _on_hup(self, signum: int, frame: FrameType | None) -> None:
-        self.reload_requested.set()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler  # health Watch and reflection streams: long-lived by design, not counted
+        behavior = handler.unary_unary
+
+        def counted(request: Any, context: grpc.ServicerContext) -> Any:
+            with self._lock:
+                self._count += 1
+            try:
+                return behavior(request, context)
+            finally:
+                with self._lock:
+                    self._count -= 1
+
+        return grpc.unary_unary_rpc_method_handler(
+            counted, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
