@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck unit bench protos clean
+.PHONY: setup demo test lint typecheck unit bench protos wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,12 @@ test: lint typecheck unit
 protos: setup
 	$(BIN)/python -m specd.protos
 
+# The one wheel: `pip install dist/specd-*.whl` is the controller, `'dist/specd-*.whl[worker]'` adds the worker.
+wheel: setup
+	$(BIN)/pip wheel --no-deps --no-build-isolation -w dist .
+
 bench: setup
 	$(BIN)/python benchmarks/decode_loop.py
 
 clean:
-	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache *.egg-info build dist

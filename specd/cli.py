@@ -1,13 +1,17 @@
-"""The `specd` command: one entry point, a subcommand per job. User errors print one line, not a traceback."""
+"""The `specd` command: one entry point, a subcommand per job. User errors print one line, not a traceback.
+
+Every subcommand's parser is built on every call, so the command modules import nothing heavy at module level: the
+base install (the controller) has no torch, uvicorn or rich. A command that needs what an extra brings says which
+extra to install, in one line."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from specd_api.errors import SpecdError
+from specd_api.errors import SpecdError, UsageError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -19,13 +23,31 @@ class OneLineParser(argparse.ArgumentParser):
 
 Handler = Callable[[argparse.Namespace], int]
 
+PROJECT_PACKAGES = frozenset({"specd", "specd_api", "decoder", "controller", "workloads", "refmodels"})
+DEMO_EXTRA_MODULES = frozenset({"rich", "matplotlib", "httpx"})  # pyproject's demo extra; the rest is worker's
+
+
+def extra_for(error: ModuleNotFoundError) -> str | None:
+    """The extra that brings the missing module, or None when the module is the project's own (a bug, not an
+    install choice)."""
+    top = (error.name or "").partition(".")[0]
+    if not top or top in PROJECT_PACKAGES:
+        return None
+    return "demo" if top in DEMO_EXTRA_MODULES else "worker"
+
+
+def needs_extra(error: ModuleNotFoundError) -> str:
+    return (
+        f"needs the module {error.name!r}, which the base install (the controller) leaves out: "
+        f"pip install 'specd[{extra_for(error)}]'"
+    )
+
 
 def build_parser() -> argparse.ArgumentParser:
     from controller import cli as controller_cli
     from decoder import generate_cli, tiny
     from decoder.distill import cli as distill_cli
     from decoder.worker import cli as worker_cli
-    from specd.demo import cli as demo_cli
 
     parser = OneLineParser(prog="specd", description="Adaptive speculative decoding.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
@@ -34,20 +56,46 @@ def build_parser() -> argparse.ArgumentParser:
     controller_cli.add_parsers(commands)
     distill_cli.add_parser(commands)
     worker_cli.add_parser(commands)
-    demo_cli.add_parser(commands)
+    add_demo_parser(commands)
     tiny_parser = commands.add_parser("tiny-pair", help="write a tiny random target/draft pair (for trying things)")
     tiny.add_arguments(tiny_parser)
     tiny_parser.set_defaults(handler=tiny.run)
     return parser
 
 
+def add_demo_parser(commands: Any) -> None:
+    """`specd demo`, or, without the demo extra, a stand-in that says which extra to install."""
+    try:
+        from specd.demo import cli as demo_cli
+    except ModuleNotFoundError as e:
+        if extra_for(e) is None:
+            raise
+        missing = e
+
+        def explain(args: argparse.Namespace) -> int:
+            raise UsageError(needs_extra(missing))
+
+        stand_in = commands.add_parser("demo", help="the demo (needs the demo extra)", add_help=False)
+        stand_in.set_defaults(handler=explain, any_arguments=True)  # the real parser's are unknown here
+        return
+    demo_cli.add_parser(commands)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # what parse_args says
     handler: Handler = args.handler
     try:
         return handler(args)
     except SpecdError as e:
         print(f"specd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if extra_for(e) is None:
+            raise
+        print(f"specd {args.command}: error: {needs_extra(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -2,14 +2,17 @@
 workloads at both while the table updates -> shut down in order (workers drain and flush first, then the
 controller) -> report.
 
-Ctrl-C (or SIGTERM) stops sending, shuts down in the same order, prints what was measured so far and exits
-130 (143); a second Ctrl-C during the shutdown kills what is left. A service that does not start ends the run
-with one line naming its log (exit 2). No child process outlives the demo.
+The run is a specd_api.lifecycle server: startup = the services and the traffic, main loop = the watch, shutdown =
+the ordered stop. Ctrl-C (or SIGTERM, or SIGHUP: the terminal closed) stops sending, shuts down in the same order,
+prints what was measured so far and exits 130 (143, 129); a second Ctrl-C during the shutdown kills what is left.
+A service that does not start ends the run with one line naming its log (exit 2). No child process outlives the
+demo.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import signal
 import threading
@@ -18,7 +21,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -36,6 +38,7 @@ from specd.demo.report import DemoReport, Learned, fetch_learned, read_traces
 from specd.demo.view import progress_line, progress_table, render_summary, shown
 from specd.launch import LaunchError, Service, start
 from specd_api.errors import SpecdError
+from specd_api.lifecycle import Drain, Lifecycle, serve
 from workloads import Prompt, load_all
 
 MARKER = ".specd-demo"  # a run folder holds this, so that wiping never touches a folder the demo did not make
@@ -77,48 +80,61 @@ def run_demo(options: DemoOptions, console: Console) -> int:
                         options.max_tokens, options.seed)  # fmt: skip
     paths = DemoPaths(options.out.resolve())  # the configs name absolute paths: they resolve against their folder
     prepare_run_folder(paths)
-    services: dict[str, Service] = {}
-    driver = drv.Driver({}, requests, options.concurrency)
-    started = time.monotonic()  # the table's clock starts with the traffic; the summary's with the run
-    run_started = started
-    learned: list[Learned] | None = None
-    learned_error = "the controller did not start"
-    with signals_as_interrupt() as received:
-        try:
-            start_services(options, paths, services, console)
-            driver.urls = {drv.ADAPTIVE: services[ADAPTIVE].url, drv.BASELINE: services[BASELINE].url}
-            started = time.monotonic()
-            driver.start()
-            # From here a first signal only sets a flag that the watch loop polls: raising KeyboardInterrupt
-            # into a thread join or a console write can leave a lock or the output half-done.
-            received["cooperative"] = 1
-            watch(driver, drv.totals_of(requests), options, services, console, started, lambda: "signal" in received)
-        except KeyboardInterrupt:
-            received.setdefault("signal", signal.SIGINT)
-        finally:
-            learned, learned_error = shut_down(services, driver, paths, console)
-    results = driver.results()
+    run = DemoRun(options, paths, requests, console)
+    with said_on(console, run.log), suppress(KeyboardInterrupt):  # only from a start-up wait (see launch)
+        serve(run, run.log)
+    results = run.driver.results()
     rows, overall = drv.summarize(drv.totals_of(requests), results)
-    interrupted = "signal" in received
     picture = plot(rows, paths.plot, title=f"specd demo ({options.settings})") if results else None
     report = DemoReport(
         rows=rows,
         overall=overall,
         requests_planned=len(requests) * len(drv.ARMS),
-        seconds=time.monotonic() - run_started,
-        interrupted=interrupted,
+        seconds=time.monotonic() - run.run_started,
+        interrupted=run.lifecycle.should_exit.is_set(),
         settings=options.settings,
         fallbacks=drv.fallback_counts(results),
-        learned=learned,
-        learned_error=learned_error,
+        learned=run.learned,
+        learned_error=run.learned_error,
         traces=read_traces(paths.traces(name) for name in (ADAPTIVE, BASELINE, CONTROLLER)),
         plot=picture,
-        logs=[paths.log(name) for name in (CONTROLLER, ADAPTIVE, BASELINE) if name in services],
+        logs=[paths.log(name) for name in (CONTROLLER, ADAPTIVE, BASELINE) if name in run.services],
     )
     console.print(render_summary(report, console.width))
-    if interrupted:
-        return 128 + int(received["signal"])
+    if run.lifecycle.should_exit.is_set():
+        return 128 + (run.lifecycle.exit_signal or signal.SIGINT)
     return 1 if overall.failures else 0
+
+
+class DemoRun:
+    """One run as a specd_api.lifecycle server: startup starts the services and the traffic, the main loop watches
+    it, shutdown stops everything in order. What it measured and learned stays here for the summary."""
+
+    def __init__(self, options: DemoOptions, paths: DemoPaths, requests: list[drv.Request], console: Console) -> None:
+        self.options, self.paths, self.requests, self.console = options, paths, requests, console
+        # SIGINT is installed explicitly: a process started in the background by a non-interactive shell inherits
+        # it as ignored, and Ctrl-C (or a supervisor's SIGINT) must still stop the demo.
+        self.lifecycle = Lifecycle(exit_signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
+        self.log = logging.getLogger("specd.demo")
+        self.services: dict[str, Service] = {}
+        self.driver = drv.Driver({}, requests, options.concurrency)
+        self.run_started = time.monotonic()  # the summary's clock starts with the run; the table's with the traffic
+        self.learned: list[Learned] | None = None
+        self.learned_error = "the controller did not start"
+
+    def startup(self) -> None:
+        start_services(self.options, self.paths, self.services, self.console, self.lifecycle)
+        self.driver.urls = {drv.ADAPTIVE: self.services[ADAPTIVE].url, drv.BASELINE: self.services[BASELINE].url}
+        self.driver.start()
+
+    def main_loop(self) -> None:
+        watch(self.driver, drv.totals_of(self.requests), self.options, self.services, self.console, time.monotonic(),
+              self.lifecycle.should_exit.is_set)  # fmt: skip
+
+    def shutdown(self) -> Drain:
+        self.learned, self.learned_error, drain = shut_down(self.services, self.driver, self.paths, self.console,
+                                                            self.lifecycle.force_exit)  # fmt: skip
+        return drain
 
 
 def select(segments: dict[str, list[Prompt]], names: tuple[str, ...] | None) -> dict[str, list[Prompt]]:
@@ -153,10 +169,12 @@ def prepare_run_folder(paths: DemoPaths) -> None:
 # -- services -------------------------------------------------------------------------------------------------
 
 
-def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, Service], console: Console) -> None:
+def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, Service], console: Console,
+                   lifecycle: Lifecycle) -> None:  # fmt: skip
     """Controller, then the adaptive worker (asks it), then the baseline worker (asks it too; the demo's
     policy forces no speculation for its baseline/* segments, so the two differ only in the decision).
-    Each one is in ``services`` as soon as it runs, so that the caller can stop it whatever happens next."""
+    Each one is in ``services`` as soon as it runs, so that the caller can stop it whatever happens next. A signal
+    while one starts ends its wait at once (KeyboardInterrupt, see ``launch``)."""
     policy = options.policy  # if it is invalid, the controller refuses it naming its file, line and field
     with contextlib.suppress(ConfigError):
         load_policy(options.policy)
@@ -165,7 +183,7 @@ def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, S
     controller_file = write_config(paths.config(CONTROLLER), controller_config(paths, policy),
                                    "specd demo: the controller")  # fmt: skip
     console.print(f"starting the controller (embedded Redis, policy {shown(options.policy)}) …", soft_wrap=True)
-    controller = launch(CONTROLLER, ["controller", "--config", str(controller_file)], paths, options)
+    controller = launch(CONTROLLER, ["controller", "--config", str(controller_file)], paths, options, lifecycle)
     services[CONTROLLER] = controller
     for name, link, what in (
         (ADAPTIVE, controller.address, f"asks the controller at {controller.address}"),
@@ -175,7 +193,7 @@ def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, S
         path = write_config(paths.config(name), config, f"specd demo: {TITLES[name]}")
         console.print(f"starting {TITLES[name]} ({what}) …", soft_wrap=True)
         args = ["worker", "--config", str(path), "--listen", "127.0.0.1:0", "--controller", link, "--log-level", "INFO"]
-        services[name] = launch(name, args, paths, options)
+        services[name] = launch(name, args, paths, options, lifecycle)
     console.print(
         f"controller {controller.address}, adaptive worker {services[ADAPTIVE].url}, baseline worker "
         f"{services[BASELINE].url}; run folder {shown(paths.run)}",
@@ -183,9 +201,12 @@ def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, S
     )
 
 
-def launch(name: str, args: list[str], paths: DemoPaths, options: DemoOptions) -> Service:
+def launch(name: str, args: list[str], paths: DemoPaths, options: DemoOptions, lifecycle: Lifecycle) -> Service:
+    """``start`` waits for the "listening" line and cannot poll the lifecycle's flags, so a signal interrupts the
+    wait (its ``except BaseException`` kills the half-started process); nowhere else does a signal raise."""
     try:
-        return start(name, args, paths.log(name), timeout_seconds=options.start_timeout_seconds)
+        with lifecycle.interruptible():
+            return start(name, args, paths.log(name), timeout_seconds=options.start_timeout_seconds)
     except LaunchError as e:
         first, *output = [line.strip() for line in str(e).splitlines() if line.strip()]
         reason = first.removeprefix(f"{name} ").rstrip(":")
@@ -194,36 +215,58 @@ def launch(name: str, args: list[str], paths: DemoPaths, options: DemoOptions) -
 
 
 def shut_down(
-    services: dict[str, Service], driver: drv.Driver, paths: DemoPaths, console: Console
-) -> tuple[list[Learned] | None, str]:
+    services: dict[str, Service], driver: drv.Driver, paths: DemoPaths, console: Console, force: threading.Event
+) -> tuple[list[Learned] | None, str, Drain]:
     """Stop sending; SIGTERM the workers (they finish open requests, flush telemetry to the controller and spans
-    to their files); ask the controller what it learned; stop it. A second Ctrl-C kills whatever is left."""
+    to their files); ask the controller what it learned; stop it. A second Ctrl-C (``force``) kills whatever is
+    left. Returns what the controller learned (or why not) and the drain."""
     learned: list[Learned] | None = None
     learned_error = "the controller did not start"
+    killed: list[str] = []
     try:
         driver.stop()
         if services:
             say(console, "stopping the workers, then the controller …")
-        for name in (ADAPTIVE, BASELINE):
-            if name in services:
-                services[name].stop()
-        driver.join(timeout_seconds=10.0)
+        killed += stop_all([services[name] for name in (ADAPTIVE, BASELINE) if name in services], force)
+        deadline = time.monotonic() + 10.0
+        while driver.running and time.monotonic() < deadline and not force.is_set():
+            driver.join(0.1)
         controller = services.get(CONTROLLER)
-        if controller is not None and controller.alive():
-            time.sleep(1.0)  # two refreshes, so the workers' last reports are in what it answers
-            try:
+        if controller is not None and controller.alive() and not force.wait(1.0):  # two refreshes: the workers'
+            try:  # last reports are in what it answers
                 learned = fetch_learned(controller.address)
             except Exception as e:  # the summary says why, and the demo still ends cleanly
                 learned_error = f"ListSegments failed: {e}"
-            controller.stop()
-    except KeyboardInterrupt:
-        say(console, "second interrupt: killing the services")
-        learned_error = "interrupted"
+        if controller is not None:
+            killed += stop_all([controller], force)
+        if force.is_set():
+            say(console, "second interrupt: killing the services")
+            learned_error = "interrupted"
     finally:
         for service in services.values():
             service.kill()  # no-op for the ones already stopped
         stop_orphan(paths.run / "controller-state" / "redis" / PID_FILE)  # a killed controller's Redis
-    return learned, learned_error
+    stopped = len(services) - len(killed)
+    return (
+        learned,
+        learned_error,
+        Drain({"services stopped": stopped}, {"services killed": len(killed)}, force.is_set()),
+    )
+
+
+def stop_all(group: list[Service], force: threading.Event, timeout_seconds: float = 15.0) -> list[str]:
+    """SIGTERM each service of ``group`` (they drain side by side) and wait; one still running at the timeout, or
+    when ``force`` is set, is killed. Returns the names of the killed ones."""
+    for service in group:
+        if service.alive():
+            service.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_seconds
+    while any(s.alive() for s in group) and time.monotonic() < deadline and not force.wait(0.05):
+        pass
+    killed = [service.name for service in group if service.alive()]
+    for service in group:
+        service.kill()
+    return killed
 
 
 # -- watching -------------------------------------------------------------------------------------------------
@@ -263,29 +306,29 @@ def watch(driver: drv.Driver, totals: dict[str, int], options: DemoOptions, serv
             console.print(progress_line(*snapshot(), last - started), highlight=False, soft_wrap=True)
 
 
+class ConsoleLog(logging.Handler):
+    """Prints log records on the demo's console, in its words."""
+
+    def __init__(self, console: Console, level: int) -> None:
+        super().__init__(level)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        say(self.console, f"specd demo: {record.getMessage()}")
+
+
 @contextmanager
-def signals_as_interrupt() -> Iterator[dict[str, int]]:
-    """SIGINT, SIGTERM and SIGHUP (the terminal closed) all mean an orderly shutdown. The dict says which signal
-    arrived first. SIGINT is installed too because a process started in the background by a non-interactive
-    shell inherits it as ignored, and Ctrl-C (or a supervisor's SIGINT) must still stop the demo."""
-    received: dict[str, int] = {}
-    if threading.current_thread() is not threading.main_thread():
-        yield received
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        first = "signal" not in received
-        received.setdefault("signal", signum)
-        if first and received.get("cooperative"):
-            return  # the watch loop polls for it
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+def said_on(console: Console, log: logging.Logger) -> Iterator[None]:
+    """While the demo runs, what ``log`` warns about (a drain that had to kill a service) is printed on the
+    console; the rest (a drain that cut nothing short) is not, so a normal run prints what it always did."""
+    handler, propagate = ConsoleLog(console, logging.WARNING), log.propagate
+    log.addHandler(handler)
+    log.propagate = False
     try:
-        yield received
+        yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def say(console: Console, text: str) -> None:
