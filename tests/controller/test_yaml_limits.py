@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from controller.policy import load_policy
+from controller.policy import load_policy, parse_policy
 from controller.yaml_config import (
     ConfigError,
     YamlLimits,
@@ -213,3 +213,15 @@ def test_text_handed_in_whole_is_bounded_too():
     parse_yaml_model("x: " + "é" * 200_000 + "\n", Anything, "p.yaml")
     message = refused(lambda: parse_yaml_model("x: " + "é" * 300_000 + "\n", Anything, "p.yaml"))[0]
     assert message == "p.yaml: the text is larger than 524288 bytes (the limit)"
+
+
+def test_an_unknown_drafter_name_is_quoted_short():
+    """A policy's drafter names are keys, so pydantic puts an unknown one in the field path: cut to 64 characters
+    (a plain YAML key can be 1,024 characters long)."""
+    name = "d" * 1000
+    with pytest.raises(ConfigError) as caught:
+        parse_policy(f"defaults:\n  drafters:\n    {name}: {{k_max: 2}}\n", "p.yaml")
+    assert str(caught.value) == (
+        f"p.yaml:3: defaults.drafters.{'d' * 64!r}... (1000 characters)[key]: Input should be 'draft' or "
+        "'prompt_lookup'"
+    )
