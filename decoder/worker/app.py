@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
+from starlette.exceptions import HTTPException
 
 from decoder.sampling import SamplingParams
 from decoder.worker.config import SEGMENT_PATTERN
+from decoder.worker.limits import BodyLimit, clip, quote
 from decoder.worker.openai_api import (
     ChatRequest,
     CompletionRequest,
@@ -27,6 +30,7 @@ from decoder.worker.openai_api import (
     render_chat,
     usage,
 )
+from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, WorkerService
 from specd_api.errors import SpecdError
 
@@ -34,13 +38,30 @@ SEGMENT_HEADER = "x-specd-segment"
 RETRY_AFTER_SECONDS = 1
 
 
+_ERROR_KINDS = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
 def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status in (429, 503) else None
-    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(clip(message), kind, param), status_code=status, headers=headers)
 
 
 def build_app(service: WorkerService) -> FastAPI:
+    cfg = service.cfg
+    limits = cfg.limits
+    service.metrics.bound_segments(cfg.metrics.max_segments, reserved=(cfg.default_segment, *CLASSIFIER_SEGMENTS))
+    # Tokenizing runs here, off the event loop (a 5 MB prompt takes seconds). One thread: tokenizations queue
+    # rather than run side by side, so a burst of large prompts costs one prompt's memory at a time.
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
+
+    async def off_loop(work: Callable[[], list[int]]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, work)
+
     app = FastAPI(title="specd worker", docs_url=None, redoc_url=None)
+    app.add_middleware(
+        BodyLimit, max_bytes=limits.max_request_bytes,
+        error=lambda message: error(413, message, "invalid_request_error"),
+    )  # fmt: skip
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -49,8 +70,16 @@ def build_app(service: WorkerService) -> FastAPI:
             reason = (first.get("ctx") or {}).get("error", "invalid JSON")
             return error(400, f"the request body is not valid JSON ({reason})", "invalid_request_error")
         where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-        message = str(first.get("msg", "invalid request"))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
         return error(400, f"{where}: {message}" if where else message, "invalid_request_error", where or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (a body that is not JSON text, an unknown path) in the OpenAI shape."""
+        message = str(exc.detail)
+        if message == "There was an error parsing the body":  # FastAPI's words for a body json.loads refused
+            message = "the request body could not be parsed as JSON"
+        return error(exc.status_code, message, _ERROR_KINDS.get(exc.status_code, "invalid_request_error"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -76,21 +105,43 @@ def build_app(service: WorkerService) -> FastAPI:
             service.metrics.batch_size.set(service.scheduler.batch_size)
         return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def bounded(ids: list[int], param: str) -> list[int]:
+        if len(ids) > limits.max_prompt_tokens:
+            raise BadRequest(param, f"{len(ids)} tokens is above this worker's limit of {limits.max_prompt_tokens} "
+                                    "(limits.max_prompt_tokens)")  # fmt: skip
+        return ids
+
+    def check_chars(chars: int, param: str) -> None:
+        if chars > limits.max_prompt_chars:
+            raise BadRequest(param, f"{chars} characters is above this worker's limit of {limits.max_prompt_chars} "
+                                    "(limits.max_prompt_chars)")  # fmt: skip
+
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if isinstance(body.prompt, str):
-            text: str | None = body.prompt
-        elif isinstance(body.prompt[0], str):
-            text = str(body.prompt[0])
-        else:
-            text = None
-        ids = service.encode(text) if text is not None else [int(t) for t in body.prompt]
-        return await serve(service, body, request, text, ids, completion_shapes)
+        async def prompt() -> tuple[str | None, list[int]]:
+            if not isinstance(body.prompt, str) and not isinstance(body.prompt[0], str):
+                return None, bounded([int(t) for t in body.prompt], "prompt")
+            text = body.prompt if isinstance(body.prompt, str) else str(body.prompt[0])
+            check_chars(len(text), "prompt")
+            return text, bounded(await off_loop(lambda: service.encode(text)), "prompt")
+
+        return await serve(service, body, request, prompt, completion_shapes)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
-        text = render_chat(body.messages, service.tokenizer)
-        return await serve(service, body, request, text, service.encode(text), chat_shapes)
+        async def prompt() -> tuple[str | None, list[int]]:
+            check_chars(sum(len(m.text()) for m in body.messages), "messages")
+            text = ""
+
+            def render_and_encode() -> list[int]:
+                nonlocal text
+                text = render_chat(body.messages, service.tokenizer)  # a chat template can be slow too
+                return service.encode(text)
+
+            ids = bounded(await off_loop(render_and_encode), "messages")
+            return text, ids
+
+        return await serve(service, body, request, prompt, chat_shapes)
 
     return app
 
@@ -149,7 +200,7 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
         raise BadRequest("prompt", f"token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
     segment = body.segment or request.headers.get(SEGMENT_HEADER)
     if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
-        raise BadRequest("segment", f"{segment!r} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
+        raise BadRequest("segment", f"{quote(segment)} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     return RequestSpec(
         prompt_text=text,
@@ -163,12 +214,16 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
 
 
 async def serve(
-    service: WorkerService, body: Any, request: Request, text: str | None, ids: list[int], shapes: Shapes
-) -> Response:
+    service: WorkerService, body: Any, request: Request, prompt: Callable[[], Awaitable[tuple[str | None, list[int]]]],
+    shapes: Shapes,
+) -> Response:  # fmt: skip
+    """Answer a parsed request: the model check, then ``prompt()`` (its text and token ids, tokenized off the event
+    loop), then the decode."""
     if body.model not in (None, "", service.model_name):
-        return error(404, f"model {body.model!r} is not served here (try {service.model_name!r})", "not_found_error",
-                     "model")  # fmt: skip
+        return error(404, f"model {quote(body.model)} is not served here (try {service.model_name!r})",
+                     "not_found_error", "model")  # fmt: skip
     try:
+        text, ids = await prompt()
         spec = request_spec(service, body, request, text, ids)
     except BadRequest as e:
         return error(400, str(e), "invalid_request_error", e.param)

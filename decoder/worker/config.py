@@ -50,6 +50,23 @@ class PromptLookupSettings(_Strict):
         return self
 
 
+class RequestLimits(_Strict):
+    """Bounds on one request, checked before the work they bound: the body before JSON parsing (chunked bodies
+    included), a text prompt's characters before tokenizing, a prompt's tokens before queueing."""
+
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="request body, in bytes; larger gets 413")
+    max_prompt_chars: int = Field(
+        200_000, ge=1, description="characters of a text prompt (a chat's message texts together)"
+    )
+    max_prompt_tokens: int = Field(32_768, ge=1, description="tokens of a prompt, given as ids or tokenized")
+
+
+class MetricsSettings(_Strict):
+    max_segments: int = Field(
+        100, ge=1, description="segment label values on /metrics; traffic of later segments is counted as _overflow"
+    )
+
+
 class WorkerConfig(_Strict):
     listen: str = Field("127.0.0.1:8000", description="host:port for HTTP (port 0 picks a free one)")
     worker_id: str | None = Field(None, description="reported to the controller; default: hostname:port")
@@ -71,6 +88,8 @@ class WorkerConfig(_Strict):
     )
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     prompt_lookup: PromptLookupSettings = Field(default_factory=lambda: PromptLookupSettings())
+    limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
+    metrics: MetricsSettings = Field(default_factory=lambda: MetricsSettings())
     controller: ControllerLink = Field(default_factory=lambda: ControllerLink())
     telemetry: WorkerTelemetry = Field(default_factory=lambda: WorkerTelemetry())
 

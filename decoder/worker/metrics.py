@@ -1,16 +1,58 @@
 """Prometheus metrics of the worker (served at /metrics), one registry per worker.
 
 Names follow the glossary: drafted = proposed draft tokens, accepted = num_accepted, per draft position.
+
+Segment names are the client's to choose, and every one would become a label value on every series labelled by
+segment. So the label set is bounded as the controller bounds its segments: the first ``max_segments`` names
+seen keep their own label, later ones are counted under ``_overflow`` (the default segment and the classifier's
+labels always keep theirs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from decoder.telemetry import RequestStats
 from decoder.worker.scheduler import StepObservation
+from decoder.worker.segments import CLASSIFIER_SEGMENTS
+from specd_api.segments import OVERFLOW_SEGMENT
+
+DEFAULT_MAX_SEGMENTS = 100
+
+
+class SegmentLabels:
+    """The segment label values the metrics may carry: ``reserved`` ones, the first ``max_segments`` other names
+    seen, and ``_overflow`` for the rest. A name keeps the label it got first."""
+
+    def __init__(self, max_segments: int = DEFAULT_MAX_SEGMENTS, reserved: Iterable[str] = CLASSIFIER_SEGMENTS) -> None:
+        self.max_segments = max_segments
+        self.reserved = frozenset(reserved)
+        self._admitted: set[str] = set()
+
+    def label(self, segment: str) -> str:
+        if segment in self.reserved or segment in self._admitted:
+            return segment
+        if len(self._admitted) < self.max_segments:
+            self._admitted.add(segment)
+            return segment
+        return OVERFLOW_SEGMENT
+
+
+class BySegment:
+    """A labelled Prometheus metric whose first label is a segment, passed through ``SegmentLabels``."""
+
+    def __init__(self, metric: Counter, segments: SegmentLabels) -> None:
+        self.metric, self.segments = metric, segments
+
+    def labels(self, segment: str, *rest: str) -> Counter:
+        return self.metric.labels(self.segments.label(segment), *rest)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.metric.collect()
 
 
 @dataclass
@@ -26,26 +68,28 @@ class SegmentCounters:
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_segments: int = DEFAULT_MAX_SEGMENTS, reserved: Iterable[str] = CLASSIFIER_SEGMENTS) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specd_requests", "Requests finished", ["segment", "status"], registry=r)
-        self.rounds = Counter("specd_rounds", "Draft + verify rounds", ["segment", "drafter"], registry=r)
-        self.drafted = Counter("specd_draft_tokens", "Draft tokens proposed", ["segment", "drafter"], registry=r)
-        self.accepted = Counter("specd_accepted_tokens", "Draft tokens accepted", ["segment", "drafter"], registry=r)
-        self.position_proposed = Counter(
-            "specd_position_proposed", "Rounds with a draft token at this position", ["segment", "drafter", "position"],
-            registry=r,
-        )  # fmt: skip
-        self.position_accepted = Counter(
-            "specd_position_accepted", "Rounds that accepted the draft token at this position",
-            ["segment", "drafter", "position"], registry=r,
-        )  # fmt: skip
-        self.generated = Counter("specd_generated_tokens", "Tokens generated", ["segment"], registry=r)
-        self.decisions = Counter(
-            "specd_decisions", "Decisions used, by drafter and reason", ["segment", "drafter", "reason", "source"],
-            registry=r,
-        )  # fmt: skip
+        self.segments = segments = SegmentLabels(max_segments, reserved)
+
+        def segment_counter(name: str, documentation: str, labels: list[str]) -> BySegment:
+            return BySegment(Counter(name, documentation, ["segment", *labels], registry=r), segments)
+
+        self.requests = segment_counter("specd_requests", "Requests finished", ["status"])
+        self.rounds = segment_counter("specd_rounds", "Draft + verify rounds", ["drafter"])
+        self.drafted = segment_counter("specd_draft_tokens", "Draft tokens proposed", ["drafter"])
+        self.accepted = segment_counter("specd_accepted_tokens", "Draft tokens accepted", ["drafter"])
+        self.position_proposed = segment_counter(
+            "specd_position_proposed", "Rounds with a draft token at this position", ["drafter", "position"]
+        )
+        self.position_accepted = segment_counter(
+            "specd_position_accepted", "Rounds that accepted the draft token at this position", ["drafter", "position"]
+        )
+        self.generated = segment_counter("specd_generated_tokens", "Tokens generated", [])
+        self.decisions = segment_counter(
+            "specd_decisions", "Decisions used, by drafter and reason", ["drafter", "reason", "source"]
+        )
         self.fallbacks = Counter("specd_controller_fallbacks", "Decisions made without the controller", ["reason"],
                                  registry=r)  # fmt: skip
         self.rejected = Counter("specd_rejected_requests", "Requests refused before decoding", ["reason"], registry=r)
@@ -74,7 +118,7 @@ class WorkerMetrics:
     def observe_request(self, segment: str, status: str, stats: RequestStats | None, seconds: float) -> None:
         self.requests.labels(segment, status).inc()
         self.request_seconds.observe(seconds)
-        counters = self.by_segment.setdefault(segment, SegmentCounters())
+        counters = self.by_segment.setdefault(self.segments.label(segment), SegmentCounters())
         counters.requests += 1
         if stats is None:
             return
@@ -94,6 +138,11 @@ class WorkerMetrics:
         self.generated.labels(segment).inc(stats.num_new_tokens)
         counters.tokens += stats.num_new_tokens
         counters.decode_seconds += stats.total_seconds
+
+    def bound_segments(self, max_segments: int, reserved: Iterable[str]) -> None:
+        """Set the label cap from the config (before serving: names already seen keep their labels)."""
+        self.segments.max_segments = max_segments
+        self.segments.reserved = frozenset(reserved)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

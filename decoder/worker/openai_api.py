@@ -7,6 +7,7 @@ extension: the traffic segment the controller judges the request by (also the X-
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -14,6 +15,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from decoder.worker.config import SEGMENT_PATTERN
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(value: Any) -> Any:
+    """``value`` (a string or a list of strings; anything else is passed through) if it is all Unicode text; a lone
+    surrogate (JSON can spell one, ``"\\ud800"``, but no tokenizer or encoder can take it) raises ValueError."""
+    for i, text in enumerate(value if isinstance(value, list) else [value]):
+        found = _SURROGATE.search(text) if isinstance(text, str) else None
+        if found:
+            where = f"character {found.start()}" + (f" of item {i}" if isinstance(value, list) else "")
+            raise ValueError(f"a lone surrogate (U+{ord(found.group()):04X}) at {where} is not Unicode text")
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -25,16 +39,21 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # an extension several servers accept; 0 = off
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what a torch generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: Any = None
     segment: str | None = Field(None, pattern=SEGMENT_PATTERN)
+
+    @field_validator("model", "stop")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return valid_text(value)
 
     @field_validator("n")
     @classmethod
@@ -73,7 +92,7 @@ class CompletionRequest(_Common):
             raise ValueError("one prompt per request (batch them as concurrent requests)")
         if not prompt:
             raise ValueError("the prompt is empty")
-        return prompt
+        return valid_text(prompt)
 
     @field_validator("echo")
     @classmethod
@@ -89,9 +108,25 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if not isinstance(content, list):
+            return valid_text(content)
+        for i, part in enumerate(content):
+            if part.get("type") != "text":
+                continue
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i} is a text part whose text is not a string")
+            try:
+                valid_text(part["text"])
+            except ValueError as e:
+                raise ValueError(f"part {i}: {e}") from None
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content if part.get("type") == "text")
         return self.content or ""
 
 

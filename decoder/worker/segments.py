@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+CLASSIFIER_SEGMENTS = ("extractive", "structured", "code", "adversarial", "prose")  # what classify_prompt returns
 _CODE = re.compile(r"^\s*(def |class |import |from \S+ import |return\b|if .*:$|for .*:$|@\w+)", re.MULTILINE)
 _SQL = re.compile(r"\b(SELECT|INSERT INTO|CREATE TABLE|UPDATE \w+ SET|DELETE FROM|WHERE|VALUES)\b")
 _WORD = re.compile(r"[A-Za-z]{2,}")

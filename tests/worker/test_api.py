@@ -7,6 +7,7 @@ weights, byte-level BPE: partial UTF-8 characters included), which makes a good 
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -316,6 +317,76 @@ def test_bad_input_is_a_400_naming_the_field(draft_worker: Worker, path: str, bo
         assert error["param"] == param, (why, error)
         assert error["message"].startswith(param.split(".")[0]), (why, error["message"])
     assert draft_worker.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "reason", "why"),
+    [
+        ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt", "lone surrogate (U+D800) at character 2",
+         "JSON can spell a lone surrogate; the tokenizer cannot take one (it was a 500 with a traceback)"),
+        ("/v1/completions", {"prompt": ["\udfff"]}, "prompt", "lone surrogate (U+DFFF) at character 0",
+         "the same inside the one-prompt list"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", "\ud800"]}, "stop", "lone surrogate",
+         "stop strings are text too"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud83d"}]}, "messages.0.content",
+         "lone surrogate (U+D83D) at character 3", "half of an emoji's surrogate pair"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+         "messages.0.content", "lone surrogate", "inside a content part"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "messages.0.content", "part 0 is a text part whose text is not a string", "was turned into '5'"),
+        ("/v1/completions", {"prompt": "x", "model": "\ud800"}, "model", "lone surrogate",
+         "the model name is quoted back in a 404"),
+        ("/v1/completions", {"prompt": "x", "temperature": float("nan")}, "temperature", "finite number",
+         "NaN fails every comparison; the message once said 'should be less than or equal to 2'"),
+        ("/v1/completions", {"prompt": "x", "temperature": float("inf")}, "temperature", "finite number",
+         "Infinity is what JSON parsers here accept too"),
+        ("/v1/completions", {"prompt": "x", "top_p": float("-inf")}, "top_p", "finite number", "nor -Infinity"),
+        ("/v1/completions", {"prompt": "x", "seed": 1 << 64}, "seed", "less than 18446744073709551616",
+         "a torch generator takes 64 bits; 2**64 was a 400 that named no field"),
+    ],
+)  # fmt: skip
+def test_text_and_numbers_no_tokenizer_or_sampler_can_take_are_a_400(
+    draft_worker: Worker, path: str, body: dict, param: str, reason: str, why: str
+):
+    """Sent as the raw JSON a hostile client would write (json.dumps escapes surrogates and writes NaN)."""
+    with draft_worker.client() as client:
+        response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    assert response.status_code == 400, (why, response.text)
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", (why, error)
+    assert error["message"].startswith(f"{param}: ") and reason in error["message"], (why, error["message"])
+    assert draft_worker.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", "an integer of 5,000 digits (Python refuses it)"),
+        (b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "100,000 levels of nesting"),
+        (b'{"prompt": "caf\xe9"}', "Latin-1, not UTF-8"),
+    ],
+)  # fmt: skip
+def test_a_body_json_cannot_parse_is_a_400_in_the_openai_shape(draft_worker: Worker, body: bytes, why: str):
+    """These once came back as FastAPI's own {"detail": ...}, which OpenAI clients cannot read."""
+    with draft_worker.client() as client:
+        response = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, (why, response.text)
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "JSON" in error["message"], (why, error)
+
+
+@pytest.mark.parametrize("where", ["header", "model"])
+def test_a_10kb_value_is_never_echoed_whole(draft_worker: Worker, where: str):
+    value = "no spaces allowed " + "x" * 10_240
+    if where == "header":
+        response = draft_worker.post("/v1/completions", {"prompt": "x"}, headers={"X-Specd-Segment": value})
+        assert response.status_code == 400
+    else:
+        response = draft_worker.post("/v1/completions", {"prompt": "x", "model": value})
+        assert response.status_code == 404
+    message = response.json()["error"]["message"]
+    assert value[:64] in message and value[:65] not in message, message
+    assert "(10258 characters)" in message and len(response.content) < 500
 
 
 def test_a_prompt_longer_than_the_context_is_a_400(draft_worker: Worker):

@@ -1,0 +1,205 @@
+"""The worker's input limits over its real path (a `specd worker` process, raw HTTP as a hostile client writes it):
+the body bound on its raw bytes (declared or chunked), prompts bounded before tokenizing, tokenizing off the event
+loop, and the segment label set of /metrics bounded however many segments clients invent."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.worker.conftest import Worker
+
+MAX_BODY = 4 << 20
+MAX_CHARS = 2_500_000
+MAX_TOKENS = 300
+MAX_SEGMENTS = 5
+
+
+@pytest.fixture(scope="module")
+def worker(launcher) -> Worker:
+    return launcher.start(
+        "limits", draft=None, segment_classifier="none", default_segment="tenant-a",
+        limits={"max_request_bytes": MAX_BODY, "max_prompt_chars": MAX_CHARS, "max_prompt_tokens": MAX_TOKENS},
+        metrics={"max_segments": MAX_SEGMENTS},
+    )  # fmt: skip
+
+
+def padded(size: int) -> bytes:
+    """A valid completion request of exactly ``size`` bytes (an ignored field carries the padding)."""
+    head, tail = b'{"prompt": "hi", "max_tokens": 1, "pad": "', b'"}'
+    return head + b"z" * (size - len(head) - len(tail)) + tail
+
+
+def post_raw(worker: Worker, content: bytes | Iterator[bytes], path: str = "/v1/completions") -> httpx.Response:
+    with worker.client() as client:
+        return client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+# -- the request body -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_the_body_limit_is_exact(worker: Worker, chunked: bool):
+    """At the limit the request is served; one byte past it, 413. A chunked body (no Content-Length, as a client
+    streaming its upload sends) is counted as it arrives."""
+
+    def send(body: bytes) -> httpx.Response:
+        return post_raw(worker, iter([body[:1000], body[1000:]]) if chunked else body)
+
+    at_limit = send(padded(MAX_BODY))
+    assert at_limit.status_code == 200, at_limit.text
+    over = send(padded(MAX_BODY + 1))
+    assert over.status_code == 413, over.text
+    error = over.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request body is too large") and f"{MAX_BODY} bytes" in error["message"]
+    assert "limits.max_request_bytes" in error["message"]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_50_mb_body_is_refused_before_it_is_parsed(worker: Worker, chunked: bool):
+    """Before the limit a 50 MB body was parsed and answered. With a Content-Length it is refused before a byte is
+    read; chunked, once the limit is passed (the rest is never parsed)."""
+    body = padded(50_000_000)
+    started = time.perf_counter()
+    response = post_raw(worker, (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body)
+    assert response.status_code == 413, response.text
+    assert time.perf_counter() - started < 5.0
+    assert worker.health()["status"] == "ok"
+
+
+def test_a_declared_length_past_the_limit_is_refused_before_the_body_is_sent(worker: Worker):
+    """The headers alone (Content-Length: 50,000,000) get the 413: the worker does not wait for the body."""
+    host, port = worker.service.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 50000000\r\n\r\n")  # fmt: skip
+        reply = b""
+        while b"limits.max_request_bytes" not in reply:  # a timeout (5 s) here means the worker waited for the body
+            chunk = sock.recv(4096)
+            assert chunk, f"the connection closed after {reply!r}"
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+    assert b"Content-Length is 50000000 bytes" in reply
+
+
+# -- prompts ----------------------------------------------------------------------------------------------
+
+
+def test_a_text_prompt_past_the_character_limit_is_refused_before_tokenizing(worker: Worker):
+    """2.5 M characters take the tiny tokenizer seconds; one more is refused at once, naming the field."""
+    started = time.perf_counter()
+    response = post_raw(worker, json.dumps({"prompt": "a " * (MAX_CHARS // 2) + "b"}).encode())
+    seconds = time.perf_counter() - started
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt"
+    assert error["message"] == (
+        f"prompt: {MAX_CHARS + 1} characters is above this worker's limit of {MAX_CHARS} (limits.max_prompt_chars)"
+    )
+    assert seconds < 1.0, f"{seconds:.2f} s: was it tokenized first?"
+
+
+def test_a_chat_is_bounded_by_its_message_texts_together(worker: Worker):
+    half = "a" * (MAX_CHARS // 2)
+    messages = [{"role": "system", "content": half}, {"role": "user", "content": [{"type": "text", "text": half}]},
+                {"role": "user", "content": "b"}]  # fmt: skip
+    response = post_raw(worker, json.dumps({"messages": messages}).encode(), "/v1/chat/completions")
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and error["message"].startswith(f"messages: {MAX_CHARS + 1} characters")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "status", "why"),
+    [
+        (list(range(1, MAX_TOKENS + 1)), 200, "token ids at the limit"),
+        (list(range(1, MAX_TOKENS + 2)), 400, "one id past it"),
+        ("hello " * MAX_TOKENS, 400, "a text prompt counts once tokenized (a word and a space are two tokens or more)"),
+    ],
+)
+def test_the_token_limit(worker: Worker, prompt: list[int] | str, status: int, why: str):
+    response = worker.post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert response.status_code == status, (why, response.text)
+    if status == 400:
+        error = response.json()["error"]
+        assert error["param"] == "prompt", why
+        assert error["message"].endswith(f"tokens is above this worker's limit of {MAX_TOKENS} "
+                                         "(limits.max_prompt_tokens)"), why  # fmt: skip
+
+
+def test_health_answers_while_a_large_prompt_is_tokenized(worker: Worker):
+    """A 2.4 MB prompt (within the character limit) keeps the tokenizer busy for seconds before the token limit
+    refuses it. Tokenized on the event loop, /health stalled for all of that (5 MB: 9.3 s); off it, /health
+    answers throughout (the GIL is held only while transformers turns the ids into Python lists)."""
+    prompt = ("The quick brown fox jumps over the lazy dog. " * 60_000)[: MAX_CHARS - 100_000]
+    latencies: list[float] = []
+    result: dict[str, float | int] = {}
+
+    def send() -> None:
+        started = time.perf_counter()
+        response = httpx.post(worker.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+        result.update(status=response.status_code, seconds=time.perf_counter() - started)
+
+    sender = threading.Thread(target=send)
+    with worker.client(timeout=60) as client:
+        sender.start()
+        while sender.is_alive():
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.02)
+    sender.join()
+    assert result["status"] == 400, "the prompt should have been tokenized, then refused for its token count"
+    assert result["seconds"] > 1.0, f"tokenizing took {result['seconds']:.2f} s: too little to tell anything"
+    assert len(latencies) >= 5, latencies
+    assert max(latencies) < result["seconds"] / 3, (
+        f"/health took up to {max(latencies):.2f} s during a {result['seconds']:.2f} s tokenization"
+    )
+
+
+# -- metrics ------------------------------------------------------------------------------------------------
+
+
+def _segments_on_metrics(worker: Worker) -> tuple[set[str], int]:
+    with worker.client() as client:
+        text = client.get("/metrics").text
+    labels = {line.split('segment="', 1)[1].split('"', 1)[0] for line in text.splitlines() if 'segment="' in line}
+    return labels, len(text.encode())
+
+
+def test_client_chosen_segments_do_not_grow_metrics(worker: Worker):
+    """Every segment was a label value on a dozen series: 2,000 of them grew /metrics from 18 KB to 1.3 MB. Past
+    metrics.max_segments (5 here) new names are counted under _overflow, as the controller counts them. (2,000
+    names: tests/worker/test_metrics.py, on WorkerMetrics itself; 400 here over HTTP.)"""
+    first = [f"first-{i}" for i in range(MAX_SEGMENTS)]
+    for segment in first:
+        assert worker.post("/v1/completions", {"prompt": "hi", "max_tokens": 1, "segment": segment}).status_code == 200
+    assert worker.complete("hi", max_tokens=1, segment="overflowing-0")["specd"]["segment"] == "overflowing-0"
+    labels, size_before = _segments_on_metrics(worker)
+    assert set(first) | {"_overflow"} <= labels <= set(first) | {"_overflow", "tenant-a"}  # tenant-a: the default
+    overflowed = worker.metrics().total("specd_requests_total", segment="_overflow", status="finished")
+
+    def run(names: list[str]) -> None:
+        with worker.client() as client:
+            for name in names:
+                body = {"prompt": "hi", "max_tokens": 1, "segment": name}
+                assert client.post("/v1/completions", json=body).status_code == 200
+
+    names = [f"overflowing-{i}" for i in range(1, 400)]
+    threads = [threading.Thread(target=run, args=(names[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    after, size_after = _segments_on_metrics(worker)
+    assert after == labels, sorted(after)[:20]
+    assert size_after <= size_before * 1.05, (size_before, size_after)  # the counts grow, not the label set
+    requests = worker.metrics().total("specd_requests_total", segment="_overflow", status="finished")
+    assert requests == overflowed + 399, "every overflowing request is still counted"
