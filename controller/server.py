@@ -64,48 +64,19 @@ class ControllerDaemon:
         return 0
 
     def startup(self) -> None:
-        cfg = self.config
-        try:
-            policies = PolicyStore(load_policy(cfg.policy_path))
-        except ConfigError as e:
-            raise StartupError(f"the policy is invalid, not starting:\n{e}") from None
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self._redis = connect(cfg.redis_url, cfg.state_dir, cfg.redis_timeout_seconds)
-        store = TelemetryStore(self._redis.client, cfg.learning.store_config(), self.clock)
-        journal = Journal(cfg.state_dir / "journal.jsonl", cfg.learning.journal_max_reports)
-        learner = Learner(store, journal, self.clock, cfg.learning.prior_retrain_seconds)
-        learner.refresh()
-        self.controller = Controller(learner, policies, max_remembered=cfg.learning.max_segments * 2)
-
-        exporter = make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
-        if exporter is None:  # nothing would ever read the spans: do not pay for recording them
-            tracer = no_tracer()
-        else:
-            self._provider = make_provider(cfg.telemetry.service_name, exporter)
-            tracer = self._provider.get_tracer("specd.controller")
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.max_workers), interceptors=[self._in_flight]
-        )
-        controller_pb2_grpc.add_ControllerServicer_to_server(ControllerServicer(self.controller, tracer), self._server)
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        try:
-            self.port = self._server.add_insecure_port(cfg.listen)
-        except RuntimeError as e:
-            raise StartupError(f"cannot listen on {cfg.listen}: {e}") from None
-        if not self.port:
-            raise StartupError(f"cannot listen on {cfg.listen} (address in use?)")
-        self._server.start()
-        for status_name in ("", SERVICE_NAME):
-            self._health.set(status_name, health_pb2.HealthCheckResponse.SERVING)
-
-        self._start_loop("refresh", cfg.learning.refresh_seconds, learner.refresh)
-        self._start_loop("policy-watch", cfg.policy_watch_seconds, self._reload_if_file_changed)
+        """1. the policy (refused if invalid); 2. Redis, the journal and the learner; 3. tracing; 4. the gRPC
+        server; 5. the background loops and the watchdog; 6. READY."""
+        policies = self._load_policy()
+        learner = self._open_learning()
+        self.controller = Controller(learner, policies, max_remembered=self.config.learning.max_segments * 2)
+        self._serve(ControllerServicer(self.controller, self._tracer()))
+        self._start_loop("refresh", self.config.learning.refresh_seconds, learner.refresh)
+        self._start_loop("policy-watch", self.config.policy_watch_seconds, self._reload_if_file_changed)
         interval = self.notifier.watchdog_interval()
         if interval:
             self._watchdog = WatchdogPinger(self.notifier, interval, is_healthy=self._healthy)
             self._watchdog.start()
+        assert self._redis is not None
         log.info(
             "specd controller listening on %s (policy %s from %s, redis %s%s)",
             self.address,
@@ -116,6 +87,49 @@ class ControllerDaemon:
         )
         self.notifier.ready(f"serving on {self.address}")
 
+    def _load_policy(self) -> PolicyStore:
+        try:
+            return PolicyStore(load_policy(self.config.policy_path))
+        except ConfigError as e:
+            raise StartupError(f"the policy is invalid, not starting:\n{e}") from None
+
+    def _open_learning(self) -> Learner:
+        cfg = self.config
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self._redis = connect(cfg.redis_url, cfg.state_dir, cfg.redis_timeout_seconds)
+        store = TelemetryStore(self._redis.client, cfg.learning.store_config(), self.clock)
+        journal = Journal(cfg.state_dir / "journal.jsonl", cfg.learning.journal_max_reports)
+        learner = Learner(store, journal, self.clock, cfg.learning.prior_retrain_seconds)
+        learner.refresh()
+        return learner
+
+    def _tracer(self) -> Any:
+        exporter = make_exporter(self.config.telemetry.exporter, self.config.telemetry.endpoint)
+        if exporter is None:  # nothing would ever read the spans: do not pay for recording them
+            return no_tracer()
+        self._provider = make_provider(self.config.telemetry.service_name, exporter)
+        return self._provider.get_tracer("specd.controller")
+
+    def _serve(self, servicer: ControllerServicer) -> None:
+        """The Controller service, health (SERVING) and reflection, on ``listen``."""
+        listen = self.config.listen
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.config.max_workers), interceptors=[self._in_flight]
+        )
+        controller_pb2_grpc.add_ControllerServicer_to_server(servicer, self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        try:
+            self.port = self._server.add_insecure_port(listen)
+        except RuntimeError as e:
+            raise StartupError(f"cannot listen on {listen}: {e}") from None
+        if not self.port:
+            raise StartupError(f"cannot listen on {listen} (address in use?)")
+        self._server.start()
+        for status_name in ("", SERVICE_NAME):
+            self._health.set(status_name, health_pb2.HealthCheckResponse.SERVING)
+
     def main_loop(self) -> None:
         while not self.lifecycle.should_exit.wait(0.2):
             if self.lifecycle.take_reload():
@@ -125,15 +139,8 @@ class ControllerDaemon:
         """Stop serving (RPCs in flight get the grace period), stop the loops, move what the journal holds into
         Redis, flush spans, close. Copes with a start-up that failed half way."""
         self.lifecycle.request_exit()  # ends the background loops (and main_loop, when called directly)
-        if self._server is not None:
-            log.info("draining (up to %.0fs)", self.config.shutdown_grace_seconds)
         self.notifier.stopping("draining")
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        in_flight = self._in_flight.count
-        if self._server is not None:
-            self._stop_server(self._server)
-        cut_short = self._in_flight.count  # handlers still running once the grace ended: their RPCs were cancelled
+        in_flight, cancelled = self._stop_serving()
         for thread in self._threads:
             thread.join(timeout=5)
         if self._watchdog is not None:
@@ -148,22 +155,31 @@ class ControllerDaemon:
             self._redis.close()
         self.notifier.close()
         return Drain(
-            finished={"RPCs in flight": max(in_flight - cut_short, 0)},
+            finished={"RPCs in flight": in_flight - cancelled},
             cut_short={
-                "RPCs cancelled at the end of the grace period": cut_short,
+                "RPCs cancelled at the end of the grace period": cancelled,
                 "reports left in the journal (Redis unreachable; replayed at the next start)": journaled,
             },
             forced=self.lifecycle.force_exit.is_set(),
         )
 
-    def _stop_server(self, server: grpc.Server) -> None:
-        """Refuse new RPCs and give those in flight the grace period; a second Ctrl-C cancels them at once."""
-        stopped = server.stop(self.config.shutdown_grace_seconds)
+    def _stop_serving(self) -> tuple[int, int]:
+        """Refuse new RPCs and give those in flight the grace period; a second Ctrl-C cancels them at once. Returns
+        how many were in flight, and how many of them the end of the grace cancelled."""
+        if self._server is None:
+            return 0, 0
+        log.info("draining (up to %.0fs)", self.config.shutdown_grace_seconds)
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        in_flight = self._in_flight.count
+        stopped = self._server.stop(self.config.shutdown_grace_seconds)
         while not stopped.wait(0.1):
             if self.lifecycle.force_exit.is_set():
-                server.stop(0)  # a smaller grace than before stops sooner (grpc.Server.stop)
+                self._server.stop(0)  # a smaller grace than before stops sooner (grpc.Server.stop)
                 stopped.wait()
-                return
+                break
+        cancelled = min(self._in_flight.count, in_flight)  # handlers still running once the grace ended
+        return in_flight, cancelled
 
     # --- reloads ------------------------------------------------------------------------------------
 

@@ -232,12 +232,8 @@ def shut_down(
         while driver.running and time.monotonic() < deadline and not force.is_set():
             driver.join(0.1)
         controller = services.get(CONTROLLER)
-        if controller is not None and controller.alive() and not force.wait(1.0):  # two refreshes: the workers'
-            try:  # last reports are in what it answers
-                learned = fetch_learned(controller.address)
-            except Exception as e:  # the summary says why, and the demo still ends cleanly
-                learned_error = f"ListSegments failed: {e}"
         if controller is not None:
+            learned, learned_error = ask_what_was_learned(controller, force)
             killed += stop_all([controller], force)
         if force.is_set():
             say(console, "second interrupt: killing the services")
@@ -252,6 +248,18 @@ def shut_down(
         learned_error,
         Drain({"services stopped": stopped}, {"services killed": len(killed)}, force.is_set()),
     )
+
+
+def ask_what_was_learned(controller: Service, force: threading.Event) -> tuple[list[Learned] | None, str]:
+    """ListSegments, once two refreshes have taken the workers' last reports in; or why not."""
+    if not controller.alive():
+        return None, "the controller did not start"
+    if force.wait(1.0):
+        return None, "interrupted"
+    try:
+        return fetch_learned(controller.address), ""
+    except Exception as e:  # the summary says why, and the demo still ends cleanly
+        return None, f"ListSegments failed: {e}"
 
 
 def stop_all(group: list[Service], force: threading.Event, timeout_seconds: float = 15.0) -> list[str]:
