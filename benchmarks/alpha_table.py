@@ -40,7 +40,7 @@ class Cell:
     per_position: list[list[int]] = field(default_factory=list)  # [proposed, accepted] per position
 
     def add(self, stats) -> None:  # type: ignore[no-untyped-def]
-        self.proposed += stats.num_draft_tokens
+        self.proposed += stats.num_drafted
         self.accepted += stats.num_accepted
         self.rounds += stats.num_rounds
         self.tokens += stats.num_new_tokens

@@ -52,7 +52,7 @@ def aggregate(segment: str, rng: random.Random, rounds: int = 50, k: int = 4) ->
             verified[i] += i <= a
             accepted[i] += i < a
     return pb.RoundsAggregate(
-        segment=segment, drafter="draft", num_draft_tokens=k, rounds=rounds, num_draft_tokens_proposed=rounds * k,
+        segment=segment, drafter="draft", k=k, rounds=rounds, num_drafted=rounds * k,
         num_accepted=total, proposed_per_position=proposed, verified_per_position=verified,
         accepted_per_position=accepted, tokens_emitted=total + rounds, draft_seconds=0.001 * rounds * k,
         verify_seconds=0.012 * rounds, batch_size=1, temperature=0.0, prompt_tokens=200, self_repetition=0.2,

@@ -170,7 +170,7 @@ def predicted_speedup(stats: list[RequestStats], c: float, v: list[float]) -> fl
     """τ / mean round cost, where a round with j drafts costs c·j + v(j) target steps."""
     rounds = [r for s in stats for r in s.rounds]
     tau = sum(r.num_accepted + 1 for r in rounds) / len(rounds)
-    cost = sum(c * r.num_draft_tokens + v[r.num_draft_tokens] for r in rounds) / len(rounds)
+    cost = sum(c * r.num_drafted + v[r.num_drafted] for r in rounds) / len(rounds)
     return tau / cost
 
 
@@ -262,7 +262,7 @@ def report(tallies: dict[str, Tally], costs: Costs, runs_total: int) -> None:
           f"{'same tokens':>11}")  # fmt: skip
     for name, t in tallies.items():
         rounds = rounds_of(t)
-        proposed = sum(r.num_draft_tokens for r in rounds)
+        proposed = sum(r.num_drafted for r in rounds)
         alpha = f"{sum(r.num_accepted for r in rounds) / proposed:.2f}" if proposed else "-"
         tau = f"{sum(r.num_accepted + 1 for r in rounds) / len(rounds):.2f}" if proposed else "-"
         tps = t.tokens_per_second
@@ -285,7 +285,7 @@ def report(tallies: dict[str, Tally], costs: Costs, runs_total: int) -> None:
         t = tallies[name]
         rounds = rounds_of(t)
         c = (
-            sum(r.draft_seconds for r in rounds) / max(1, sum(r.num_draft_tokens for r in rounds))
+            sum(r.draft_seconds for r in rounds) / max(1, sum(r.num_drafted for r in rounds))
         ) / costs.target_step_seconds
         isolated = {"ours-draft": f"{costs.c_draft:.3f}", "ours-self": "1.000"}.get(name, "-")
         measured = t.decode_tokens_per_second / base_ours.decode_tokens_per_second

@@ -49,7 +49,7 @@ def decode_batch(
         live = [s for s in live if s.finish_reason is None]
     seconds = time.perf_counter() - started
     outputs = [s.generated for s in sessions]
-    proposed = sum(s.stats.num_draft_tokens for s in sessions)
+    proposed = sum(s.stats.num_drafted for s in sessions)
     accepted = sum(s.stats.num_accepted for s in sessions)
     return sum(map(len, outputs)) / seconds, outputs, (accepted / proposed if proposed else None)
 

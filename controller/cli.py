@@ -34,6 +34,11 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("--address", help=address_help)
     p.set_defaults(handler=run_alpha)
 
+    p = commands.add_parser("costs", help="the costs the controller learned: target step, c and v(n) per batch bucket")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--address", help=address_help)
+    p.set_defaults(handler=run_costs)
+
     p = commands.add_parser("segments", help="the segments the controller knows, with their decisions")
     p.add_argument("--json", action="store_true")
     p.add_argument("--address", help=address_help)
@@ -92,12 +97,58 @@ def run_alpha(args: argparse.Namespace) -> int:
         for d, k in rows:
             ci = f"{k.alpha_ci_low:.2f}-{k.alpha_ci_high:.2f}"
             print(
-                f"{s.segment:<20} {d.drafter:<14} {k.num_draft_tokens:>3} {k.rounds:>9.1f} {k.alpha:>6.2f} "
+                f"{s.segment:<20} {d.drafter:<14} {k.k:>3} {k.rounds:>9.1f} {k.alpha:>6.2f} "
                 f"{ci:>13} {k.mean_accepted_length:>5.2f} {k.expected_speedup:>10.2f}x"
             )
         if not rows:
-            print(f"{s.segment:<20} (no rounds yet)")
+            print(f"{s.segment:<20} (no rounds served yet)")
+        for d in s.drafters:
+            line = evidence_line(d)
+            if line:
+                print(f"{'':<20} {d.drafter:<14} {line}")
+        for alarm in s.drift:
+            print(f"{'':<20} drift: {describe_drift(alarm)}")
         print(f"{'':<20} decision: {describe(s.decision)}{'  [stale]' if s.stale else ''}")
+    return 0
+
+
+def evidence_line(drafter: Any) -> str:
+    """Served and counterfactual rounds apart (at the first position, which every round with a draft reaches),
+    and the per-position acceptance estimate decisions use."""
+    parts = []
+    for name, positions in (("served", drafter.positions), ("scored", drafter.counterfactual_positions)):
+        if positions and positions[0].offered >= 0.5:
+            first = positions[0]
+            parts.append(f"{name} {first.offered:.0f} rounds, a0 {first.conditional_alpha:.2f}")
+    if not parts:
+        return ""
+    estimate = " ".join(f"{a:.2f}" for a in drafter.acceptance[:8])
+    return " | ".join(parts) + f" | estimate a_i: {estimate}"
+
+
+def describe_drift(alarm: Any) -> str:
+    import time
+
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(alarm.since_unix))
+    return f"{alarm.drafter} {alarm.direction} from {alarm.alpha_before:.2f} to {alarm.alpha_since:.2f} since {since}"
+
+
+def run_costs(args: argparse.Namespace) -> int:
+    from specd_api.v1 import controller_pb2 as pb
+
+    model = _call(args.address, "GetCosts", pb.GetCostsRequest())
+    if args.json:
+        print(json.dumps(MessageToDict(model, preserving_proto_field_name=True), indent=2))
+        return 0
+    if not model.buckets:
+        print("no timings reported yet: decisions use the policy's cost_ratio and v(n) = 1 + 0.02 n")
+        return 0
+    for b in model.buckets:
+        c = ", ".join(f"c({d}) = {v:.3f}" for d, v in sorted(b.cost_ratio.items())) or "c not measured"
+        print(f"batch bucket {b.batch_bucket}: target step {b.step_seconds * 1e3:.2f} ms, {c}")
+        measured = [f"v({n}) = {v:.2f}" + ("" if n < len(b.verify_rounds) and b.verify_rounds[n] else "*")
+                    for n, v in enumerate(b.verify_cost)]  # fmt: skip
+        print("  " + ", ".join(measured) + "   (* interpolated)")
     return 0
 
 
@@ -112,7 +163,8 @@ def run_segments(args: argparse.Namespace) -> int:
     for s in segments:
         alpha = overall_alpha(s)
         alpha_text = f"{alpha:.2f}" if alpha is not None else "-"
-        print(f"{s.segment:<24} {s.rounds:>9.1f} {alpha_text:>6}  {describe(s.decision)}")
+        drift = "".join(f"  [α drift: {describe_drift(a)}]" for a in s.drift)
+        print(f"{s.segment:<24} {s.rounds:>9.1f} {alpha_text:>6}  {describe(s.decision)}{drift}")
     return 0
 
 
@@ -151,7 +203,7 @@ def check_policies(files: list[str]) -> int:
 def describe(decision: Any) -> str:
     if decision.drafter == "none":
         return f"off ({decision.reason})"
-    return f"{decision.drafter} K={decision.num_draft_tokens} ({decision.reason}, x{decision.expected_speedup:.2f})"
+    return f"{decision.drafter} K<={decision.k} ({decision.reason}, x{decision.expected_speedup:.2f})"
 
 
 def overall_alpha(segment: Any) -> float | None:
@@ -167,6 +219,11 @@ def segment_summary(segment: Any) -> dict[str, Any]:
         d.drafter: (sum(k.accepted for k in d.by_k) / sum(k.proposed for k in d.by_k))
         for d in segment.drafters
         if sum(k.proposed for k in d.by_k) > 0
+    }
+    summary["counterfactual_alpha_by_drafter"] = {
+        d.drafter: d.counterfactual_positions[0].conditional_alpha
+        for d in segment.drafters
+        if d.counterfactual_positions and d.counterfactual_positions[0].verified > 0
     }
     summary["alpha"] = overall_alpha(segment)
     return summary

@@ -1,4 +1,4 @@
-"""What the controller learns, as plain counts: per segment × drafter × K × draft position.
+"""What the controller learns, as plain counts: per segment × drafter × K × draft position, and costs.
 
 Counts live in Redis as hash fields (see store.py for the key schema). These classes parse those fields,
 add them up with decay weights, and derive rates. Everything here is pure.
@@ -10,9 +10,12 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from specd_api.plan import batch_bucket
+
 # Field names inside a segment bucket hash (K-level and position-level counters).
 K_FIELDS = ("rounds", "proposed", "accepted", "tokens", "draft_s", "verify_s")
 POSITION_FIELDS = ("offered", "proposed", "verified", "accepted")
+SERVED, COUNTERFACTUAL = "p", "q"  # position fields of served rounds, and of counterfactually scored ones
 
 
 @dataclass
@@ -36,11 +39,16 @@ class PositionCounts:
     verified: float = 0.0  # ... with every earlier position accepted
     accepted: float = 0.0
 
+    def plus(self, other: PositionCounts) -> PositionCounts:
+        return PositionCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
 
 @dataclass
 class SegmentCounts:
     by_k: dict[tuple[str, int], KCounts] = field(default_factory=lambda: defaultdict(KCounts))
     positions: dict[tuple[str, int], PositionCounts] = field(default_factory=lambda: defaultdict(PositionCounts))
+    # Counterfactual rounds (scored from the emitted tokens while another drafter ran), per drafter and position.
+    counterfactual: dict[tuple[str, int], PositionCounts] = field(default_factory=lambda: defaultdict(PositionCounts))
     last_update: float = 0.0
 
     @property
@@ -48,44 +56,58 @@ class SegmentCounts:
         return sum(c.rounds for c in self.by_k.values())
 
     def drafters(self) -> list[str]:
-        return sorted({d for d, _ in self.by_k} | {d for d, _ in self.positions})
+        keys = [*self.by_k, *self.positions, *self.counterfactual]
+        return sorted({d for d, _ in keys})
 
-    def position_list(self, drafter: str) -> list[PositionCounts]:
+    def position_list(self, drafter: str, counterfactual: bool = False) -> list[PositionCounts]:
         """Positions 0.. of ``drafter`` in order (missing positions are zero counts)."""
-        known = [i for d, i in self.positions if d == drafter]
-        return [self.positions.get((drafter, i), PositionCounts()) for i in range(max(known, default=-1) + 1)]
+        table = self.counterfactual if counterfactual else self.positions
+        known = [i for d, i in table if d == drafter]
+        return [table.get((drafter, i), PositionCounts()) for i in range(max(known, default=-1) + 1)]
+
+    def evidence(self, drafter: str, i: int) -> PositionCounts:
+        """What a position's acceptance is estimated from: served and counterfactual rounds together."""
+        return self.positions.get((drafter, i), PositionCounts()).plus(
+            self.counterfactual.get((drafter, i), PositionCounts())
+        )
 
     def add(self, other: SegmentCounts) -> None:
         for key, k in other.by_k.items():
             _add_dataclass(self.by_k[key], k)
         for key, p in other.positions.items():
             _add_dataclass(self.positions[key], p)
+        for key, p in other.counterfactual.items():
+            _add_dataclass(self.counterfactual[key], p)
         self.last_update = max(self.last_update, other.last_update)
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
         """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age)."""
         for name, value in values.items():
             parts = name.split("|")
-            if parts[0] == "k" and len(parts) == 4 and parts[3] in K_FIELDS:
-                target: KCounts | PositionCounts = self.by_k[(parts[1], int(parts[2]))]
-            elif parts[0] == "p" and len(parts) == 4 and parts[3] in POSITION_FIELDS:
-                target = self.positions[(parts[1], int(parts[2]))]
-            elif name == "updated":
-                self.last_update = max(self.last_update, float(value))
-                continue
-            else:
-                continue  # a field of a newer schema: ignore rather than fail
-            setattr(target, parts[3], getattr(target, parts[3]) + weight * float(value))
+            try:
+                if parts[0] == "k" and len(parts) == 4 and parts[3] in K_FIELDS:
+                    target: KCounts | PositionCounts = self.by_k[(parts[1], int(parts[2]))]
+                elif parts[0] in (SERVED, COUNTERFACTUAL) and len(parts) == 4 and parts[3] in POSITION_FIELDS:
+                    table = self.positions if parts[0] == SERVED else self.counterfactual
+                    target = table[(parts[1], int(parts[2]))]
+                elif name == "updated":
+                    self.last_update = max(self.last_update, float(value))
+                    continue
+                else:
+                    continue  # a field of a newer schema: ignore rather than fail
+            except ValueError:
+                continue  # a corrupt field name: ignore it (stored data never breaks a read)
+            setattr(target, parts[3], getattr(target, parts[3]) + weight * _number(value))
 
 
 @dataclass
 class CostCounts:
-    """Measured costs, over all segments: drafting time per drafter, verification time per length."""
+    """Measured costs over all segments, per batch bucket: drafting time per drafter, verification time per number
+    of tokens drafted in the round (n)."""
 
-    draft_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    drafted: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    # (tokens verified beyond the head token, batch bucket) -> seconds, rounds
-    verify_s: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
+    draft_s: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))  # (drafter, bucket)
+    drafted: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
+    verify_s: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))  # (n, bucket)
     verify_rounds: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, other: CostCounts) -> None:
@@ -101,12 +123,16 @@ class CostCounts:
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
         for name, value in values.items():
             parts = name.split("|")
-            v = weight * float(value)
-            if parts[0] == "d" and len(parts) == 3:
-                (self.draft_s if parts[2] == "s" else self.drafted)[parts[1]] += v
-            elif parts[0] == "v" and len(parts) == 4:
-                key = (int(parts[1]), int(parts[2]))
-                (self.verify_s if parts[3] == "s" else self.verify_rounds)[key] += v
+            if len(parts) != 4 or parts[0] not in ("e", "w"):
+                continue  # another schema's field (the earlier d|/v| fields mixed round lengths): ignore
+            try:
+                v = weight * _number(value)
+                if parts[0] == "e" and parts[3] in ("s", "n"):
+                    (self.draft_s if parts[3] == "s" else self.drafted)[(parts[1], int(parts[2]))] += v
+                elif parts[0] == "w" and parts[3] in ("s", "r"):
+                    (self.verify_s if parts[3] == "s" else self.verify_rounds)[(int(parts[1]), int(parts[2]))] += v
+            except ValueError:
+                continue
 
 
 def _add_dataclass(into: KCounts | PositionCounts, other: KCounts | PositionCounts) -> None:
@@ -114,12 +140,13 @@ def _add_dataclass(into: KCounts | PositionCounts, other: KCounts | PositionCoun
         setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))
 
 
-def batch_bucket(batch_size: int) -> int:
-    """Batch sizes are grouped in powers of two (1, 2, 4, 8, 16, …) for cost statistics."""
-    bucket = 1
-    while bucket < batch_size:
-        bucket *= 2
-    return bucket
+def _number(value: object) -> float:
+    """A stored counter as a usable number: anything negative, infinite or not a number counts as 0."""
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return x if x >= 0 and x != float("inf") else 0.0  # NaN fails the comparison
 
 
 def decay_weight(age_seconds: float, half_life_seconds: float) -> float:
@@ -128,54 +155,62 @@ def decay_weight(age_seconds: float, half_life_seconds: float) -> float:
 
 @dataclass(frozen=True)
 class Aggregate:
-    """Rounds of one request (or interval) with one drafter and one K: a validated ReportRounds entry."""
+    """Rounds of one request (or interval) with one drafter and one K: a validated RoundsAggregate."""
 
     segment: str
     drafter: str
-    num_draft_tokens: int  # K asked for
+    k: int  # the K the rounds ran with
     rounds: int
-    proposed: int
+    num_drafted: int
     accepted: int
     proposed_per_position: tuple[int, ...]
     verified_per_position: tuple[int, ...]
     accepted_per_position: tuple[int, ...]
-    tokens_emitted: int
-    draft_seconds: float
-    verify_seconds: float
-    batch_size: int
+    tokens_emitted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    batch_size: int = 1
     temperature: float = 0.0
     prompt_tokens: int = 0
     self_repetition: float = 0.0
+    by_drafted: tuple[tuple[int, float], ...] = ()  # (rounds, verify seconds) per number drafted n = 0..
+    counterfactual: bool = False  # scored, not served: position counts only
 
     def segment_fields(self) -> dict[str, float]:
         """Increments for the segment's bucket hash."""
-        d, k = self.drafter, self.num_draft_tokens
-        fields = {
-            f"k|{d}|{k}|rounds": self.rounds,
-            f"k|{d}|{k}|proposed": self.proposed,
-            f"k|{d}|{k}|accepted": self.accepted,
-            f"k|{d}|{k}|tokens": self.tokens_emitted,
-            f"k|{d}|{k}|draft_s": self.draft_seconds,
-            f"k|{d}|{k}|verify_s": self.verify_seconds,
-        }
+        d, k = self.drafter, self.k
+        fields: dict[str, float] = {}
+        if not self.counterfactual:
+            fields |= {
+                f"k|{d}|{k}|rounds": self.rounds,
+                f"k|{d}|{k}|proposed": self.num_drafted,
+                f"k|{d}|{k}|accepted": self.accepted,
+                f"k|{d}|{k}|tokens": self.tokens_emitted,
+                f"k|{d}|{k}|draft_s": self.draft_seconds,
+                f"k|{d}|{k}|verify_s": self.verify_seconds,
+            }
+        kind = COUNTERFACTUAL if self.counterfactual else SERVED
         for i in range(k):
-            fields[f"p|{d}|{i}|offered"] = self.rounds
-            fields[f"p|{d}|{i}|proposed"] = _at(self.proposed_per_position, i)
-            fields[f"p|{d}|{i}|verified"] = _at(self.verified_per_position, i)
-            fields[f"p|{d}|{i}|accepted"] = _at(self.accepted_per_position, i)
+            fields[f"{kind}|{d}|{i}|offered"] = self.rounds
+            fields[f"{kind}|{d}|{i}|proposed"] = _at(self.proposed_per_position, i)
+            fields[f"{kind}|{d}|{i}|verified"] = _at(self.verified_per_position, i)
+            fields[f"{kind}|{d}|{i}|accepted"] = _at(self.accepted_per_position, i)
         return {name: float(v) for name, v in fields.items()}
 
     def cost_fields(self) -> dict[str, float]:
-        """Increments for the global cost hash: drafting time per token, verify time per length."""
+        """Increments for the global cost hash: drafting time per drafted token and verification time per n, both
+        in the batch bucket the rounds ran in."""
+        if self.counterfactual or not self.rounds:
+            return {}
+        bucket = batch_bucket(self.batch_size)
         fields: dict[str, float] = {}
-        if self.proposed and self.drafter != "none":
-            fields[f"d|{self.drafter}|s"] = self.draft_seconds
-            fields[f"d|{self.drafter}|n"] = float(self.proposed)
-        if self.rounds:
-            length = round(self.proposed / self.rounds)  # mean tokens verified besides the head token
-            bucket = batch_bucket(self.batch_size)
-            fields[f"v|{length}|{bucket}|s"] = self.verify_seconds
-            fields[f"v|{length}|{bucket}|r"] = float(self.rounds)
+        if self.drafter != "none" and self.num_drafted:
+            fields[f"e|{self.drafter}|{bucket}|s"] = self.draft_seconds
+            fields[f"e|{self.drafter}|{bucket}|n"] = float(self.num_drafted)
+        for n, (rounds, seconds) in enumerate(self.by_drafted):
+            if rounds:
+                fields[f"w|{n}|{bucket}|s"] = seconds
+                fields[f"w|{n}|{bucket}|r"] = float(rounds)
         return fields
 
 

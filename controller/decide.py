@@ -1,21 +1,30 @@
-"""Deciding how a request speculates: (policy, segment estimates, request) -> decision. Pure.
+"""Deciding how a request speculates: (policy, segment estimates, costs, request) -> plan. Pure.
 
-The order of the rules is the order of the reasons a decision can carry:
+The order of the rules is the order of the reasons a plan can carry:
   batch_size_above_threshold, policy_off, policy_forced, no_drafter_available, request_too_short,
-  then the learned choice: best_expected_speedup (kept for hysteresis: kept_previous),
-  low_expected_speedup / alpha_below_floor (speculation off), or exploration (a bounded probe).
+  then the learned choice: best_expected_speedup (kept for hysteresis: kept_previous), low_expected_speedup
+  (speculation off), or exploration (a probe).
+
+The learned choice scores every (drafter, K) by its expected speedup under the posterior means of the per-position
+acceptance and the measured costs (specd_api.speedup), and picks the best; nothing else can veto an arm whose
+expected speedup clears ``min_speedup``. Exploration is Thompson sampling: each drafter's rates are drawn from
+their posterior, and when a draw prefers a drafter other than the chosen one, the request probes it (at most
+``exploration_rate`` of requests). A probe runs its first rounds at ``k_max``, so one probe observes every
+position for every K; as the posteriors narrow, draws stop disagreeing and probing stops by itself.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
-from controller.counts import PositionCounts, SegmentCounts
+from controller.cost_model import BucketCosts
+from controller.counts import SegmentCounts
 from controller.policy import Settings
-from controller.speedup import VerifyCost, speedup_curve
+from specd_api.plan import BATCH_RULE_REASON, Plan, off, speculation_allowed
+from specd_api.speedup import best_k, speedup_curve
 
 
 @dataclass(frozen=True)
@@ -27,22 +36,6 @@ class Request:
     prompt_tokens: int = 0
     temperature: float = 0.0
     self_repetition: float = 0.0
-
-
-@dataclass(frozen=True)
-class Decision:
-    drafter: str
-    num_draft_tokens: int
-    reason: str
-    policy_version: str
-    exploration: bool = False
-    expected_speedup: float = 1.0
-    stale: bool = False
-    segment: str = ""
-
-    @property
-    def speculates(self) -> bool:
-        return self.drafter != "none" and self.num_draft_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -93,10 +86,10 @@ def estimate_drafter(
     prior_strength: float,
     cost_ratio: float,
 ) -> DrafterEstimate:
-    """Per-position posteriors, shrunk hierarchically: each position towards the drafter's pooled rate in
-    this segment, which is itself shrunk towards the prior. A position never verified yet (deeper than any
-    K tried) is then estimated from the positions that were, not from the global prior alone."""
-    positions = [counts.positions.get((drafter, i), PositionCounts()) for i in range(k_max)]
+    """Per-position posteriors from served and counterfactual rounds, shrunk hierarchically: each position towards
+    the drafter's pooled rate in this segment, which is itself shrunk towards the prior. A position never verified
+    yet (deeper than any K tried) is then estimated from the positions that were, not from the global prior."""
+    positions = [counts.evidence(drafter, i) for i in range(k_max)]
     n0 = prior_strength
     pooled_alpha = (sum(p.accepted for p in positions) + n0 * prior_alpha) / (sum(p.verified for p in positions) + n0)
     pooled_proposal = (sum(p.proposed for p in positions) + n0 * prior_proposal) / (
@@ -118,16 +111,18 @@ class Arm:
     speedup: float
 
 
-def score_arms(
+def best_arm(
     estimate: DrafterEstimate,
-    conditional: list[float],
-    proposal: list[float],
+    rates: tuple[list[float], list[float]],
     k_min: int,
     k_max: int,
-    verify: VerifyCost,
-) -> list[Arm]:
-    curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, verify)
-    return [Arm(estimate.drafter, k, curve[k - 1]) for k in range(k_min, k_max + 1)]
+    costs: BucketCosts,
+) -> Arm:
+    """The drafter's best K in [k_min, k_max] under ``rates`` (means or a posterior draw)."""
+    conditional, proposal = rates
+    curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, costs.verify_table(k_max))
+    k, value = best_k(curve, k_min)
+    return Arm(estimate.drafter, k, value)
 
 
 def repays_drafting(arm: Arm, request: Request, settings: Settings, cost_ratio: float) -> bool:
@@ -144,48 +139,50 @@ def decide(
     policy_version: str,
     request: Request,
     estimates: Mapping[str, DrafterEstimate],
-    verify: VerifyCost,
-    previous: Decision | None,
+    costs: BucketCosts,
+    previous: Plan | None,
     rng: random.Random,
-) -> Decision:
-    """The decision for one request. ``previous`` is the segment's last non-exploration decision."""
+) -> Plan:
+    """The plan for one request. ``previous`` is the segment's last learned (non-probe) plan."""
+    segment = request.segment
+    lookup_k = _counterfactual_k(settings, request)
 
-    def off(reason: str, speedup: float = 1.0) -> Decision:
-        return Decision("none", 0, reason, policy_version, expected_speedup=speedup, segment=request.segment)
+    def stop(reason: str, speedup: float = 1.0) -> Plan:
+        return replace(off(reason, policy_version, segment, speedup), counterfactual_k=lookup_k)
 
-    if request.batch_size > settings.max_batch_size:
-        return off("batch_size_above_threshold")
+    if not speculation_allowed(request.batch_size, settings.max_batch_size):
+        return stop(BATCH_RULE_REASON)
     if settings.force == "none":
-        return off("policy_off")
-    candidates = [
-        d for d in request.drafters if d in settings.drafters and settings.drafter(d).enabled and d in estimates
-    ]
+        return stop("policy_off")
     if settings.force is not None and settings.force in request.drafters:
         forced = settings.drafter(settings.force)
         k = min(settings.force_k or forced.k_max, max(request.max_new_tokens - 1, 0))
         if k == 0:
-            return off("request_too_short")
-        return Decision(settings.force, k, "policy_forced", policy_version, segment=request.segment)
+            return stop("request_too_short")
+        threshold = forced.stop_threshold if settings.force == "draft" else 0.0
+        return Plan(settings.force, k, "policy_forced", policy_version, segment=segment, stop_threshold=threshold,
+                    counterfactual_k=lookup_k)  # fmt: skip
+    candidates = [
+        d for d in request.drafters if d in settings.drafters and settings.drafter(d).enabled and d in estimates
+    ]
     if not candidates:
-        return off("no_drafter_available")
+        return stop("no_drafter_available")
     if request.max_new_tokens < settings.min_new_tokens:
-        return off("request_too_short")
+        return stop("request_too_short")
 
     k_cap = request.max_new_tokens - 1  # a round emits up to K + 1 tokens
-    arms: list[Arm] = []
-    for d in candidates:
-        s = settings.drafter(d)
-        if s.k_min > k_cap:
-            continue
-        conditional, proposal = estimates[d].means()
-        arms += score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify)
-    if not arms:
-        return off("request_too_short")
+    usable: list[str] = [d for d in candidates if settings.drafter(d).k_min <= k_cap]
+    if not usable:
+        return stop("request_too_short")
+    bounds: dict[str, tuple[int, int]] = {
+        d: (settings.drafter(d).k_min, min(settings.drafter(d).k_max, k_cap)) for d in usable
+    }
+    arms = [best_arm(estimates[d], estimates[d].means(), *bounds[d], costs) for d in usable]
     best = max(arms, key=lambda a: a.speedup)
     choice = _with_hysteresis(best, arms, previous, settings)
     if choice is not None and not repays_drafting(choice, request, settings, estimates[choice.drafter].cost_ratio):
-        # Worth running, but not over this request: fall back to an arm whose gain repays the draft
-        # model's prefill (prompt lookup has none); with none left, the request is too short.
+        # Worth running, but not over this request: fall back to an arm whose gain repays the draft model's
+        # prefill (prompt lookup has none); with none left, the request is too short.
         paying = [
             a
             for a in arms
@@ -193,69 +190,89 @@ def decide(
             and repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)
         ]
         if not paying:
-            return off("request_too_short")
+            return stop("request_too_short")
         choice = max(paying, key=lambda a: a.speedup)
-    exploit: Decision
-    if choice is None:
-        exploit = off("low_expected_speedup", best.speedup)
-    elif estimates[choice.drafter].conditional[0].mean < settings.drafter(choice.drafter).alpha_floor:
-        # α in the i.i.d. sense of the literature: the per-token rate, measured at the first position
-        exploit = off("alpha_below_floor", choice.speedup)
-    else:
-        kept = (
-            previous is not None
-            and choice != best
-            and (choice.drafter, choice.k)
-            == (
-                previous.drafter,
-                previous.num_draft_tokens,
-            )
-        )
-        reason = "kept_previous" if kept else "best_expected_speedup"
-        exploit = Decision(
-            choice.drafter, choice.k, reason, policy_version, False, choice.speedup, segment=request.segment
+
+    def plan_for(arm: Arm, reason: str, k: int, probe_rounds: int = 0) -> Plan:
+        conditional, proposal = estimates[arm.drafter].means()
+        s = settings.drafter(arm.drafter)
+        return Plan(
+            drafter=arm.drafter,
+            k=k,
+            reason=reason,
+            policy_version=policy_version,
+            exploration=probe_rounds > 0,
+            expected_speedup=arm.speedup,
+            segment=segment,
+            stop_threshold=s.stop_threshold if arm.drafter == "draft" else 0.0,
+            acceptance=tuple(conditional[:k]),
+            proposal=tuple(proposal[:k]),
+            prior_strength=settings.plan_prior_rounds,
+            cost_ratio=estimates[arm.drafter].cost_ratio,
+            verify_cost=costs.verify_table(k),
+            probe_rounds=probe_rounds,
+            counterfactual_k=lookup_k,
         )
 
-    if rng.random() < settings.exploration_rate:
-        probe = _thompson_arm(candidates, estimates, settings, k_cap, verify, rng)
-        if probe is not None and (probe.drafter, probe.k) != (exploit.drafter, exploit.num_draft_tokens):
-            # report the point estimate of the probed arm, not the lucky sample
-            speedup = next((a.speedup for a in arms if (a.drafter, a.k) == (probe.drafter, probe.k)), 1.0)
-            return Decision(
-                probe.drafter, probe.k, "exploration", policy_version, True, speedup, segment=request.segment
-            )
+    if choice is None:
+        exploit = stop("low_expected_speedup", best.speedup)
+    else:
+        kept = previous is not None and choice != best and choice.drafter == previous.drafter
+        ceiling = min(choice.k + settings.k_headroom, bounds[choice.drafter][1])
+        exploit = plan_for(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
+
+    # Prompt lookup scored on every round is known for free: probing it would pay to learn what is already seen.
+    probed = [d for d in usable if not (d == "prompt_lookup" and lookup_k > 0)]
+    probe = _thompson(probed, estimates, bounds, costs, exploit, settings, rng)
+    if probe is not None:
+        mean_arm = next(a for a in arms if a.drafter == probe)  # report the point estimate, not the lucky draw
+        return plan_for(mean_arm, "exploration", bounds[probe][1], max(settings.probe_rounds, 1))
     return exploit
 
 
-def _with_hysteresis(best: Arm, arms: list[Arm], previous: Decision | None, settings: Settings) -> Arm | None:
-    """Keep the previous arm unless the best beats it by the margin; switch on or off only past margins."""
+def _counterfactual_k(settings: Settings, request: Request) -> int:
+    """Prompt lookup is scored on every round whatever runs, when the worker has it and the policy allows it."""
+    if not settings.counterfactual or "prompt_lookup" not in request.drafters:
+        return 0
+    lookup = settings.drafter("prompt_lookup")
+    return lookup.k_max if lookup.enabled else 0
+
+
+def _with_hysteresis(best: Arm, arms: list[Arm], previous: Plan | None, settings: Settings) -> Arm | None:
+    """Keep the previous drafter unless the best beats it by the margin; switch on or off only past margins."""
     margin = 1.0 + settings.hysteresis
     was_on = previous is not None and previous.speculates
     threshold = settings.min_speedup if was_on or previous is None else settings.min_speedup * margin
     if best.speedup < threshold:
         return None
     if was_on and previous is not None:
-        kept = next((a for a in arms if (a.drafter, a.k) == (previous.drafter, previous.num_draft_tokens)), None)
+        kept = next((a for a in arms if a.drafter == previous.drafter), None)
         if kept is not None and kept.speedup * margin >= best.speedup and kept.speedup >= settings.min_speedup:
             return kept
     return best
 
 
-def _thompson_arm(
-    candidates: Sequence[str],
+def _thompson(
+    usable: Sequence[str],
     estimates: Mapping[str, DrafterEstimate],
+    bounds: Mapping[str, tuple[int, int]],
+    costs: BucketCosts,
+    exploit: Plan,
     settings: Settings,
-    k_cap: int,
-    verify: VerifyCost,
     rng: random.Random,
-) -> Arm | None:
-    """A probe: a drafter chosen uniformly (so a wrong prior cannot starve one), then the best K under one
-    posterior sample of its rates (Thompson sampling)."""
-    usable = [d for d in candidates if settings.drafter(d).k_min <= k_cap]
-    if not usable:
+) -> str | None:
+    """The drafter to probe, or None: the winner of one posterior draw per drafter (plain decoding scores 1.0),
+    when it is a drafter other than the exploit plan's, for at most ``exploration_rate`` of requests. A segment
+    switched off is also probed on at least ``min_exploration_rate`` of its requests, with the drafter its draw
+    likes best: its old counts decay, but only new rounds can show that its traffic changed."""
+    if settings.exploration_rate <= 0 or not usable:
         return None
-    d = rng.choice(usable)
-    s = settings.drafter(d)
-    conditional, proposal = estimates[d].sample(rng)
-    return max(score_arms(estimates[d], conditional, proposal, s.k_min, min(s.k_max, k_cap), verify),
-               key=lambda a: a.speedup)  # fmt: skip
+    draws = [best_arm(estimates[d], estimates[d].sample(rng), *bounds[d], costs) for d in usable]
+    winner = max(draws, key=lambda a: a.speedup)
+    if winner.drafter == exploit.drafter:
+        return None
+    if winner.speedup > settings.min_speedup and rng.random() < settings.exploration_rate:
+        return winner.drafter
+    if not exploit.speculates and rng.random() < min(settings.min_exploration_rate, settings.exploration_rate):
+        return winner.drafter
+    return None

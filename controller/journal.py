@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from controller.counts import Aggregate
@@ -80,13 +80,19 @@ class Journal:
         return len(entries)
 
 
+RENAMED = {"num_draft_tokens": "k", "proposed": "num_drafted"}  # a journal written before the 0.2 names
+
+
 def _parse(line: str) -> tuple[str, list[Aggregate]]:
     record = json.loads(line)
     aggregates = []
+    known = {f.name for f in fields(Aggregate)}
     for a in record["aggregates"]:
+        a = {RENAMED.get(name, name): value for name, value in a.items()}
         for name in ("proposed_per_position", "verified_per_position", "accepted_per_position"):
             a[name] = tuple(a[name])
-        aggregates.append(Aggregate(**a))
+        a["by_drafted"] = tuple((int(r), float(s)) for r, s in a.get("by_drafted", ()))
+        aggregates.append(Aggregate(**{name: value for name, value in a.items() if name in known}))
     return record["report_id"], aggregates
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from controller.yaml_config import load_yaml_model, parse_yaml_model
 
+log = logging.getLogger(__name__)
+
 DrafterName = Literal["draft", "prompt_lookup"]
-DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup")
+DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup")  # specd_api.plan.DRAFTERS, typed for pydantic
 
 
 class _Strict(BaseModel):
@@ -30,9 +33,14 @@ class DrafterSettings(_Strict):
     enabled: bool = True
     k_min: int = Field(1, ge=1, le=64)
     k_max: int = Field(8, ge=1, le=64)
-    alpha_floor: float = Field(0.5, ge=0.0, le=1.0, description="switch off below this acceptance rate")
+    alpha_floor: float | None = Field(
+        None, ge=0.0, le=1.0, description="deprecated and ignored: the expected speedup alone decides (min_speedup)"
+    )
     prior_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="acceptance assumed before any data")
     cost_ratio: float = Field(0.1, ge=0.0, description="c assumed before the workers' timings arrive")
+    stop_threshold: float = Field(
+        0.0, ge=0.0, lt=1.0, description="the draft model ends a round when its confidence is lower (0: never)"
+    )
 
     @model_validator(mode="after")
     def _k_bounds(self) -> DrafterSettings:
@@ -48,12 +56,13 @@ class DrafterOverride(_Strict):
     alpha_floor: float | None = Field(None, ge=0.0, le=1.0)
     prior_alpha: float | None = Field(None, gt=0.0, lt=1.0)
     cost_ratio: float | None = Field(None, ge=0.0)
+    stop_threshold: float | None = Field(None, ge=0.0, lt=1.0)
 
 
 def _default_drafters() -> dict[DrafterName, DrafterSettings]:
     return {
-        "draft": DrafterSettings(k_min=1, k_max=8, alpha_floor=0.5, prior_alpha=0.6, cost_ratio=0.1),
-        "prompt_lookup": DrafterSettings(k_min=1, k_max=10, alpha_floor=0.2, prior_alpha=0.3, cost_ratio=0.0),
+        "draft": DrafterSettings(k_min=1, k_max=8, prior_alpha=0.6, cost_ratio=0.1),
+        "prompt_lookup": DrafterSettings(k_min=1, k_max=10, prior_alpha=0.3, cost_ratio=0.0),
     }
 
 
@@ -62,13 +71,24 @@ class Settings(_Strict):
 
     max_batch_size: int = Field(8, ge=0, description="speculation is off above this batch size")
     min_speedup: float = Field(1.05, ge=1.0, description="switch off when the best expected speedup is lower")
-    exploration_rate: float = Field(0.05, ge=0.0, le=0.5, description="fraction of requests that probe")
+    exploration_rate: float = Field(
+        0.25, ge=0.0, le=0.5, description="at most this share of requests probe (Thompson sampling picks which)"
+    )
+    min_exploration_rate: float = Field(
+        0.02, ge=0.0, le=0.5, description="a switched-off segment probes at least this share of its requests"
+    )
     hysteresis: float = Field(0.05, ge=0.0, le=1.0, description="relative margin a change must win by")
     min_new_tokens: int = Field(4, ge=1, description="shorter requests are never speculated")
     prefill_cost_per_token: float = Field(
         0.02, ge=0.0, description="draft-model prefill cost per prompt token, in target steps × c"
     )
     prior_strength: float = Field(20.0, gt=0.0, description="pseudo-counts of the prior per position")
+    plan_prior_rounds: float = Field(
+        8.0, ge=0.0, description="pseudo-rounds the controller's estimate weighs against a request's own rounds"
+    )
+    probe_rounds: int = Field(4, ge=0, le=64, description="rounds a probe runs at k_max before adapting")
+    k_headroom: int = Field(2, ge=0, le=64, description="a plan's K ceiling: the best K plus this much room")
+    counterfactual: bool = Field(True, description="score prompt lookup on every round, whatever drafter runs")
     force: Literal["draft", "prompt_lookup", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
     drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)
@@ -94,10 +114,15 @@ class SettingsOverride(_Strict):
     max_batch_size: int | None = Field(None, ge=0)
     min_speedup: float | None = Field(None, ge=1.0)
     exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
+    min_exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
     hysteresis: float | None = Field(None, ge=0.0, le=1.0)
     min_new_tokens: int | None = Field(None, ge=1)
     prefill_cost_per_token: float | None = Field(None, ge=0.0)
     prior_strength: float | None = Field(None, gt=0.0)
+    plan_prior_rounds: float | None = Field(None, ge=0.0)
+    probe_rounds: int | None = Field(None, ge=0, le=64)
+    k_headroom: int | None = Field(None, ge=0, le=64)
+    counterfactual: bool | None = None
     force: Literal["draft", "prompt_lookup", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64)
     drafters: dict[DrafterName, DrafterOverride] = Field(default_factory=dict)
@@ -161,12 +186,25 @@ def content_version(text: str) -> str:
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy file; raises ConfigError (file, line, field, reason) when invalid."""
     document, text = load_yaml_model(path, PolicyDocument)
+    _warn_deprecated(document, str(path))
     return Policy(document, content_version(text), str(path), text, time.time())
 
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     document = parse_yaml_model(text, PolicyDocument, source)
+    _warn_deprecated(document, source)
     return Policy(document, content_version(text), source, text, time.time())
+
+
+def _warn_deprecated(document: PolicyDocument, source: str) -> None:
+    floors = [d.alpha_floor for d in document.defaults.drafters.values()]
+    floors += [d.alpha_floor for rule in document.segments for d in rule.drafters.values()]
+    if any(floor is not None for floor in floors):
+        log.warning(
+            "%s: alpha_floor is deprecated and ignored: a drafter is switched off when its expected speedup is "
+            "under min_speedup, whatever its acceptance rate",
+            source,
+        )
 
 
 class PolicyStore:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -15,25 +14,23 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from controller import validation
-from controller.counts import SegmentCounts
-from controller.decide import Decision, DrafterEstimate, Request, decide, estimate_drafter
+from controller.cost_model import BucketCosts
+from controller.counts import PositionCounts, SegmentCounts
+from controller.decide import DrafterEstimate, Request, decide, estimate_drafter
 from controller.journal import JournalFull
-from controller.learner import Learner
+from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
-from controller.speedup import speedup_curve, wilson_interval
 from controller.tracing import context_from_metadata
 from controller.yaml_config import ConfigError
+from specd_api.lru import LruMemory
+from specd_api.plan import Plan
+from specd_api.speedup import ratio, speedup_curve, wilson_interval
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
-TYPICAL_MAX_NEW_TOKENS = 128
-# Decisions made from the statistics (not from a rule): the ones hysteresis remembers.
-LEARNED_REASONS = (
-    "best_expected_speedup",
-    "kept_previous",
-    "low_expected_speedup",
-    "alpha_below_floor",
-)  # the request that GetSegmentStats's "decision now" is made for
+TYPICAL_MAX_NEW_TOKENS = 128  # the request that GetSegmentStats's "decision now" is made for
+# Plans made from the statistics (not from a rule): the ones hysteresis remembers.
+LEARNED_REASONS = ("best_expected_speedup", "kept_previous", "low_expected_speedup")
 
 
 class Controller:
@@ -42,18 +39,21 @@ class Controller:
     def __init__(self, learner: Learner, policies: PolicyStore, max_remembered: int = 10_000) -> None:
         self.learner = learner
         self.policies = policies
-        self._previous: OrderedDict[str, Decision] = OrderedDict()  # last non-exploration decision
-        self._previous_lock = threading.Lock()
+        self._previous: LruMemory[Plan] = LruMemory(max_remembered)  # last learned (non-probe) plan per segment
+        self._cache_lock = threading.Lock()
         self._max_remembered = max_remembered
         self._rng = threading.local()
         self._estimates: dict[tuple[object, ...], dict[str, DrafterEstimate]] = {}
+        self._drift_announced: LruMemory[bool] = LruMemory(max_remembered)  # alarms already put on a Decide span
 
     def rng(self) -> random.Random:
         if not hasattr(self._rng, "value"):
             self._rng.value = random.Random()
         return self._rng.value
 
-    def estimates(self, settings: Settings, counts: SegmentCounts, request: Request) -> dict[str, DrafterEstimate]:
+    def estimates(
+        self, settings: Settings, counts: SegmentCounts, request: Request, costs: BucketCosts
+    ) -> dict[str, DrafterEstimate]:
         """Per-drafter posteriors for this request: cached until the learner, the policy or the prior
         (request features, quantised) change, since they are the bulk of a decision's work."""
         prior = self.learner.prior
@@ -66,138 +66,145 @@ class Controller:
             # Prompt lookup can only propose what the prompt repeats; a draft model always proposes.
             proposal_prior = 1.0 if d == "draft" else min(max(request.self_repetition, 0.05), 0.95)
             inputs.append((d, round(predicted or s.prior_alpha, 3), round(proposal_prior, 2)))
-        key = (request.segment, self.learner.version, self.policies.current.version, tuple(inputs))
+        key = (request.segment, self.learner.version, self.policies.current.version, costs.bucket, tuple(inputs))
         cached = self._estimates.get(key)
         if cached is not None:
             return cached
-        model = self.learner.cost_model
         estimates: dict[str, DrafterEstimate] = {
             d: estimate_drafter(
                 counts, d, settings.drafter(d).k_max, alpha, proposal, settings.prior_strength,
-                model.c(d, settings.drafter(d).cost_ratio),
+                costs.c(d, settings.drafter(d).cost_ratio),
             )
             for d, alpha, proposal in inputs
         }  # fmt: skip
-        with self._previous_lock:
+        with self._cache_lock:
             if len(self._estimates) >= self._max_remembered:
                 self._estimates.clear()  # versions moved on; old keys are dead anyway
             self._estimates[key] = estimates
         return estimates
 
-    def decide(self, request: Request) -> Decision:
+    def decide(self, request: Request) -> Plan:
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
         tracked = self.learner.tracked_segment(request.segment)
         if tracked != request.segment:
             request = replace(request, segment=tracked)
         counts = self.learner.segment_counts(request.segment)
-        with self._previous_lock:
-            previous = self._previous.get(request.segment)
-        decision = decide(
-            settings,
-            policy.version,
-            request,
-            self.estimates(settings, counts, request),
-            self.learner.cost_model.verify(request.batch_size),
-            previous,
+        costs = self.learner.cost_model.at(request.batch_size)
+        previous = self._previous.recall(request.segment)
+        plan = decide(
+            settings, policy.version, request, self.estimates(settings, counts, request, costs), costs, previous,
             self.rng(),
-        )
-        if not decision.exploration and decision.reason in LEARNED_REASONS:
-            self._remember(request.segment, decision)
+        )  # fmt: skip
+        if not plan.exploration and plan.reason in LEARNED_REASONS:
+            self._previous.remember(request.segment, plan)
         if self.learner.stale:
-            decision = replace(decision, stale=True)
-        return decision
+            plan = replace(plan, stale=True)
+        return plan
 
-    def _remember(self, segment: str, decision: Decision) -> None:
-        with self._previous_lock:
-            self._previous[segment] = decision
-            self._previous.move_to_end(segment)
-            while len(self._previous) > self._max_remembered:
-                self._previous.popitem(last=False)
+    def new_drift_alarms(self, segment: str) -> list[DriftAlarm]:
+        """The segment's drift alarms not yet announced on a Decide span (each is announced once)."""
+        fresh = []
+        for alarm in self.learner.drift(segment):
+            key = f"{alarm.segment}|{alarm.drafter}|{alarm.since_unix}"
+            if self._drift_announced.recall(key) is None:
+                self._drift_announced.remember(key, True)
+                fresh.append(alarm)
+        return fresh
 
     def segment_stats(self, segment: str) -> pb.SegmentStats:
         segment = self.learner.tracked_segment(segment)  # over the cap: the overflow segment's statistics
         counts = self.learner.segment_counts(segment)
         request = Request(segment, 1, DRAFTERS, TYPICAL_MAX_NEW_TOKENS)
         settings = self.policies.current.for_segment(segment)
-        estimates = self.estimates(settings, counts, request)
-        verify = self.learner.cost_model.verify(1)
+        costs = self.learner.cost_model.at(1)
+        estimates = self.estimates(settings, counts, request, costs)
         msg = pb.SegmentStats(
             segment=segment, rounds=counts.rounds, last_update_unix=counts.last_update, stale=self.learner.stale
         )
         for d in sorted(set(counts.drafters()) | set(DRAFTERS)):
             drafter = msg.drafters.add(drafter=d)
+            curve: list[float] = []
             if d in estimates:
                 drafter.cost_ratio = estimates[d].cost_ratio
                 conditional, proposal = estimates[d].means()
-                curve = speedup_curve(conditional, proposal, len(conditional), estimates[d].cost_ratio, verify)
+                drafter.acceptance.extend(conditional)
+                drafter.proposal.extend(proposal)
+                curve = speedup_curve(
+                    conditional, proposal, len(conditional), estimates[d].cost_ratio,
+                    costs.verify_table(len(conditional)),
+                )  # fmt: skip
             for i, pos in enumerate(counts.position_list(d)):
-                drafter.positions.add(
-                    position=i,
-                    offered=pos.offered,
-                    proposed=pos.proposed,
-                    verified=pos.verified,
-                    accepted=pos.accepted,
-                    conditional_alpha=pos.accepted / pos.verified if pos.verified else 0.0,
-                    alpha=pos.accepted / pos.offered if pos.offered else 0.0,
-                )
+                drafter.positions.append(position_stats(i, pos))
+            for i, pos in enumerate(counts.position_list(d, counterfactual=True)):
+                drafter.counterfactual_positions.append(position_stats(i, pos))
             for (name, k), kc in sorted(counts.by_k.items()):
                 if name != d:
                     continue
                 low, high = wilson_interval(kc.accepted, kc.proposed)
                 drafter.by_k.add(
                     drafter=d,
-                    num_draft_tokens=k,
+                    k=k,
                     rounds=kc.rounds,
                     proposed=kc.proposed,
                     accepted=kc.accepted,
-                    alpha=kc.accepted / kc.proposed if kc.proposed else 0.0,
+                    alpha=ratio(kc.accepted, kc.proposed),
                     alpha_ci_low=low,
                     alpha_ci_high=high,
-                    mean_accepted_length=(kc.accepted + kc.rounds) / kc.rounds if kc.rounds else 0.0,
-                    expected_speedup=curve[k - 1] if d in estimates and 0 < k <= len(curve) else 1.0,
+                    mean_accepted_length=ratio(kc.accepted + kc.rounds, kc.rounds),
+                    expected_speedup=curve[k - 1] if 0 < k <= len(curve) else 1.0,
                 )
-        msg.decision.CopyFrom(decision_to_proto(self.decide_quietly(request, settings, counts, estimates)))
+        msg.decision.CopyFrom(self.decide_quietly(request, settings, estimates, costs).to_proto())
+        for alarm in self.learner.drift(segment):
+            msg.drift.add(
+                drafter=alarm.drafter, direction=alarm.direction, since_unix=alarm.since_unix,
+                raised_unix=alarm.raised_unix, alpha_before=alarm.alpha_before, alpha_since=alarm.alpha_since,
+            )  # fmt: skip
         return msg
 
     def decide_quietly(
-        self, request: Request, settings: Settings, counts: SegmentCounts, estimates: dict[str, DrafterEstimate]
-    ) -> Decision:
+        self, request: Request, settings: Settings, estimates: dict[str, DrafterEstimate], costs: BucketCosts
+    ) -> Plan:
         """What Decide would answer now, without exploring or touching the hysteresis state."""
-        with self._previous_lock:
-            previous = self._previous.get(request.segment)
+        previous = self._previous.recall(request.segment)
         exploit = settings.model_copy(update={"exploration_rate": 0.0})
-        decision = decide(
-            exploit,
-            self.policies.current.version,
-            request,
-            estimates,
-            self.learner.cost_model.verify(1),
-            previous,
-            self.rng(),
-        )
-        return replace(decision, stale=self.learner.stale)
+        plan = decide(exploit, self.policies.current.version, request, estimates, costs, previous, self.rng())
+        return replace(plan, stale=self.learner.stale)
+
+    def costs(self) -> pb.CostModel:
+        msg = pb.CostModel(stale=self.learner.stale)
+        for bucket, bc in sorted(self.learner.cost_model.buckets.items()):
+            measured_n = len(bc.rounds)
+            msg.buckets.add(
+                batch_bucket=bucket,
+                step_seconds=bc.step_seconds,
+                cost_ratio=dict(bc.cost_ratio),
+                verify_cost=bc.verify[: max(measured_n, 1)],
+                verify_rounds=bc.rounds,
+                measured=bc.measured,
+            )
+        return msg
 
 
-def decision_to_proto(d: Decision) -> pb.Decision:
-    return pb.Decision(
-        drafter=d.drafter,
-        num_draft_tokens=d.num_draft_tokens,
-        reason=d.reason,
-        policy_version=d.policy_version,
-        exploration=d.exploration,
-        expected_speedup=d.expected_speedup,
-        stale=d.stale,
-        segment=d.segment,
+def position_stats(i: int, pos: PositionCounts) -> pb.PositionStats:
+    return pb.PositionStats(
+        position=i,
+        offered=pos.offered,
+        proposed=pos.proposed,
+        verified=pos.verified,
+        accepted=pos.accepted,
+        conditional_alpha=ratio(pos.accepted, pos.verified),
+        alpha=ratio(pos.accepted, pos.offered),
     )
 
 
-def decision_attributes(d: Decision) -> dict[str, Any]:
+def plan_attributes(d: Plan) -> dict[str, Any]:
+    """The span attributes of a plan (the table in ops/README.md)."""
     return {
         "specd.segment": d.segment,
         "specd.drafter": d.drafter,
-        "specd.num_draft_tokens": d.num_draft_tokens,
-        "specd.reason": d.reason,
+        "specd.k": d.k,
+        "specd.decision.reason": d.reason,
         "specd.policy_version": d.policy_version,
         "specd.exploration": d.exploration,
         "specd.expected_speedup": d.expected_speedup,
@@ -227,14 +234,21 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def Decide(self, request: pb.DecideRequest, context: grpc.ServicerContext) -> pb.Decision:
         with self._span("Decide", context) as span:
             try:
-                req = validation.decide_request(request)
+                req = validation.request_from_proto(request)
             except ValueError as e:
                 span.set_attribute("specd.segment", request.segment[:128])
                 self._invalid(span, context, e)
-            decision = self.controller.decide(req)
-            span.set_attributes(decision_attributes(decision))
+            plan = self.controller.decide(req)
+            span.set_attributes(plan_attributes(plan))
             span.set_attribute("specd.batch_size", req.batch_size)
-            return decision_to_proto(decision)
+            for alarm in self.controller.new_drift_alarms(plan.segment):
+                span.add_event(
+                    "specd.alpha_drift",
+                    {"specd.drafter": alarm.drafter, "specd.drift.direction": alarm.direction,
+                     "specd.drift.since_unix": alarm.since_unix, "specd.drift.alpha_before": alarm.alpha_before,
+                     "specd.drift.alpha_since": alarm.alpha_since},
+                )  # fmt: skip
+            return plan.to_proto()
 
     def ReportRounds(self, request: pb.ReportRoundsRequest, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
         with self._span("ReportRounds", context) as span:
@@ -279,6 +293,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             policy = self.controller.policies.current
             span.set_attribute("specd.policy_version", policy.version)
             return policy_info(policy)
+
+    def GetCosts(self, request: pb.GetCostsRequest, context: grpc.ServicerContext) -> pb.CostModel:
+        with self._span("GetCosts", context):
+            return self.controller.costs()
 
     def ReloadPolicy(self, request: pb.ReloadPolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
         with self._span("ReloadPolicy", context) as span:

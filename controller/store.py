@@ -4,9 +4,12 @@ Key schema (``P`` is the configurable prefix, default ``specd``; the schema vers
 
     P:v1:seg:{segment}:{bucket}   hash   counters of one segment in one time bucket (see counts.py fields:
                                          k|{drafter}|{K}|{rounds,proposed,accepted,tokens,draft_s,verify_s},
-                                         p|{drafter}|{position}|{offered,proposed,verified,accepted}, updated)
-    P:v1:cost:{bucket}            hash   d|{drafter}|{s,n} drafting seconds / tokens,
-                                         v|{n}|{batch bucket}|{s,r} verify seconds / rounds at n drafts
+                                         p|{drafter}|{position}|{offered,proposed,verified,accepted} (served),
+                                         q|{drafter}|{position}|{...the same} (counterfactual), updated)
+    P:v1:cost:{bucket}            hash   e|{drafter}|{batch bucket}|{s,n} drafting seconds / tokens drafted,
+                                         w|{n}|{batch bucket}|{s,r} verify seconds / rounds that verified
+                                         exactly n drafts (fields of an earlier schema, d|... and v|..., which
+                                         mixed round lengths, are ignored)
     P:v1:segments                 zset   segment -> last report time (the cap on distinct active segments;
                                          segments silent for a whole window are dropped from it)
     P:v1:report:{report_id}       string dedup marker of an acknowledged report (expires)
@@ -23,14 +26,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
-from controller.segments import OVERFLOW_SEGMENT
+from specd_api.segments import OVERFLOW_SEGMENT
 
 INGEST_LUA = """
 -- KEYS[1] report dedup key, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
@@ -93,11 +96,14 @@ class IngestResult:
 
 @dataclass
 class Snapshot:
-    """Decayed counts of the active segments and the costs, as of one refresh."""
+    """Decayed counts of the active segments and the costs, as of one refresh, and for drift detection the raw
+    (undecayed) first-position counts per time bucket: series[segment][drafter] = [(bucket, accepted, verified)]
+    in time order, served and counterfactual rounds together."""
 
     segments: dict[str, SegmentCounts] = field(default_factory=dict)
     costs: CostCounts = field(default_factory=CostCounts)
     taken_at: float = 0.0
+    series: dict[str, dict[str, list[tuple[int, float, float]]]] = field(default_factory=dict)
 
 
 class TelemetryStore:
@@ -166,8 +172,10 @@ class TelemetryStore:
         since = self.clock() - self.config.bucket_seconds * self.config.window_buckets
         return [str(s) for s in self.client.zrangebyscore(self.key("segments"), since, "+inf")]
 
-    def read_snapshot(self, segments: Sequence[str]) -> Snapshot:
-        """Decayed counts of ``segments`` and of the costs, reading each closed bucket rarely."""
+    def read_snapshot(self, segments: Sequence[str], since: Mapping[str, int] | None = None) -> Snapshot:
+        """Decayed counts of ``segments`` and of the costs, reading each closed bucket rarely. A segment named in
+        ``since`` counts only its buckets from that one on (its acceptance drifted there: the older traffic no
+        longer describes it)."""
         now = self.clock()
         current = self.bucket(now)
         buckets = range(current - self.config.window_buckets + 1, current + 1)
@@ -177,11 +185,18 @@ class TelemetryStore:
         weights = {
             b: decay_weight(now - (b + 1) * self.config.bucket_seconds, self.config.half_life_seconds) for b in buckets
         }
+        since = since or {}
         for s in segments:
             counts = SegmentCounts()
+            series: dict[str, list[tuple[int, float, float]]] = {}
             for b in buckets:
-                counts.add_fields(fields[self.key("seg", s, b)], weights[b])
+                bucket_fields = fields[self.key("seg", s, b)]
+                if b >= since.get(s, b):
+                    counts.add_fields(bucket_fields, weights[b])
+                for drafter, accepted, verified in first_position(bucket_fields):
+                    series.setdefault(drafter, []).append((b, accepted, verified))
             snapshot.segments[s] = counts
+            snapshot.series[s] = series
         for b in buckets:
             snapshot.costs.add_fields(fields[self.key("cost", b)], weights[b])
         return snapshot
@@ -206,7 +221,7 @@ class TelemetryStore:
             pipe.hgetall(k)
         result: dict[str, dict[str, float]] = {}
         for k, raw in zip(to_read, pipe.execute(), strict=True):
-            parsed = {str(name): float(value) for name, value in raw.items()}
+            parsed = _numbers(raw)
             result[k] = parsed
             if not k.endswith(current_suffix):
                 self._closed[k], self._closed_read_at[k] = parsed, now
@@ -215,6 +230,28 @@ class TelemetryStore:
             if k not in keep:  # fell out of the window
                 del self._closed[k], self._closed_read_at[k]
         return {k: result[k] if k in result else self._closed[k] for k in keys}
+
+
+def _numbers(raw: Mapping[object, object]) -> dict[str, float]:
+    """A hash's fields as numbers; a field that is not one (hand-edited or corrupt data) is left out."""
+    parsed = {}
+    for name, value in raw.items():
+        try:
+            parsed[str(name)] = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+    return parsed
+
+
+def first_position(fields: Mapping[str, float]) -> list[tuple[str, float, float]]:
+    """(drafter, accepted, verified) at draft position 0 in one bucket hash, served and counterfactual together."""
+    totals: dict[str, list[float]] = {}
+    for name, value in fields.items():
+        parts = name.split("|")
+        if len(parts) == 4 and parts[0] in ("p", "q") and parts[2] == "0" and parts[3] in ("accepted", "verified"):
+            entry = totals.setdefault(parts[1], [0.0, 0.0])
+            entry[0 if parts[3] == "accepted" else 1] += value if math.isfinite(value) and value > 0 else 0.0
+    return [(d, a, v) for d, (a, v) in sorted(totals.items()) if v > 0]
 
 
 def _nonzero(fields: dict[str, float]) -> dict[str, float]:

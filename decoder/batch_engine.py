@@ -5,6 +5,10 @@ one batched pass per draft position, prompt lookup per sequence), verifies all o
 target pass, and lets each sequence accept and roll back on its own: each advances by its own accepted
 count, and no accepted token is ever recomputed (the KV slots are truncated, not rebuilt).
 A sequence asked to draft 0 tokens decodes one plain target step in the same pass.
+
+Costs are attributed per sequence, as the controller learns them: each sequence is charged an equal share of
+every batched pass it took part in (a draft pass per position among the sequences still drafting; the target
+pass among all), plus the work done for it alone (its prompt lookup, its acceptance and rollback).
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import torch
 
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig
 from decoder.drafters.draft_model import propose_together
-from decoder.engine import DecodeSession, SpeculativeDecoder, make_drafter
+from decoder.engine import DecodeSession, SpeculativeDecoder, counterfactual_k, make_drafter
 from decoder.kv_cache import ModelSequence
 from decoder.llama_fast import LlamaKVPool, PooledSequence
 from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams, make_generator
 from decoder.stopping import StopRules
+from specd_api.plan import Plan
 
 
 class BatchEngine(SpeculativeDecoder):
@@ -43,14 +48,19 @@ class BatchEngine(SpeculativeDecoder):
     def free_slots(self) -> int:
         return self.target_pool.free_slots
 
-    def open(self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules) -> DecodeSession:
+    def open(
+        self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules, plan: Plan | None = None
+    ) -> DecodeSession:
         """A new sequence in a free slot, prefilled and ready for ``step``. Raises ValueError on a bad request."""
         generator = make_generator(params.seed, self.target.device)
         target_seq = self.target_pool.open()
         made: Drafter | None = None
         try:
-            made = self._pooled_drafter(drafter, params, generator)
-            session = DecodeSession(self.target, made, prompt_ids, params, rules, generator, target_seq)
+            made = self._pooled_drafter(drafter, params, generator, plan)
+            session = DecodeSession(
+                self.target, made, prompt_ids, params, rules, generator, target_seq,
+                self.lookup_index(), counterfactual_k(plan, made),
+            )  # fmt: skip
             session.prefill()
         except BaseException:
             self.target_pool.release(target_seq)
@@ -67,55 +77,71 @@ class BatchEngine(SpeculativeDecoder):
 
     @torch.inference_mode()
     def step(self, sessions: Sequence[DecodeSession], ks: Sequence[int]) -> list[list[int]]:
-        """One round for each session (K = ``ks[i]``, clamped); returns the tokens each emitted."""
+        """One round for each session (ceiling ``ks[i]``; the round's K is its drafter's choice under it, cut to
+        the budget); returns the tokens each emitted."""
         assert len(sessions) == len(ks) and sessions, (len(sessions), len(ks))
-        ks = [s.clamp(k) for s, k in zip(sessions, ks, strict=True)]
-        # 1. Draft, batched across the sequences that use the draft model.
-        start = time.perf_counter()
-        drafts = self._draft(sessions, ks)
-        drafted = time.perf_counter()
+        ks = [s.round_k(k) for s, k in zip(sessions, ks, strict=True)]
+        # 1. Draft, batched across the sequences that use the draft model; each is charged its share.
+        draft_seconds = [0.0] * len(sessions)
+        drafts = self._draft(sessions, ks, draft_seconds)
         # 2. Verify every sequence's last token + draft in one target pass.
         rows: list[tuple[PooledSequence, torch.Tensor]] = []
         for s, d in zip(sessions, drafts, strict=True):
             assert isinstance(s.target, PooledSequence)
             rows.append((s.target, s.verify_input(d)))
+        started = time.perf_counter()
         logits = self.target_pool.forward_many(rows)  # [K_i + 1, vocab] each
+        verify_share = (time.perf_counter() - started) / len(sessions)
         # 3-5. Accept, emit and roll back, each sequence on its own.
         return [
-            s.finish_round(k, d, out, drafted - start, drafted)
-            for s, k, d, out in zip(sessions, ks, drafts, logits, strict=True)
+            s.finish_round(k, d, out, seconds, verify_share, len(sessions))
+            for s, k, d, out, seconds in zip(sessions, ks, drafts, logits, draft_seconds, strict=True)
         ]
 
-    def _draft(self, sessions: Sequence[DecodeSession], ks: Sequence[int]) -> list[Draft]:
+    def _draft(self, sessions: Sequence[DecodeSession], ks: Sequence[int], seconds: list[float]) -> list[Draft]:
+        """Every session's draft; adds each one's share of the drafting time to ``seconds[i]``."""
         drafts: list[Draft | None] = [None] * len(sessions)
         together = [i for i, s in enumerate(sessions) if isinstance(s.drafter, DraftModelDrafter) and ks[i] > 0]
         if together:
             pool = self.draft_pool
             assert pool is not None
+            row_of = {id(sessions[i].drafter.seq): i for i in together}  # type: ignore[attr-defined]
 
             def forward(batch: list[tuple[ModelSequence, torch.Tensor]]) -> list[torch.Tensor]:
                 rows = [(seq, ids) for seq, ids in batch if isinstance(seq, PooledSequence)]
                 assert len(rows) == len(batch)
-                return pool.forward_many(rows, logits_to_keep=1)
+                started = time.perf_counter()
+                out = pool.forward_many(rows, logits_to_keep=1)
+                share = (time.perf_counter() - started) / len(rows)
+                for seq, _ in rows:
+                    seconds[row_of[id(seq)]] += share
+                return out
 
+            started = time.perf_counter()
             made = propose_together(
                 [sessions[i].drafter for i in together],  # type: ignore[misc]
                 [sessions[i].context for i in together],
                 [ks[i] for i in together],
                 forward,
             )
+            # Picking tokens (sampling, the stop rule) ran per sequence between the passes: split it evenly too.
+            rest = time.perf_counter() - started - sum(seconds[i] for i in together)
             for i, draft in zip(together, made, strict=True):
                 drafts[i] = draft
-        return [
-            d if d is not None else s.drafter.propose(s.context, k)
-            for s, k, d in zip(sessions, ks, drafts, strict=True)
-        ]
+                seconds[i] += max(rest, 0.0) / len(together)
+        for i, (s, k) in enumerate(zip(sessions, ks, strict=True)):
+            if drafts[i] is None:
+                started = time.perf_counter()
+                drafts[i] = s.drafter.propose(s.context, k)
+                seconds[i] += time.perf_counter() - started
+        return [d for d in drafts if d is not None]
 
-    def _pooled_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
+    def _pooled_drafter(
+        self, name: str, params: SamplingParams, generator: torch.Generator | None, plan: Plan | None
+    ) -> Drafter:
         """Like ``_make_drafter``, with the draft model's cache in a slot of the pool (released by ``close``)."""
-        if name == "draft" and self.draft_pool is not None:
-            return make_drafter(name, self.draft, self.prompt_lookup, params, generator, self.draft_pool.open())
-        return make_drafter(name, self.draft, self.prompt_lookup, params, generator)
+        sequence = self.draft_pool.open() if name == "draft" and self.draft_pool is not None else None
+        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, sequence, plan)
 
     def _release_drafter(self, drafter: Drafter) -> None:
         if isinstance(drafter, DraftModelDrafter) and self.draft_pool is not None:

@@ -14,11 +14,13 @@ import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from decoder.drafters.prompt_lookup import NgramIndex
 from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, trim_stop_string
-from decoder.telemetry import RequestStats, RoundRecord
+from decoder.telemetry import Counterfactual, RequestStats, RoundRecord
+from specd_api.plan import Plan
 
 
 def clamp_k(k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
@@ -48,7 +50,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "drafter": s.rounds[0].drafter if s.rounds else None,
             "num_rounds": s.num_rounds,
-            "num_draft_tokens": s.num_draft_tokens,
+            "num_drafted": s.num_drafted,
             "num_accepted": s.num_accepted,
             "alpha": s.alpha,
             "mean_accepted_length": s.mean_accepted_length,
@@ -64,7 +66,12 @@ class GenerationResult:
 
 
 class DecodeSession:
-    """One sequence being decoded. Call ``prefill`` once, then ``step(k)`` until ``finish_reason`` is set."""
+    """One sequence being decoded. Call ``prefill`` once, then ``step(k)`` until ``finish_reason`` is set.
+
+    ``k`` is the ceiling of a round; the drafter's schedule picks the round's K under it (``Drafter.next_k``,
+    from the plan when one is given). With ``lookup`` set, prompt lookup's would-be proposal of up to
+    ``lookup_k`` tokens is recorded at every round start (``stats.counterfactual``) while another drafter runs.
+    """
 
     def __init__(
         self,
@@ -75,6 +82,8 @@ class DecodeSession:
         rules: StopRules,
         generator: torch.Generator | None,
         target_sequence: ModelSequence | None = None,
+        lookup: NgramIndex | None = None,
+        lookup_k: int = 0,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
@@ -92,6 +101,8 @@ class DecodeSession:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+        self.lookup = lookup if lookup_k > 0 else None
+        self.lookup_k = lookup_k
 
     def prefill(self) -> None:
         start = time.perf_counter()
@@ -103,30 +114,47 @@ class DecodeSession:
     @torch.inference_mode()
     def step(self, k: int) -> list[int]:
         """Run one round with up to ``k`` draft tokens; return the tokens it emitted."""
-        k = self.clamp(k)
+        k = self.round_k(k)
         # 1. Draft.
         start = time.perf_counter()
         draft = self.drafter.propose(self.context, k)
         drafted = time.perf_counter()
         # 2. Verify the last context token and all K drafts in one target pass.
         logits = self.target.forward(self.verify_input(draft))  # [K + 1, vocab]
-        return self.finish_round(k, draft, logits, drafted - start, drafted)
+        return self.finish_round(k, draft, logits, drafted - start, time.perf_counter() - drafted)
 
-    def clamp(self, k: int) -> int:
-        """The K this round can use: ``k`` cut to the output budget and the target's context."""
+    def round_k(self, ceiling: int) -> int:
+        """This round's K: ``ceiling`` cut to the output budget and the target's context, then the drafter's
+        choice under it. Also records the counterfactual proposal of this round, if any."""
         assert self.finish_reason is None, "step() after the request finished"
         length = self.context.shape[0]
         assert self.target.length == length - 1, "step() before prefill(), or the cache lost its invariant"
-        return clamp_k(k, length, len(self.generated), self.rules, self.target.lm.max_context)
+        if self.lookup is not None:
+            self.lookup.extend(self.context)
+            proposal = tuple(self.lookup.propose(self.lookup_k))
+            self.stats.counterfactual.append(Counterfactual("prompt_lookup", len(self.generated), proposal))
+        ceiling = clamp_k(ceiling, length, len(self.generated), self.rules, self.target.lm.max_context)
+        return self.drafter.next_k(ceiling)
 
     def verify_input(self, draft: Draft) -> torch.Tensor:
         """What the target runs this round: the last context token, then the draft.  # [K + 1] int64"""
         return torch.cat([self.context[-1:], draft.tokens])
 
     def finish_round(
-        self, k: int, draft: Draft, logits: torch.Tensor, draft_seconds: float, verify_started: float
+        self,
+        k: int,
+        draft: Draft,
+        logits: torch.Tensor,
+        draft_seconds: float,
+        verify_seconds: float,
+        batch_size: int = 1,
     ) -> list[int]:
-        """Steps 3-5 of a round, given the target's ``logits`` [K + 1, vocab] on ``verify_input(draft)``."""
+        """Steps 3-5 of a round, given the target's ``logits`` [K + 1, vocab] on ``verify_input(draft)``.
+
+        ``draft_seconds`` and ``verify_seconds`` are this sequence's share of the drafting and of the target pass;
+        the time of these steps is added to the verification time.
+        """
+        started = time.perf_counter()
         length = self.context.shape[0]
 
         # 3. Accept.
@@ -142,7 +170,7 @@ class DecodeSession:
         # 5. Roll both caches back to the accepted prefix; the bonus token is fed next round.
         self.target.truncate(length + verdict.num_accepted)
         self.drafter.rollback(self.context)
-        verified = time.perf_counter()
+        self.drafter.update(draft.num_tokens, verdict.num_accepted)
         self.finish_reason = cut.finish_reason
         max_context = self.target.lm.max_context
         if self.finish_reason is None and max_context is not None and self.context.shape[0] >= max_context:
@@ -150,12 +178,13 @@ class DecodeSession:
         self.stats.observe(
             RoundRecord(
                 drafter=self.drafter.name,
-                max_draft_tokens=k,
-                num_draft_tokens=draft.num_tokens,
+                k=k,
+                num_drafted=draft.num_tokens,
                 num_accepted=verdict.num_accepted,
                 num_emitted=len(emitted),
                 draft_seconds=draft_seconds,
-                verify_seconds=verified - verify_started,
+                verify_seconds=verify_seconds + time.perf_counter() - started,
+                batch_size=batch_size,
             )
         )
         return emitted
@@ -199,31 +228,49 @@ class SpeculativeDecoder:
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def session(self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules) -> DecodeSession:
+    def session(
+        self,
+        prompt_ids: list[int],
+        drafter: str,
+        params: SamplingParams,
+        rules: StopRules,
+        plan: Plan | None = None,
+    ) -> DecodeSession:
+        """A sequence decoded with ``drafter``; with a ``plan``, K is chosen per round by its rule, the draft model
+        stops at its threshold, and prompt lookup is scored counterfactually when the plan asks."""
         generator = make_generator(params.seed, self.target.device)
+        made = self._make_drafter(drafter, params, generator, plan)
+        lookup_k = counterfactual_k(plan, made)
         return DecodeSession(
-            self.target, self._make_drafter(drafter, params, generator), prompt_ids, params, rules, generator
+            self.target, made, prompt_ids, params, rules, generator, None, self.lookup_index(), lookup_k
         )
+
+    def lookup_index(self) -> NgramIndex:
+        return NgramIndex(self.prompt_lookup)
 
     def generate(
         self,
         prompt_ids: list[int],
         drafter: str,
-        num_draft_tokens: int,
+        k: int,
         params: SamplingParams,
         rules: StopRules,
+        plan: Plan | None = None,
     ) -> GenerationResult:
-        """Decode one request with a fixed K (use ``session`` to change K between rounds)."""
-        if num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
-        session = self.session(prompt_ids, drafter, params, rules)
+        """Decode one request with ceiling ``k`` every round (each round at ``k`` unless a ``plan`` adapts it; use
+        ``session`` to change the ceiling between rounds)."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        session = self.session(prompt_ids, drafter, params, rules, plan)
         session.prefill()
         while session.finish_reason is None:
-            session.step(num_draft_tokens)
+            session.step(k)
         return session.result()
 
-    def _make_drafter(self, name: str, params: SamplingParams, generator: torch.Generator | None) -> Drafter:
-        return make_drafter(name, self.draft, self.prompt_lookup, params, generator)
+    def _make_drafter(
+        self, name: str, params: SamplingParams, generator: torch.Generator | None, plan: Plan | None = None
+    ) -> Drafter:
+        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, plan=plan)
 
 
 def make_drafter(
@@ -233,14 +280,30 @@ def make_drafter(
     params: SamplingParams,
     generator: torch.Generator | None,
     draft_sequence: ModelSequence | None = None,
+    plan: Plan | None = None,
 ) -> Drafter:
-    """The drafter called ``name`` for one sequence (the draft model's cache in ``draft_sequence`` if given)."""
+    """The drafter called ``name`` for one sequence (the draft model's cache in ``draft_sequence`` if given),
+    choosing K per round by ``plan`` when given."""
+    made: Drafter
     if name == "draft":
         if draft is None:
             raise ValueError("drafter 'draft' needs a draft model (--draft PATH)")
-        return DraftModelDrafter(draft, params, generator, draft_sequence)
-    if name == "prompt_lookup":
-        return PromptLookupDrafter(prompt_lookup)
-    if name == "none":
-        return NoDrafter()
-    raise ValueError(f"unknown drafter {name!r}; choose one of draft, prompt_lookup, none")
+        threshold = plan.stop_threshold if plan is not None else 0.0
+        made = DraftModelDrafter(draft, params, generator, draft_sequence, stop_threshold=threshold)
+    elif name == "prompt_lookup":
+        made = PromptLookupDrafter(prompt_lookup)
+    elif name == "none":
+        made = NoDrafter()
+    else:
+        raise ValueError(f"unknown drafter {name[:40]!r}; choose one of draft, prompt_lookup, none")
+    if plan is not None and plan.adaptive:
+        made.adapt(plan)
+    return made
+
+
+def counterfactual_k(plan: Plan | None, drafter: Drafter) -> int:
+    """How many tokens of prompt lookup's would-be proposal to score per round: the plan's, unless prompt lookup
+    is what runs (its own rounds are then the data)."""
+    if plan is None or drafter.name == "prompt_lookup":
+        return 0
+    return max(plan.counterfactual_k, 0)

@@ -10,20 +10,31 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
-    """One draft + verify round."""
+    """One draft + verify round. Timings are this sequence's share when its round ran batched with others."""
 
     drafter: str  # "draft" | "prompt_lookup" | "none"
-    max_draft_tokens: int  # the K asked for (after clamping to the budget)
-    num_draft_tokens: int  # tokens actually proposed, <= max_draft_tokens (prompt lookup may find fewer)
-    num_accepted: int  # leading draft tokens kept, 0..num_draft_tokens
+    k: int  # the K this round ran with (the plan's ceiling, cut to the budget and chosen per round)
+    num_drafted: int  # tokens actually proposed, <= k (prompt lookup may find fewer; a draft may stop early)
+    num_accepted: int  # leading draft tokens kept, 0..num_drafted
     num_emitted: int  # tokens this round added to the output (accepted + bonus, cut at a stop)
     draft_seconds: float
     verify_seconds: float
+    batch_size: int = 1  # sequences in the step this round ran in
 
     @property
     def position_accepted(self) -> tuple[bool, ...]:
         """Per draft position: was it accepted. Acceptance is a prefix, so this is derived, not stored."""
-        return tuple(i < self.num_accepted for i in range(self.num_draft_tokens))
+        return tuple(i < self.num_accepted for i in range(self.num_drafted))
+
+
+@dataclass(frozen=True, slots=True)
+class Counterfactual:
+    """What a drafter that did not run would have proposed at the start of one round (scored once the tokens
+    that followed are known, see decoder.counterfactual)."""
+
+    drafter: str  # "prompt_lookup"
+    start: int  # tokens generated before the round
+    tokens: tuple[int, ...]  # its proposal, possibly empty
 
 
 @dataclass(slots=True)
@@ -33,6 +44,7 @@ class RequestStats:
     prompt_tokens: int
     prefill_seconds: float = 0.0
     rounds: list[RoundRecord] = field(default_factory=list)
+    counterfactual: list[Counterfactual] = field(default_factory=list)
 
     def observe(self, record: RoundRecord) -> None:
         self.rounds.append(record)
@@ -42,8 +54,8 @@ class RequestStats:
         return len(self.rounds)
 
     @property
-    def num_draft_tokens(self) -> int:
-        return sum(r.num_draft_tokens for r in self.rounds)
+    def num_drafted(self) -> int:
+        return sum(r.num_drafted for r in self.rounds)
 
     @property
     def num_accepted(self) -> int:
@@ -56,7 +68,7 @@ class RequestStats:
     @property
     def alpha(self) -> float | None:
         """Acceptance rate α = accepted / proposed; None when nothing was proposed."""
-        proposed = self.num_draft_tokens
+        proposed = self.num_drafted
         return self.num_accepted / proposed if proposed else None
 
     @property
@@ -93,10 +105,10 @@ class RequestStats:
 
     def accepted_per_position(self) -> list[tuple[int, int]]:
         """For each draft position i: (rounds that proposed a token there, rounds that accepted it)."""
-        longest = max((r.num_draft_tokens for r in self.rounds), default=0)
+        longest = max((r.num_drafted for r in self.rounds), default=0)
         counts = [[0, 0] for _ in range(longest)]
         for r in self.rounds:
-            for i in range(r.num_draft_tokens):
+            for i in range(r.num_drafted):
                 counts[i][0] += 1
                 counts[i][1] += i < r.num_accepted
         return [(proposed, accepted) for proposed, accepted in counts]

@@ -42,7 +42,7 @@ def test_generate_json_has_the_documented_fields(pair):
         "text",
         "token_ids",
         "num_rounds",
-        "num_draft_tokens",
+        "num_drafted",
         "num_accepted",
         "alpha",
         "mean_accepted_length",

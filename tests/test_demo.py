@@ -97,13 +97,13 @@ def test_median_speedup_resists_one_hiccup():
 
 def test_latest_decision_skips_probes_and_prefers_the_controllers_answers():
     results = [
-        adaptive(0, drafter="draft", num_draft_tokens=4),
-        adaptive(1, drafter="prompt_lookup", num_draft_tokens=8),
+        adaptive(0, drafter="draft", k=4),
+        adaptive(1, drafter="prompt_lookup", k=8),
         adaptive(2, drafter="none", decision_source="last_decision", fallback="timeout"),  # the worker's fallback
-        adaptive(3, drafter="draft", num_draft_tokens=2, exploration=True),  # a probe
+        adaptive(3, drafter="draft", k=2, exploration=True),  # a probe
     ]
     row = drv.summarize_segment("code", 8, results)
-    assert (row.drafter, row.num_draft_tokens, row.decision_source) == ("prompt_lookup", 8, "controller")
+    assert (row.drafter, row.k, row.decision_source) == ("prompt_lookup", 8, "controller")
     assert (row.explored, row.decided) == (1, 4)
     assert drv.fallback_counts(results) == {"timeout": 1}
     only_fallbacks = drv.summarize_segment("code", 2, [results[2]])
@@ -141,12 +141,12 @@ def test_parse_response():
     request = drv.plan({"code": [prompt("code")]}, 1, 48, 0)[0]
     body = {
         "usage": {"completion_tokens": 48},
-        "specd": {"segment": "code", "drafter": "draft", "num_draft_tokens": 4, "decision_reason": "best",
+        "specd": {"segment": "code", "drafter": "draft", "k": 4, "decision_reason": "best",
                   "decision_source": "controller", "fallback": None, "exploration": False,
-                  "num_draft_tokens_proposed": 40, "num_accepted": 22, "decode_seconds": 0.3, "prefill_seconds": 0.02},
+                  "num_drafted": 40, "num_accepted": 22, "decode_seconds": 0.3, "prefill_seconds": 0.02},
     }  # fmt: skip
     ok = drv.parse_response(200, body, request, drv.ADAPTIVE, 0.35)
-    assert (ok.ok, ok.completion_tokens, ok.drafter, ok.num_draft_tokens, ok.proposed, ok.accepted) == (
+    assert (ok.ok, ok.completion_tokens, ok.drafter, ok.k, ok.proposed, ok.accepted) == (
         True, 48, "draft", 4, 40, 22)  # fmt: skip
     busy = drv.parse_response(429, {"error": {"message": "at capacity"}}, request, drv.BASELINE, 0.01)
     assert not busy.ok and busy.error == "HTTP 429: at capacity"
@@ -163,7 +163,7 @@ def rendered(renderable, width: int = 120) -> str:
 
 def sample_rows() -> tuple[list[drv.SegmentRow], drv.SegmentRow]:
     results = [
-        adaptive(0, drafter="draft", num_draft_tokens=4, proposed=40, accepted=22, seconds=0.3),
+        adaptive(0, drafter="draft", k=4, proposed=40, accepted=22, seconds=0.3),
         baseline(0, seconds=0.4),
         result(drv.ADAPTIVE, "adversarial", drafter="none", seconds=0.4),
         result(drv.BASELINE, "adversarial", seconds=0.4),
@@ -175,7 +175,7 @@ def test_progress_table_shows_each_segment_and_the_overall_row():
     rows, overall = sample_rows()
     text = rendered(progress_table(rows, overall))
     lines = {line.split()[0]: line.replace("━", "").replace("╸", "") for line in text.splitlines() if line.strip()}
-    assert lines["code"].split()[1:] == ["2/48", "0.55", "draft", "K=4", "0/1", "160", "120", "1.33x"]
+    assert lines["code"].split()[1:] == ["2/48", "0.55", "draft", "K≤4", "0/1", "160", "120", "1.33x"]
     assert lines["adversarial"].split()[1:] == ["2/48", "-", "off", "0/1", "120", "120", "1.00x"]
     assert lines["prose"].split()[1:] == ["0/48", "-", "-", "-", "-", "-", "-"]
     # Overall: 96 tokens in 0.3 + 0.4 s = 137/s against 96 in 0.8 s = 120/s.

@@ -26,7 +26,7 @@ from opentelemetry import propagate
 from controller.tracing import make_exporter, make_provider
 
 provider = make_provider("a", make_exporter("otlp_grpc", sys.argv[1]))
-attributes = {"specd.segment": "chat", "specd.num_draft_tokens": 4, "specd.expected_speedup": 1.5,
+attributes = {"specd.segment": "chat", "specd.k": 4, "specd.expected_speedup": 1.5,
               "specd.exploration": False, "specd.drafters": ["draft", "prompt_lookup"]}
 with provider.get_tracer("test.a").start_as_current_span("a.request", attributes=attributes):
     carrier = {}
@@ -96,7 +96,7 @@ def test_attributes_status_kind_and_events_arrive_as_plain_values(otlp_receiver)
     a, b = spans["a.request"], spans["b.handle"]
     assert a.attributes == {
         "specd.segment": "chat",
-        "specd.num_draft_tokens": 4,
+        "specd.k": 4,
         "specd.expected_speedup": 1.5,
         "specd.exploration": False,
         "specd.drafters": ["draft", "prompt_lookup"],

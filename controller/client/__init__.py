@@ -5,15 +5,16 @@ Torch-free: any decode engine can use it (see docs/controller_client.md).
 
 from controller.client.client import ControllerClient
 from controller.client.config import ClientConfig, ClientStats
-from controller.client.fallback import DecisionOutcome
-from controller.client.reports import RoundLike, rounds_to_aggregates, self_repetition
+from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregates, self_repetition
+from specd_api.plan import Plan
 
 __all__ = [
     "ClientConfig",
     "ClientStats",
     "ControllerClient",
-    "DecisionOutcome",
+    "Plan",
     "RoundLike",
+    "ScoredLike",
     "rounds_to_aggregates",
     "self_repetition",
 ]

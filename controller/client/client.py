@@ -19,20 +19,13 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from controller import validation
 from controller.client.buffer import PendingReport, ReportBuffer
 from controller.client.config import ClientConfig, ClientStats
-from controller.client.fallback import (
-    DecisionMemory,
-    DecisionOutcome,
-    Fallback,
-    fallback_cause,
-    fallback_decision,
-    from_decision,
-    worth_remembering,
-)
-from controller.client.reports import RoundLike, rounds_to_aggregates
+from controller.client.fallback import DecisionMemory, fallback_cause
+from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregates
 from controller.tracing import metadata_with_context
+from specd_api.checks import check_aggregate
+from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
@@ -44,7 +37,7 @@ NOT_CONNECTED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 MAX_GRPC_MS = 2**31 - 1
 
 
-def decide_request(
+def make_decide_request(
     segment: str,
     batch_size: int,
     drafters: Sequence[str],
@@ -78,16 +71,16 @@ def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
     ]
 
 
-def span_attributes(segment: str, outcome: DecisionOutcome) -> dict[str, str | int | bool]:
+def span_attributes(segment: str, plan: Plan) -> dict[str, str | int | bool]:
     return {
         "specd.segment": segment,
-        "specd.drafter": outcome.drafter,
-        "specd.num_draft_tokens": outcome.num_draft_tokens,
-        "specd.decision.reason": outcome.reason,
-        "specd.decision.source": outcome.source,
-        "specd.fallback": outcome.fallback or "",
-        "specd.policy_version": outcome.policy_version,
-        "specd.exploration": outcome.exploration,
+        "specd.drafter": plan.drafter,
+        "specd.k": plan.k,
+        "specd.decision.reason": plan.reason,
+        "specd.decision.source": plan.source,
+        "specd.fallback": plan.fallback or "",
+        "specd.policy_version": plan.policy_version,
+        "specd.exploration": plan.exploration,
     }
 
 
@@ -114,6 +107,7 @@ class ControllerClient:
         self.config = config
         self._tracer = tracer
         self._memory = DecisionMemory(config.max_remembered_segments)
+        self._default = Plan(config.default_drafter, config.default_k, source="local_default")
         self._buffer = ReportBuffer(config.max_buffered_aggregates, config.max_aggregates_per_report)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ControllerStub | None = None
@@ -193,12 +187,12 @@ class ControllerClient:
         prompt_tokens: int,
         max_new_tokens: int,
         self_repetition: float,
-    ) -> DecisionOutcome:
-        """How to speculate for this request: the controller's answer within the deadline, else a fallback.
+    ) -> Plan:
+        """How to speculate for this request: the controller's plan within the deadline, else a fallback.
         Never raises."""
 
         def make_request() -> pb.DecideRequest:
-            return decide_request(
+            return make_decide_request(
                 segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens,
                 self_repetition,
             )  # fmt: skip
@@ -212,7 +206,7 @@ class ControllerClient:
 
     def _decide(
         self, segment: str, batch_size: int, drafters: Sequence[str], make_request: Callable[[], pb.DecideRequest]
-    ) -> DecisionOutcome:
+    ) -> Plan:
         """The call, or the fallback. ``make_request`` is called inside the guard: a bad argument (e.g. an int
         out of int32 range) is a fallback too, not an exception."""
         start = time.perf_counter()
@@ -233,17 +227,17 @@ class ControllerClient:
             except Exception as e:  # a bad argument (e.g. an int out of int32 range) must not fail the request
                 code, detail = None, f"{type(e).__name__}: {e}"
             else:
-                outcome = from_decision(decision, time.perf_counter() - start)
-                if worth_remembering(outcome):
-                    self._memory.remember(segment, outcome)
+                plan = Plan.from_proto(decision, time.perf_counter() - start)
+                if worth_remembering(plan):
+                    self._memory.remember(segment, plan)
                 self._count_decision(None, "")
-                return outcome
+                return plan
         cause = fallback_cause(code)
         self._count_decision(cause, detail)
-        last = self._memory.recall(segment)
-        return fallback_decision(
-            last, self.config.local_default, drafters, batch_size, cause, time.perf_counter() - start
-        )
+        return fallback_plan(
+            self._memory.recall(segment), self._default, drafters, batch_size, self.config.fallback_max_batch_size,
+            cause, time.perf_counter() - start,
+        )  # fmt: skip
 
     def _count_decision(self, cause: Fallback | None, detail: str) -> None:
         with self._lock:
@@ -264,17 +258,18 @@ class ControllerClient:
         *,
         segment: str,
         rounds: Sequence[RoundLike],
-        batch_size: int,
         temperature: float,
         prompt_tokens: int,
         self_repetition: float,
+        scored: Sequence[ScoredLike] = (),
     ) -> None:
-        """Convert one request's rounds and enqueue them for the background sender. Never blocks on the network,
-        never raises: rounds the controller would refuse are logged, counted and left out."""
+        """Convert one request's rounds (and its counterfactually ``scored`` drafters) and enqueue them for the
+        background sender. Never blocks on the network, never raises: rounds the controller would refuse are
+        logged, counted and left out."""
         try:
-            aggregates = rounds_to_aggregates(segment, rounds, batch_size, temperature, prompt_tokens, self_repetition)
+            aggregates = rounds_to_aggregates(segment, rounds, temperature, prompt_tokens, self_repetition, scored)
             for aggregate in aggregates:
-                validation.aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report
+                check_aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report
         except Exception as e:
             with self._lock:
                 self._reports_invalid += 1

@@ -6,8 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from controller.client.fallback import LocalDefault
-from controller.validation import KNOWN_DRAFTERS, MAX_AGGREGATES, MAX_K
+from specd_api.checks import MAX_AGGREGATES, MAX_K
+from specd_api.plan import DRAFTER_NAMES
 
 
 @dataclass(frozen=True)
@@ -15,8 +15,8 @@ class ClientConfig:
     address: str  # "127.0.0.1:50061"
     worker_id: str
     decide_deadline_ms: float = 5.0  # the gRPC deadline of Decide
-    default_drafter: str = "none"  # local default decision when no decision was ever seen for a segment
-    default_num_draft_tokens: int = 0
+    default_drafter: str = "none"  # local default plan when no plan was ever seen for a segment
+    default_k: int = 0
     fallback_max_batch_size: int = 8  # above it a fallback decision never speculates (the default policy's rule)
     max_remembered_segments: int = 10_000  # last decisions kept for fallbacks, least recently used evicted
     report_interval_s: float = 0.5  # background flush period
@@ -34,15 +34,14 @@ class ClientConfig:
         _positive("decide_deadline_ms", self.decide_deadline_ms)
         _positive("report_interval_s", self.report_interval_s)
         _positive("report_timeout_s", self.report_timeout_s)
-        if self.default_drafter not in KNOWN_DRAFTERS:
-            known = ", ".join(KNOWN_DRAFTERS)
-            raise ValueError(f"default_drafter must be one of {known}, got {self.default_drafter!r}")
+        if self.default_drafter not in DRAFTER_NAMES:
+            known = ", ".join(DRAFTER_NAMES)
+            raise ValueError(f"default_drafter must be one of {known}, got {self.default_drafter[:40]!r}")
         low_k = 0 if self.default_drafter == "none" else 1
         high_k = 0 if self.default_drafter == "none" else MAX_K
-        if not low_k <= self.default_num_draft_tokens <= high_k:
+        if not low_k <= self.default_k <= high_k:
             raise ValueError(
-                f"default_num_draft_tokens must be in [{low_k}, {high_k}] for drafter {self.default_drafter!r}, "
-                f"got {self.default_num_draft_tokens}"
+                f"default_k must be in [{low_k}, {high_k}] for drafter {self.default_drafter!r}, got {self.default_k}"
             )
         _at_least("fallback_max_batch_size", self.fallback_max_batch_size, 1)
         _at_least("max_remembered_segments", self.max_remembered_segments, 1)
@@ -59,10 +58,6 @@ class ClientConfig:
     @property
     def decide_deadline_s(self) -> float:
         return self.decide_deadline_ms / 1000.0
-
-    @property
-    def local_default(self) -> LocalDefault:
-        return LocalDefault(self.default_drafter, self.default_num_draft_tokens, self.fallback_max_batch_size)
 
 
 @dataclass(frozen=True)

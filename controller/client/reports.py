@@ -12,37 +12,59 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from specd_api.plan import batch_bucket
 from specd_api.v1 import controller_pb2 as pb
 
 SELF_REPETITION_N = 3  # the n of PromptFeatures.self_repetition (controller.proto)
 
 
 class RoundLike(Protocol):
-    """One draft + verify round, as any engine records it."""
+    """One draft + verify round, as any engine records it (decoder.telemetry.RoundRecord has these attributes).
+    Timings are this sequence's share of each pass when it ran batched with others."""
 
     @property
     def drafter(self) -> str: ...  # "draft" | "prompt_lookup" | "none"
     @property
-    def max_draft_tokens(self) -> int: ...  # K asked for; 0 means no speculation this round
+    def k(self) -> int: ...  # the K the round ran with; 0 means no speculation this round
     @property
-    def num_draft_tokens(self) -> int: ...  # tokens proposed, <= K
+    def num_drafted(self) -> int: ...  # tokens proposed, <= k
     @property
-    def num_accepted(self) -> int: ...  # leading draft tokens kept, <= proposed
+    def num_accepted(self) -> int: ...  # leading draft tokens kept, <= num_drafted
     @property
     def num_emitted(self) -> int: ...  # tokens the round added: accepted + bonus (fewer when cut at a stop)
     @property
     def draft_seconds(self) -> float: ...
     @property
     def verify_seconds(self) -> float: ...
+    @property
+    def batch_size(self) -> int: ...  # sequences in the step the round ran in
+
+
+class ScoredLike(Protocol):
+    """A drafter scored counterfactually over one request's rounds (decoder.counterfactual.PositionTally)."""
+
+    @property
+    def drafter(self) -> str: ...
+    @property
+    def k(self) -> int: ...  # positions scored per round
+    @property
+    def rounds(self) -> int: ...
+    @property
+    def proposed(self) -> Sequence[int]: ...  # [k] per position
+    @property
+    def verified(self) -> Sequence[int]: ...
+    @property
+    def accepted(self) -> Sequence[int]: ...
 
 
 @dataclass
 class _Group:
-    """Running totals of the rounds of one (drafter, K)."""
+    """Running totals of the rounds of one (drafter, K, batch bucket)."""
 
     k: int
+    batch_size: int  # the largest batch among the group's rounds (they share a bucket)
     rounds: int = 0
-    proposed: int = 0
+    drafted: int = 0
     accepted: int = 0
     emitted: int = 0
     draft_seconds: float = 0.0
@@ -50,40 +72,44 @@ class _Group:
     proposed_at: list[int] = field(default_factory=list)  # [k]
     verified_at: list[int] = field(default_factory=list)  # [k]
     accepted_at: list[int] = field(default_factory=list)  # [k]
+    rounds_by_drafted: list[int] = field(default_factory=list)  # [k + 1]
+    seconds_by_drafted: list[float] = field(default_factory=list)  # [k + 1]
 
     def __post_init__(self) -> None:
         self.proposed_at, self.verified_at, self.accepted_at = [0] * self.k, [0] * self.k, [0] * self.k
+        self.rounds_by_drafted, self.seconds_by_drafted = [0] * (self.k + 1), [0.0] * (self.k + 1)
 
     def add(self, r: RoundLike) -> None:
         self.rounds += 1
-        self.proposed += r.num_draft_tokens
+        self.drafted += r.num_drafted
         self.accepted += r.num_accepted
         self.emitted += r.num_emitted
         self.draft_seconds += r.draft_seconds
         self.verify_seconds += r.verify_seconds
+        self.batch_size = max(self.batch_size, r.batch_size)
+        self.rounds_by_drafted[r.num_drafted] += 1
+        self.seconds_by_drafted[r.num_drafted] += r.verify_seconds
         # acceptance is a prefix: position i is verified when every position before it was accepted
-        for i in range(r.num_draft_tokens):
+        for i in range(r.num_drafted):
             self.proposed_at[i] += 1
             self.verified_at[i] += i <= r.num_accepted
             self.accepted_at[i] += i < r.num_accepted
 
 
-def round_key(r: RoundLike) -> tuple[str, int]:
-    """(drafter, K) a round is counted under: a round that asked for no draft tokens is a "none" round."""
-    if r.max_draft_tokens == 0 or r.drafter == "none":
-        return "none", 0
-    return r.drafter, r.max_draft_tokens
+def round_key(r: RoundLike) -> tuple[str, int, int]:
+    """(drafter, K, batch bucket) a round is counted under: a round that drafted with K 0 is a "none" round."""
+    bucket = batch_bucket(max(r.batch_size, 1))
+    if r.k == 0 or r.drafter == "none":
+        return "none", 0, bucket
+    return r.drafter, r.k, bucket
 
 
 def check_round(r: RoundLike) -> None:
     """Raise ValueError when ``r`` is not a possible round (the controller would refuse its aggregate)."""
-    if not 0 <= r.num_accepted <= r.num_draft_tokens <= r.max_draft_tokens:
-        raise ValueError(
-            "need 0 <= num_accepted <= num_draft_tokens <= max_draft_tokens, got "
-            f"{r.num_accepted}, {r.num_draft_tokens}, {r.max_draft_tokens}"
-        )
-    if r.drafter == "none" and r.num_draft_tokens:
-        raise ValueError(f"drafter 'none' proposed {r.num_draft_tokens} tokens")
+    if not 0 <= r.num_accepted <= r.num_drafted <= r.k:
+        raise ValueError(f"need 0 <= num_accepted <= num_drafted <= k, got {r.num_accepted}, {r.num_drafted}, {r.k}")
+    if r.drafter == "none" and r.num_drafted:
+        raise ValueError(f"drafter 'none' proposed {r.num_drafted} tokens")
     if not 0 <= r.num_emitted <= r.num_accepted + 1:
         raise ValueError(f"num_emitted must be in [0, num_accepted + 1 = {r.num_accepted + 1}], got {r.num_emitted}")
     for name in ("draft_seconds", "verify_seconds"):
@@ -95,16 +121,17 @@ def check_round(r: RoundLike) -> None:
 def rounds_to_aggregates(
     segment: str,
     rounds: Sequence[RoundLike],
-    batch_size: int,
     temperature: float,
     prompt_tokens: int,
     self_repetition: float,
+    scored: Sequence[ScoredLike] = (),
 ) -> list[pb.RoundsAggregate]:
-    """One RoundsAggregate per (drafter, K) among ``rounds``, in order of first appearance.
+    """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds``, in order of first appearance, then one
+    counterfactual aggregate per drafter in ``scored``.
 
     Raises ValueError naming the first impossible round.
     """
-    groups: dict[tuple[str, int], _Group] = {}
+    groups: dict[tuple[str, int, int], _Group] = {}
     for index, r in enumerate(rounds):
         try:
             check_round(r)
@@ -112,15 +139,15 @@ def rounds_to_aggregates(
             raise ValueError(f"rounds[{index}]: {e}") from None
         key = round_key(r)
         if key not in groups:
-            groups[key] = _Group(k=key[1])
+            groups[key] = _Group(k=key[1], batch_size=max(r.batch_size, 1))
         groups[key].add(r)
-    return [
+    served = [
         pb.RoundsAggregate(
             segment=segment,
             drafter=drafter,
-            num_draft_tokens=g.k,
+            k=g.k,
             rounds=g.rounds,
-            num_draft_tokens_proposed=g.proposed,
+            num_drafted=g.drafted,
             num_accepted=g.accepted,
             proposed_per_position=g.proposed_at,
             verified_per_position=g.verified_at,
@@ -128,13 +155,44 @@ def rounds_to_aggregates(
             tokens_emitted=g.emitted,
             draft_seconds=g.draft_seconds,
             verify_seconds=g.verify_seconds,
-            batch_size=batch_size,
+            batch_size=g.batch_size,
+            rounds_by_drafted=_trimmed(g.rounds_by_drafted),
+            verify_seconds_by_drafted=g.seconds_by_drafted[: len(_trimmed(g.rounds_by_drafted))],
             temperature=temperature,
             prompt_tokens=prompt_tokens,
             self_repetition=self_repetition,
         )
-        for (drafter, _), g in groups.items()
+        for (drafter, _, _), g in groups.items()
     ]
+    counterfactual = [
+        pb.RoundsAggregate(
+            segment=segment,
+            drafter=t.drafter,
+            k=t.k,
+            rounds=t.rounds,
+            num_drafted=sum(t.proposed),
+            num_accepted=sum(t.accepted),
+            proposed_per_position=t.proposed,
+            verified_per_position=t.verified,
+            accepted_per_position=t.accepted,
+            batch_size=1,
+            counterfactual=True,
+            temperature=temperature,
+            prompt_tokens=prompt_tokens,
+            self_repetition=self_repetition,
+        )
+        for t in scored
+        if t.rounds
+    ]
+    return served + counterfactual
+
+
+def _trimmed(values: list[int]) -> list[int]:
+    """Without trailing zeros (the table's length says the longest round drafted)."""
+    end = len(values)
+    while end > 0 and values[end - 1] == 0:
+        end -= 1
+    return values[:end]
 
 
 def self_repetition(prompt_ids: Sequence[int], n: int = SELF_REPETITION_N) -> float:

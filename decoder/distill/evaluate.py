@@ -75,7 +75,7 @@ def greedy_alpha(target: LoadedModel, draft: LoadedModel, prompts: list[list[int
     accepted = proposed = 0
     for prompt_ids in prompts:
         stats = decoder.generate(prompt_ids, "draft", EVAL_K, SamplingParams(), StopRules(eval_tokens)).stats
-        accepted, proposed = accepted + stats.num_accepted, proposed + stats.num_draft_tokens
+        accepted, proposed = accepted + stats.num_accepted, proposed + stats.num_drafted
     return accepted / proposed if proposed else 0.0
 
 

@@ -1,4 +1,11 @@
-"""A small causal LM as the drafter, with its own KV cache rolled back to what survived verification."""
+"""A small causal LM as the drafter, with its own KV cache rolled back to what survived verification.
+
+Its stop rule: a round ends before position i when the draft's own confidence there, the probability of its
+most likely next token, is under ``stop_threshold``. The rule looks only at the draft's distribution, never at
+the token it samples, so a shorter draft stays exact: sampled tokens are still drawn from q (stopping on the
+sampled token's own probability would bias them towards likely tokens, and rejection sampling with q would then
+no longer reproduce the target's distribution).
+"""
 
 from __future__ import annotations
 
@@ -24,10 +31,12 @@ class DraftModelDrafter(Drafter):
         params: SamplingParams,
         generator: torch.Generator | None,
         sequence: ModelSequence | None = None,
+        stop_threshold: float = 0.0,
     ) -> None:
         self.seq = sequence if sequence is not None else open_sequence(lm)
         self.params = params
         self.generator = generator
+        self.stop_threshold = stop_threshold  # 0: never stop early
         self.cached_ids = EMPTY_TOKENS  # [self.seq.length] the tokens the cache holds, on CPU
 
     def prefill(self, context: torch.Tensor) -> None:
@@ -49,11 +58,16 @@ class DraftModelDrafter(Drafter):
         max_context = self.seq.lm.max_context
         return k if max_context is None else min(k, max_context - context.shape[0] + 1)
 
-    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The next draft token from ``logits`` [1, vocab], and q when it was sampled.  # -> [1], [1, vocab]"""
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The next draft token from ``logits`` [1, vocab], and q when it was sampled; None when the stop rule
+        ends the round here.  # -> [1], [1, vocab]"""
         if self.params.is_greedy:
+            if self.stop_threshold > 0 and confidence(logits.float().softmax(dim=-1)) < self.stop_threshold:
+                return None
             return logits.argmax(dim=-1), None
         q = logits_to_probs(logits, self.params)
+        if self.stop_threshold > 0 and confidence(q) < self.stop_threshold:
+            return None
         return sample(q, self.generator), q
 
     def rollback(self, context: torch.Tensor) -> None:
@@ -79,24 +93,39 @@ def propose_together(
     feeds = [c[d.seq.length :] for d, c in zip(drafters, contexts, strict=True)]  # [>= 1] each
     tokens: list[list[torch.Tensor]] = [[] for _ in drafters]
     probs: list[list[torch.Tensor]] = [[] for _ in drafters]
+    fed = [False] * len(drafters)  # did the last drafted token go through the draft (a stop rule ended the round)
     for step in range(max(ks, default=0)):
         active = [i for i, k in enumerate(ks) if k > step]
+        if not active:
+            break
         logits = forward([(drafters[i].seq, feeds[i]) for i in active])  # [1, vocab] each
         for i, row_logits in zip(active, logits, strict=True):
-            token, q = drafters[i].pick(row_logits[-1:])
+            picked = drafters[i].pick(row_logits[-1:])
+            if picked is None:  # the stop rule: this sequence drafts no further this round
+                ks[i], fed[i] = step, True
+                continue
+            token, q = picked
             tokens[i].append(token)
             if q is not None:
                 probs[i].append(q)
             feeds[i] = token
     drafts = []
     for i, drafter in enumerate(drafters):
+        drafted = torch.cat(tokens[i]).cpu() if tokens[i] else EMPTY_TOKENS  # [k]
+        if fed[i]:  # the draft saw every drafted token
+            drafter.cached_ids = torch.cat([contexts[i], drafted])
+        elif tokens[i]:  # the last drafted token was never fed
+            drafter.cached_ids = torch.cat([contexts[i], drafted[:-1]])
         if not tokens[i]:
             drafts.append(Draft(EMPTY_TOKENS))
             continue
-        drafted = torch.cat(tokens[i]).cpu()  # [k]
-        drafter.cached_ids = torch.cat([contexts[i], drafted[:-1]])
         drafts.append(Draft(drafted, torch.cat(probs[i]) if probs[i] else None))
     return drafts
+
+
+def confidence(probs: torch.Tensor) -> float:
+    """The probability of the most likely token.  # probs: [1, vocab]"""
+    return float(probs.max())
 
 
 def _common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:

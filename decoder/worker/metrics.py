@@ -123,15 +123,15 @@ class WorkerMetrics:
         if stats is None:
             return
         for round_ in stats.rounds:
-            drafter = round_.drafter if round_.max_draft_tokens > 0 else "none"
+            drafter = round_.drafter if round_.k > 0 else "none"
             self.rounds.labels(segment, drafter).inc()
             counters.rounds[drafter] = counters.rounds.get(drafter, 0) + 1
-            if round_.num_draft_tokens:
-                self.drafted.labels(segment, drafter).inc(round_.num_draft_tokens)
+            if round_.num_drafted:
+                self.drafted.labels(segment, drafter).inc(round_.num_drafted)
                 self.accepted.labels(segment, drafter).inc(round_.num_accepted)
-                counters.proposed[drafter] = counters.proposed.get(drafter, 0) + round_.num_draft_tokens
+                counters.proposed[drafter] = counters.proposed.get(drafter, 0) + round_.num_drafted
                 counters.accepted[drafter] = counters.accepted.get(drafter, 0) + round_.num_accepted
-            for i in range(round_.num_draft_tokens):
+            for i in range(round_.num_drafted):
                 self.position_proposed.labels(segment, drafter, str(i)).inc()
                 if i < round_.num_accepted:
                     self.position_accepted.labels(segment, drafter, str(i)).inc()

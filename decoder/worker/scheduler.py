@@ -3,8 +3,9 @@ runs one batched round per step, and hands each request its tokens as they come.
 
 Requests wait in a bounded queue (``submit`` refuses when it is full: the HTTP layer answers 429). Between
 steps, waiting requests take free KV slots (prefill), and finished, cancelled or timed-out ones leave.
-While the batch is at or under ``speculation_max_batch`` every sequence drafts with its own decision's K;
-above it the whole batch decodes without speculation (one target token per sequence per step).
+While the batch is at or under ``speculation_max_batch`` every sequence drafts by its own plan (its K ceiling,
+each round's K chosen by the plan's rule); above it the whole batch decodes without speculation (one target token
+per sequence per step).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, GenerationResult
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import Plan, speculation_allowed
 
 
 class QueueFull(Exception):
@@ -45,8 +47,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     rules: StopRules
-    drafter: str
-    num_draft_tokens: int
+    plan: Plan  # what to run: its drafter, K ceiling, stop rule and per-round rule
     timeout_seconds: float
     on_tokens: Callable[[list[int]], None]  # every step's emitted tokens (maybe empty)
     on_started: Callable[[float], None]  # prefill done: its seconds
@@ -181,7 +182,7 @@ class Scheduler:
                 continue
             started = time.perf_counter()
             try:
-                job.session = self.engine.open(job.prompt_ids, job.drafter, job.params, job.rules)
+                job.session = self.engine.open(job.prompt_ids, job.plan.drafter, job.params, job.rules, job.plan)
             except ValueError as e:  # a request the engine cannot run (e.g. a prompt longer than the context)
                 self._finish(job, JobOutcome("error", error=str(e)))
                 continue
@@ -190,9 +191,9 @@ class Scheduler:
 
     def _step(self) -> None:
         batch = list(self._active)
-        speculative = len(batch) <= self.speculation_max_batch
+        speculative = speculation_allowed(len(batch), self.speculation_max_batch)
         sessions: list[DecodeSession] = [job.session for job in batch]  # type: ignore[misc]
-        ks = [job.num_draft_tokens if speculative else 0 for job in batch]
+        ks = [job.plan.k if speculative else 0 for job in batch]
         started = time.perf_counter()
         emitted = self.engine.step(sessions, ks)
         self.on_step(StepObservation(len(batch), speculative, time.perf_counter() - started))

@@ -11,8 +11,8 @@ import asyncio
 import contextvars
 import socket
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,21 +21,24 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from controller.client import ClientConfig, ControllerClient, DecisionOutcome, self_repetition
+from controller.client import ClientConfig, ControllerClient, self_repetition
 from controller.tracing import make_exporter, make_provider, no_tracer
 from decoder.batch_engine import BatchEngine
+from decoder.counterfactual import score
 from decoder.drafters import PromptLookupConfig
 from decoder.engine import GenerationResult
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from decoder.telemetry import RequestStats
 from decoder.worker.config import WorkerConfig
 from decoder.worker.metrics import WorkerMetrics
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
 from decoder.worker.segments import classify_prompt
 from decoder.worker.text_stream import TextStream
+from specd_api.plan import REQUEST_REASON, Plan, local_plan
 
-__all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "WorkerService"]
+__all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "Speculation", "WorkerService"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,17 @@ class RequestSpec:
     stop_strings: tuple[str, ...]
     segment: str | None  # as named by the caller (body or header); None: infer
     trace_context: Context | None = None
+    speculation: Speculation | None = None  # the caller chose the drafter and K: no controller asked
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A caller's own choice of drafter and K for one request (A/B tests, benchmarks): every round runs at ``k``.
+    With ``report`` false its rounds are not reported to the controller."""
+
+    drafter: str
+    k: int
+    report: bool = True
 
 
 @dataclass
@@ -63,21 +77,18 @@ class Event:
     specd: dict[str, Any] = field(default_factory=dict)
 
 
-def local_decision(cfg: WorkerConfig, batch_size: int) -> DecisionOutcome:
-    """The decision when no controller is configured."""
-    speculate = batch_size <= cfg.speculation_max_batch
-    return DecisionOutcome(
-        drafter=cfg.controller.default_drafter if speculate else "none",
-        num_draft_tokens=cfg.controller.default_num_draft_tokens if speculate else 0,
-        reason="local_default",
-        policy_version="",
-        exploration=False,
-        expected_speedup=1.0,
-        stale=False,
-        fallback=None,
-        source="local_default",
-        latency_s=0.0,
-    )
+@dataclass
+class InFlight:
+    """One request between its plan and its answer: what ``_finish`` needs to account for it."""
+
+    spec: RequestSpec
+    segment: str
+    repetition: float
+    plan: Plan
+    started: float
+    span: trace.Span
+    span_ctx: Context
+    decode_span: list[trace.Span] = field(default_factory=list)
 
 
 class WorkerService:
@@ -117,7 +128,7 @@ class WorkerService:
                     worker_id=cfg.worker_id or worker_id or socket.gethostname(),
                     decide_deadline_ms=link.decide_deadline_ms,
                     default_drafter=link.default_drafter,
-                    default_num_draft_tokens=link.default_num_draft_tokens,
+                    default_k=link.default_num_draft_tokens,
                     fallback_max_batch_size=cfg.speculation_max_batch,
                     report_interval_s=link.report_interval_seconds,
                     max_buffered_aggregates=link.max_buffered_aggregates,
@@ -169,69 +180,14 @@ class WorkerService:
     async def run_request(self, spec: RequestSpec) -> AsyncGenerator[Event, None]:
         """Decode one request; yields "text" events, then one "done" or "error". Raises QueueFull/ShuttingDown
         before anything is yielded when the request cannot be queued."""
-        assert self.engine is not None and self.scheduler is not None
-        engine, scheduler = self.engine, self.scheduler
-        started = time.perf_counter()
-        repetition = self_repetition(spec.prompt_ids)
-        segment = spec.segment or self._infer_segment(spec, repetition)
-        span = self.tracer.start_span("specd.worker.request", context=spec.trace_context, kind=SpanKind.SERVER)
-        span_ctx = trace.set_span_in_context(span, spec.trace_context)
-        span.set_attributes({"specd.segment": segment, "specd.prompt_tokens": len(spec.prompt_ids)})
-        try:
-            decision = await self._decide(spec, segment, repetition, span_ctx)
-        except BaseException:
-            span.end()
-            raise
-        self._observe_decision(segment, decision)
-        span.set_attributes(
-            {
-                "specd.drafter": decision.drafter,
-                "specd.num_draft_tokens": decision.num_draft_tokens,
-                "specd.decision.reason": decision.reason,
-                "specd.decision.source": decision.source,
-                "specd.fallback": decision.fallback or "",
-                "specd.fallback_used": decision.fallback is not None,
-            }
-        )
+        request = await self._plan(spec)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def put(kind: str, value: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        decode_span: list[trace.Span] = []
-
-        def on_started(prefill_seconds: float) -> None:
-            if job.cancelled:  # the request was already accounted for as cancelled
-                return
-            now = time.time_ns()
-            prefill = self.tracer.start_span(
-                "specd.prefill", context=span_ctx, start_time=now - int(prefill_seconds * 1e9)
-            )
-            prefill.set_attribute("specd.prompt_tokens", len(spec.prompt_ids))
-            prefill.end(end_time=now)
-            decode_span.append(self.tracer.start_span("specd.decode", context=span_ctx, start_time=now))
-
-        drafter = decision.drafter if decision.drafter in engine.drafters else "none"
-        rules = StopRules(spec.max_new_tokens, engine.target.eos_token_ids, spec.stop_strings)
-        job = Job(
-            prompt_ids=spec.prompt_ids,
-            params=spec.params,
-            rules=rules,
-            drafter=drafter,
-            num_draft_tokens=decision.num_draft_tokens if drafter != "none" else 0,
-            timeout_seconds=self.cfg.request_timeout_seconds,
-            on_tokens=lambda tokens: put("tokens", tokens),
-            on_started=on_started,
-            on_finish=lambda outcome: put("finish", outcome),
-        )
-        try:
-            scheduler.submit(job)
-        except (QueueFull, ShuttingDown) as e:
-            self.metrics.rejected.labels("queue_full" if isinstance(e, QueueFull) else "shutting_down").inc()
-            span.set_status(Status(StatusCode.ERROR, str(e)))
-            span.end()
-            raise
+        job = self._submit(request, put)
         stream = TextStream(self._decode, spec.stop_strings)
         outcome: JobOutcome | None = None
         try:
@@ -246,45 +202,107 @@ class WorkerService:
         finally:
             if outcome is None:  # the consumer went away (client disconnected): stop decoding it, count it now
                 job.cancel()  # (nothing reads this request's events any more, so its on_finish would go unseen)
-                cancelled = JobOutcome("cancelled", error="the client went away")
-                self._finish(segment, decision, repetition, spec, cancelled, started, span, decode_span)
-        result = outcome.result
-        final_text = result.text if result is not None else ""
-        rest = stream.finish(final_text)
+                self._finish(request, JobOutcome("cancelled", error="the client went away"))
+        rest = stream.finish(outcome.result.text if outcome.result is not None else "")
         if rest:
             yield Event("text", text=rest)
-        info = self._finish(segment, decision, repetition, spec, outcome, started, span, decode_span)
+        yield self._answer(request, outcome, self._finish(request, outcome))
+
+    async def _plan(self, spec: RequestSpec) -> InFlight:
+        """Step 1: the segment, the request span, and the plan (the controller's, a fallback, or the caller's)."""
+        repetition = self_repetition(spec.prompt_ids)
+        segment = spec.segment or self._infer_segment(spec, repetition)
+        span = self.tracer.start_span("specd.worker.request", context=spec.trace_context, kind=SpanKind.SERVER)
+        span_ctx = trace.set_span_in_context(span, spec.trace_context)
+        span.set_attributes({"specd.segment": segment, "specd.prompt_tokens": len(spec.prompt_ids)})
+        started = time.perf_counter()
+        try:
+            plan = await self._decide(spec, segment, repetition, span_ctx)
+        except BaseException:
+            span.end()
+            raise
+        self._observe_decision(segment, plan)
+        span.set_attributes(plan_attributes(plan))
+        return InFlight(spec, segment, repetition, plan, started, span, span_ctx)
+
+    def _submit(self, request: InFlight, put: Callable[[str, Any], None]) -> Job:
+        """Step 2: queue the job; its callbacks feed the request's event queue from the decode thread."""
+        assert self.engine is not None and self.scheduler is not None
+        spec, plan = request.spec, request.plan
+        if plan.drafter not in self.engine.drafters:
+            plan = replace(plan, drafter="none", k=0)
+
+        def on_started(prefill_seconds: float) -> None:
+            if job.cancelled:  # the request was already accounted for as cancelled
+                return
+            now = time.time_ns()
+            prefill = self.tracer.start_span(
+                "specd.prefill", context=request.span_ctx, start_time=now - int(prefill_seconds * 1e9)
+            )
+            prefill.set_attribute("specd.prompt_tokens", len(spec.prompt_ids))
+            prefill.end(end_time=now)
+            request.decode_span.append(self.tracer.start_span("specd.decode", context=request.span_ctx, start_time=now))
+
+        job = Job(
+            prompt_ids=spec.prompt_ids,
+            params=spec.params,
+            rules=StopRules(spec.max_new_tokens, self.engine.target.eos_token_ids, spec.stop_strings),
+            plan=plan,
+            timeout_seconds=self.cfg.request_timeout_seconds,
+            on_tokens=lambda tokens: put("tokens", tokens),
+            on_started=on_started,
+            on_finish=lambda outcome: put("finish", outcome),
+        )
+        try:
+            self.scheduler.submit(job)
+        except (QueueFull, ShuttingDown) as e:
+            self.metrics.rejected.labels("queue_full" if isinstance(e, QueueFull) else "shutting_down").inc()
+            request.span.set_status(Status(StatusCode.ERROR, str(e)))
+            request.span.end()
+            raise
+        return job
+
+    def _answer(self, request: InFlight, outcome: JobOutcome, info: dict[str, Any]) -> Event:
+        """Step 4: the last event, "done" or "error"."""
+        result = outcome.result
         if outcome.status == "finished" and result is not None:
-            yield Event(
+            return Event(
                 "done",
                 finish_reason=result.finish_reason,
-                prompt_tokens=len(spec.prompt_ids),
+                prompt_tokens=len(request.spec.prompt_ids),
                 completion_tokens=len(result.token_ids),
                 specd=info,
             )
-        else:
-            status = {"timeout": 504, "cancelled": 499, "error": 400, "failed": 500}.get(outcome.status, 500)
-            yield Event("error", status=status, error=outcome.error or outcome.status, specd=info)
+        status = {"timeout": 504, "cancelled": 499, "error": 400, "failed": 500}.get(outcome.status, 500)
+        return Event("error", status=status, error=outcome.error or outcome.status, specd=info)
 
-    async def _decide(self, spec: RequestSpec, segment: str, repetition: float, ctx: Context) -> DecisionOutcome:
+    async def _decide(self, spec: RequestSpec, segment: str, repetition: float, ctx: Context) -> Plan:
         assert self.engine is not None and self.scheduler is not None
-        # The decision holds for the request's life while the batch grows and shrinks; the scheduler switches
+        # The plan holds for the request's life while the batch grows and shrinks; the scheduler switches
         # speculation off for every step the batch is above speculation_max_batch. So the controller is asked
         # what to run when speculating is allowed: a request arriving in a full batch still gets a drafter and
         # speculates once the batch shrinks.
         batch_size = min(self.scheduler.load(), max(1, self.cfg.speculation_max_batch))
+        offered = [d for d in self.engine.drafters if d != "none"]
         started = time.perf_counter()
-        if self.client is None:
-            decision = local_decision(self.cfg, batch_size)
+        if spec.speculation is not None:
+            chosen = spec.speculation
+            plan = Plan(chosen.drafter, chosen.k if chosen.drafter != "none" else 0, REQUEST_REASON, source="request")
+        elif self.client is None:
+            link = self.cfg.controller
+            plan = local_plan(
+                link.default_drafter, link.default_num_draft_tokens, offered, batch_size,
+                self.cfg.speculation_max_batch, fallback=None,
+            )  # fmt: skip
         else:
             client = self.client
             p = spec.params
 
-            def call() -> DecisionOutcome:
+            def call() -> Plan:
                 return client.decide(
                     segment=segment,
                     batch_size=batch_size,
-                    drafters=[d for d in self.engine.drafters if d != "none"] if self.engine else [],
+                    drafters=offered,
                     temperature=p.temperature,
                     top_p=p.top_p,
                     top_k=p.top_k,
@@ -299,86 +317,53 @@ class WorkerService:
                 context = contextvars.copy_context()
             finally:
                 otel_context.detach(token)
-            decision = await asyncio.get_running_loop().run_in_executor(None, context.run, call)
+            plan = await asyncio.get_running_loop().run_in_executor(None, context.run, call)
         # The controller call as the client timed it (the deadline applies to it), and the whole wait,
         # which adds the hop to a thread and back (it grows when the CPU is saturated).
-        self.metrics.decide_seconds.observe(decision.latency_s)
+        self.metrics.decide_seconds.observe(plan.latency_s)
         self.metrics.decision_wait_seconds.observe(time.perf_counter() - started)
-        return decision
+        return plan
 
-    def _observe_decision(self, segment: str, decision: DecisionOutcome) -> None:
-        self.metrics.decisions.labels(segment, decision.drafter, decision.reason, decision.source).inc()
-        if decision.fallback is not None:
-            self.metrics.fallbacks.labels(decision.fallback).inc()
+    def _observe_decision(self, segment: str, plan: Plan) -> None:
+        self.metrics.decisions.labels(segment, plan.drafter, plan.reason, plan.source).inc()
+        if plan.fallback is not None:
+            self.metrics.fallbacks.labels(plan.fallback).inc()
 
-    def _finish(
-        self,
-        segment: str,
-        decision: DecisionOutcome,
-        repetition: float,
-        spec: RequestSpec,
-        outcome: JobOutcome,
-        started: float,
-        span: trace.Span,
-        decode_span: list[trace.Span],
-    ) -> dict[str, Any]:
+    def _finish(self, request: InFlight, outcome: JobOutcome) -> dict[str, Any]:
+        """Step 3: metrics, the report to the controller, the spans; returns the response's ``specd`` block."""
         result: GenerationResult | None = outcome.result
         stats = result.stats if result is not None else None
-        self.metrics.observe_request(segment, outcome.status, stats, time.perf_counter() - started)
+        self.metrics.observe_request(request.segment, outcome.status, stats, time.perf_counter() - request.started)
         batch = outcome.steps_in_batch
         batch_size = max(1, round(sum(batch) / len(batch))) if batch else 1
-        if stats is not None and stats.rounds and self.client is not None:
-            self.client.report(
-                segment=segment,
-                rounds=stats.rounds,
-                batch_size=batch_size,
-                temperature=spec.params.temperature,
-                prompt_tokens=len(spec.prompt_ids),
-                self_repetition=repetition,
-            )
-        info: dict[str, Any] = {
-            "segment": segment,
-            "drafter": decision.drafter,
-            "num_draft_tokens": decision.num_draft_tokens,
-            "decision_reason": decision.reason,
-            "decision_source": decision.source,
-            "fallback": decision.fallback,
-            "decide_ms": round(decision.latency_s * 1000, 3),
-            "exploration": decision.exploration,
-            "batch_size": batch_size,
-        }
-        if stats is not None:
-            info.update(
-                num_rounds=stats.num_rounds,
-                num_draft_tokens_proposed=stats.num_draft_tokens,
-                num_accepted=stats.num_accepted,
-                alpha=stats.alpha,
-                mean_accepted_length=stats.mean_accepted_length,
-                tokens_per_second=round(stats.tokens_per_second, 2),
-                prefill_seconds=round(stats.prefill_seconds, 6),
-                decode_seconds=round(stats.decode_seconds, 6),
-            )
-        attributes = {
-            "specd.rounds": info.get("num_rounds", 0),
-            "specd.proposed": info.get("num_draft_tokens_proposed", 0),
-            "specd.accepted": info.get("num_accepted", 0),
-            "specd.alpha": info.get("alpha") if info.get("alpha") is not None else -1.0,
-            "specd.tokens_per_second": info.get("tokens_per_second", 0.0),
-            "specd.batch_size": batch_size,
-            "specd.segment": segment,
-            "specd.drafter": decision.drafter,
-            "specd.num_draft_tokens": decision.num_draft_tokens,
-            "specd.fallback_used": decision.fallback is not None,
-            "specd.status": outcome.status,
-        }
-        for d in decode_span:
+        if stats is not None and self._reports(request):
+            self._report(request, stats, result.token_ids if result is not None else [])
+        info = response_info(request.segment, request.plan, batch_size, stats)
+        attributes = span_attributes(request.segment, request.plan, info, outcome.status)
+        for d in request.decode_span:
             d.set_attributes(attributes)
             d.end()
-        span.set_attributes(attributes)
+        request.span.set_attributes(attributes)
         if outcome.status != "finished":
-            span.set_status(Status(StatusCode.ERROR, outcome.error or outcome.status))
-        span.end()
+            request.span.set_status(Status(StatusCode.ERROR, outcome.error or outcome.status))
+        request.span.end()
         return info
+
+    def _reports(self, request: InFlight) -> bool:
+        chosen = request.spec.speculation
+        return self.client is not None and (chosen is None or chosen.report)
+
+    def _report(self, request: InFlight, stats: RequestStats, generated: list[int]) -> None:
+        assert self.client is not None
+        scored = score(stats.counterfactual, generated, request.plan.counterfactual_k)
+        self.client.report(
+            segment=request.segment,
+            rounds=stats.rounds,
+            temperature=request.spec.params.temperature,
+            prompt_tokens=len(request.spec.prompt_ids),
+            self_repetition=request.repetition,
+            scored=list(scored.values()),
+        )
 
     def _infer_segment(self, spec: RequestSpec, repetition: float) -> str:
         if self.cfg.segment_classifier == "none":
@@ -388,3 +373,61 @@ class WorkerService:
 
     def _decode(self, token_ids: Any) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def plan_attributes(plan: Plan) -> dict[str, Any]:
+    return {
+        "specd.drafter": plan.drafter,
+        "specd.k": plan.k,
+        "specd.decision.reason": plan.reason,
+        "specd.decision.source": plan.source,
+        "specd.fallback": plan.fallback or "",
+        "specd.fallback_used": plan.fallback is not None,
+    }
+
+
+def response_info(segment: str, plan: Plan, batch_size: int, stats: RequestStats | None) -> dict[str, Any]:
+    """The response's ``specd`` block: the plan, and what the rounds did."""
+    info: dict[str, Any] = {
+        "segment": segment,
+        "drafter": plan.drafter,
+        "k": plan.k,
+        "decision_reason": plan.reason,
+        "decision_source": plan.source,
+        "fallback": plan.fallback,
+        "decide_ms": round(plan.latency_s * 1000, 3),
+        "exploration": plan.exploration,
+        "expected_speedup": round(plan.expected_speedup, 4),
+        "batch_size": batch_size,
+    }
+    if stats is not None:
+        drafting = [r for r in stats.rounds if r.k > 0]
+        info.update(
+            num_rounds=stats.num_rounds,
+            num_drafted=stats.num_drafted,
+            num_accepted=stats.num_accepted,
+            alpha=stats.alpha,
+            mean_accepted_length=stats.mean_accepted_length,
+            mean_k=round(sum(r.k for r in drafting) / len(drafting), 3) if drafting else 0.0,
+            tokens_per_second=round(stats.tokens_per_second, 2),
+            prefill_seconds=round(stats.prefill_seconds, 6),
+            decode_seconds=round(stats.decode_seconds, 6),
+        )
+    return info
+
+
+def span_attributes(segment: str, plan: Plan, info: dict[str, Any], status: str) -> dict[str, Any]:
+    alpha = info.get("alpha")
+    return {
+        "specd.rounds": info.get("num_rounds", 0),
+        "specd.num_drafted": info.get("num_drafted", 0),
+        "specd.num_accepted": info.get("num_accepted", 0),
+        "specd.alpha": alpha if alpha is not None else -1.0,
+        "specd.tokens_per_second": info.get("tokens_per_second", 0.0),
+        "specd.batch_size": info["batch_size"],
+        "specd.segment": segment,
+        "specd.drafter": plan.drafter,
+        "specd.k": plan.k,
+        "specd.fallback_used": plan.fallback is not None,
+        "specd.status": status,
+    }

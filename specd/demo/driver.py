@@ -45,7 +45,7 @@ class Result:
     error: str | None = None
     completion_tokens: int = 0
     drafter: str = "none"
-    num_draft_tokens: int = 0
+    k: int = 0  # the plan's K ceiling
     decision_reason: str = ""
     decision_source: str = ""
     exploration: bool = False
@@ -68,7 +68,7 @@ class SegmentRow:
     proposed: int
     accepted: int
     drafter: str | None  # the latest decision the controller made (not a probe), None before any
-    num_draft_tokens: int | None
+    k: int | None
     decision_source: str | None
     explored: int  # adaptive requests that were probes
     decided: int  # adaptive requests answered
@@ -159,12 +159,12 @@ def parse_response(status: int, body: Any, request: Request, arm: str, seconds: 
         ok=True,
         completion_tokens=int(body.get("usage", {}).get("completion_tokens", 0)),
         drafter=str(info.get("drafter", "none")),
-        num_draft_tokens=int(info.get("num_draft_tokens", 0)),
+        k=int(info.get("k", 0)),
         decision_reason=str(info.get("decision_reason", "")),
         decision_source=str(info.get("decision_source", "")),
         exploration=bool(info.get("exploration", False)),
         fallback=info.get("fallback"),
-        proposed=int(info.get("num_draft_tokens_proposed", 0)),
+        proposed=int(info.get("num_drafted", 0)),
         accepted=int(info.get("num_accepted", 0)),
         prefill_seconds=float(info.get("prefill_seconds", 0.0)),
         decode_seconds=float(info.get("decode_seconds", 0.0)),
@@ -225,7 +225,7 @@ def summarize_segment(segment: str, total: int, results: Sequence[Result]) -> Se
         proposed=sum(r.proposed for r in adaptive),
         accepted=sum(r.accepted for r in adaptive),
         drafter=latest.drafter if latest else None,
-        num_draft_tokens=latest.num_draft_tokens if latest else None,
+        k=latest.k if latest else None,
         decision_source=latest.decision_source if latest else None,
         explored=sum(r.exploration for r in adaptive),
         decided=len(adaptive),

@@ -39,7 +39,7 @@ def fmt_decision(row: SegmentRow) -> str:
     it without the controller's answer for that request (its fallback)."""
     if row.drafter is None:
         return "-"
-    text = "off" if row.drafter == "none" else f"{row.drafter} K={row.num_draft_tokens}"
+    text = "off" if row.drafter == "none" else f"{row.drafter} K≤{row.k}"
     return text if row.decision_source in ("controller", None) else text + FALLBACK_MARK
 
 

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecd_api/v1/controller.proto\x12\x08specd.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\")\n\x0ePromptFeatures\x12\x17\n\x0fself_repetition\x18\x01 \x01(\x02\"\xd4\x01\n\rDecideRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x10\n\x08\x64rafters\x18\x03 \x03(\t\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_features\x18\x06 \x01(\x0b\x32\x18.specd.v1.PromptFeatures\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x05\"\xac\x01\n\x08\x44\x65\x63ision\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\t\x12\x13\n\x0b\x65xploration\x18\x05 \x01(\x08\x12\x18\n\x10\x65xpected_speedup\x18\x06 \x01(\x01\x12\r\n\x05stale\x18\x07 \x01(\x08\x12\x0f\n\x07segment\x18\x08 \x01(\t\"\x93\x03\n\x0fRoundsAggregate\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06rounds\x18\x04 \x01(\x03\x12!\n\x19num_draft_tokens_proposed\x18\x05 \x01(\x03\x12\x14\n\x0cnum_accepted\x18\x06 \x01(\x03\x12\x1d\n\x15verified_per_position\x18\x07 \x03(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x08 \x03(\x03\x12\x16\n\x0etokens_emitted\x18\t \x01(\x03\x12\x15\n\rdraft_seconds\x18\n \x01(\x01\x12\x16\n\x0everify_seconds\x18\x0b \x01(\x01\x12\x12\n\nbatch_size\x18\x0c \x01(\x05\x12\x13\n\x0btemperature\x18\r \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0e \x01(\x05\x12\x17\n\x0fself_repetition\x18\x0f \x01(\x02\x12\x1d\n\x15proposed_per_position\x18\x10 \x03(\x03\"j\n\x13ReportRoundsRequest\x12\x11\n\treport_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12-\n\naggregates\x18\x03 \x03(\x0b\x32\x19.specd.v1.RoundsAggregate\"U\n\x14ReportRoundsResponse\x12\x17\n\x0frounds_accepted\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x11\n\tjournaled\x18\x03 \x01(\x08\")\n\x16GetSegmentStatsRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\"\x92\x01\n\rPositionStats\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x0f\n\x07offered\x18\x02 \x01(\x01\x12\x10\n\x08proposed\x18\x03 \x01(\x01\x12\x10\n\x08verified\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x01\x12\x19\n\x11\x63onditional_alpha\x18\x06 \x01(\x01\x12\r\n\x05\x61lpha\x18\x07 \x01(\x01\"\xe2\x01\n\rDrafterKStats\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x01\x12\x10\n\x08proposed\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x01\x12\r\n\x05\x61lpha\x18\x06 \x01(\x01\x12\x14\n\x0c\x61lpha_ci_low\x18\x07 \x01(\x01\x12\x15\n\ralpha_ci_high\x18\x08 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\t \x01(\x01\x12\x18\n\x10\x65xpected_speedup\x18\n \x01(\x01\"\x86\x01\n\x0c\x44rafterStats\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12*\n\tpositions\x18\x02 \x03(\x0b\x32\x17.specd.v1.PositionStats\x12\x12\n\ncost_ratio\x18\x03 \x01(\x01\x12%\n\x04\x62y_k\x18\x04 \x03(\x0b\x32\x17.specd.v1.DrafterKStats\"\xa8\x01\n\x0cSegmentStats\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12(\n\x08\x64rafters\x18\x02 \x03(\x0b\x32\x16.specd.v1.DrafterStats\x12\x0e\n\x06rounds\x18\x03 \x01(\x01\x12\x18\n\x10last_update_unix\x18\x04 \x01(\x01\x12$\n\x08\x64\x65\x63ision\x18\x05 \x01(\x0b\x32\x12.specd.v1.Decision\x12\r\n\x05stale\x18\x06 \x01(\x08\"\x15\n\x13ListSegmentsRequest\"@\n\x14ListSegmentsResponse\x12(\n\x08segments\x18\x01 \x03(\x0b\x32\x16.specd.v1.SegmentStats\"\x12\n\x10GetPolicyRequest\"\x15\n\x13ReloadPolicyRequest\"N\n\nPolicyInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0bloaded_unix\x18\x04 \x01(\x01\x32\xb2\x03\n\nController\x12\x35\n\x06\x44\x65\x63ide\x12\x17.specd.v1.DecideRequest\x1a\x12.specd.v1.Decision\x12M\n\x0cReportRounds\x12\x1d.specd.v1.ReportRoundsRequest\x1a\x1e.specd.v1.ReportRoundsResponse\x12K\n\x0fGetSegmentStats\x12 .specd.v1.GetSegmentStatsRequest\x1a\x16.specd.v1.SegmentStats\x12M\n\x0cListSegments\x12\x1d.specd.v1.ListSegmentsRequest\x1a\x1e.specd.v1.ListSegmentsResponse\x12=\n\tGetPolicy\x12\x1a.specd.v1.GetPolicyRequest\x1a\x14.specd.v1.PolicyInfo\x12\x43\n\x0cReloadPolicy\x12\x1d.specd.v1.ReloadPolicyRequest\x1a\x14.specd.v1.PolicyInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecd_api/v1/controller.proto\x12\x08specd.v1\"C\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\")\n\x0ePromptFeatures\x12\x17\n\x0fself_repetition\x18\x01 \x01(\x02\"\xd4\x01\n\rDecideRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x05\x12\x10\n\x08\x64rafters\x18\x03 \x03(\t\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_features\x18\x06 \x01(\x0b\x32\x18.specd.v1.PromptFeatures\x12\x16\n\x0emax_new_tokens\x18\x07 \x01(\x05\"\xcc\x02\n\x08\x44\x65\x63ision\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\t\x12\x13\n\x0b\x65xploration\x18\x05 \x01(\x08\x12\x18\n\x10\x65xpected_speedup\x18\x06 \x01(\x01\x12\r\n\x05stale\x18\x07 \x01(\x08\x12\x0f\n\x07segment\x18\x08 \x01(\t\x12\x16\n\x0estop_threshold\x18\t \x01(\x01\x12\x12\n\nacceptance\x18\n \x03(\x01\x12\x10\n\x08proposal\x18\x0b \x03(\x01\x12\x16\n\x0eprior_strength\x18\x0c \x01(\x01\x12\x12\n\ncost_ratio\x18\r \x01(\x01\x12\x13\n\x0bverify_cost\x18\x0e \x03(\x01\x12\x14\n\x0cprobe_rounds\x18\x0f \x01(\x05\x12\x18\n\x10\x63ounterfactual_k\x18\x10 \x01(\x05\"\xcc\x03\n\x0fRoundsAggregate\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\x05\x12\x0e\n\x06rounds\x18\x04 \x01(\x03\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x03\x12\x14\n\x0cnum_accepted\x18\x06 \x01(\x03\x12\x1d\n\x15verified_per_position\x18\x07 \x03(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x08 \x03(\x03\x12\x16\n\x0etokens_emitted\x18\t \x01(\x03\x12\x15\n\rdraft_seconds\x18\n \x01(\x01\x12\x16\n\x0everify_seconds\x18\x0b \x01(\x01\x12\x12\n\nbatch_size\x18\x0c \x01(\x05\x12\x13\n\x0btemperature\x18\r \x01(\x02\x12\x15\n\rprompt_tokens\x18\x0e \x01(\x05\x12\x17\n\x0fself_repetition\x18\x0f \x01(\x02\x12\x1d\n\x15proposed_per_position\x18\x10 \x03(\x03\x12\x19\n\x11rounds_by_drafted\x18\x11 \x03(\x03\x12!\n\x19verify_seconds_by_drafted\x18\x12 \x03(\x01\x12\x16\n\x0e\x63ounterfactual\x18\x13 \x01(\x08\"j\n\x13ReportRoundsRequest\x12\x11\n\treport_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12-\n\naggregates\x18\x03 \x03(\x0b\x32\x19.specd.v1.RoundsAggregate\"U\n\x14ReportRoundsResponse\x12\x17\n\x0frounds_accepted\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x11\n\tjournaled\x18\x03 \x01(\x08\")\n\x16GetSegmentStatsRequest\x12\x0f\n\x07segment\x18\x01 \x01(\t\"\x92\x01\n\rPositionStats\x12\x10\n\x08position\x18\x01 \x01(\x05\x12\x0f\n\x07offered\x18\x02 \x01(\x01\x12\x10\n\x08proposed\x18\x03 \x01(\x01\x12\x10\n\x08verified\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x01\x12\x19\n\x11\x63onditional_alpha\x18\x06 \x01(\x01\x12\r\n\x05\x61lpha\x18\x07 \x01(\x01\"\xd3\x01\n\rDrafterKStats\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0e\n\x06rounds\x18\x03 \x01(\x01\x12\x10\n\x08proposed\x18\x04 \x01(\x01\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x01\x12\r\n\x05\x61lpha\x18\x06 \x01(\x01\x12\x14\n\x0c\x61lpha_ci_low\x18\x07 \x01(\x01\x12\x15\n\ralpha_ci_high\x18\x08 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\t \x01(\x01\x12\x18\n\x10\x65xpected_speedup\x18\n \x01(\x01\"\xe7\x01\n\x0c\x44rafterStats\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12*\n\tpositions\x18\x02 \x03(\x0b\x32\x17.specd.v1.PositionStats\x12\x12\n\ncost_ratio\x18\x03 \x01(\x01\x12%\n\x04\x62y_k\x18\x04 \x03(\x0b\x32\x17.specd.v1.DrafterKStats\x12\x39\n\x18\x63ounterfactual_positions\x18\x05 \x03(\x0b\x32\x17.specd.v1.PositionStats\x12\x12\n\nacceptance\x18\x06 \x03(\x01\x12\x10\n\x08proposal\x18\x07 \x03(\x01\"\x84\x01\n\nDriftAlarm\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x11\n\tdirection\x18\x02 \x01(\t\x12\x12\n\nsince_unix\x18\x03 \x01(\x01\x12\x13\n\x0braised_unix\x18\x04 \x01(\x01\x12\x14\n\x0c\x61lpha_before\x18\x05 \x01(\x01\x12\x13\n\x0b\x61lpha_since\x18\x06 \x01(\x01\"\xcd\x01\n\x0cSegmentStats\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12(\n\x08\x64rafters\x18\x02 \x03(\x0b\x32\x16.specd.v1.DrafterStats\x12\x0e\n\x06rounds\x18\x03 \x01(\x01\x12\x18\n\x10last_update_unix\x18\x04 \x01(\x01\x12$\n\x08\x64\x65\x63ision\x18\x05 \x01(\x0b\x32\x12.specd.v1.Decision\x12\r\n\x05stale\x18\x06 \x01(\x08\x12#\n\x05\x64rift\x18\x07 \x03(\x0b\x32\x14.specd.v1.DriftAlarm\"\x15\n\x13ListSegmentsRequest\"@\n\x14ListSegmentsResponse\x12(\n\x08segments\x18\x01 \x03(\x0b\x32\x16.specd.v1.SegmentStats\"\x12\n\x10GetPolicyRequest\"\x15\n\x13ReloadPolicyRequest\"\x11\n\x0fGetCostsRequest\"\xe3\x01\n\x0b\x42ucketCosts\x12\x14\n\x0c\x62\x61tch_bucket\x18\x01 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x02 \x01(\x01\x12\x38\n\ncost_ratio\x18\x03 \x03(\x0b\x32$.specd.v1.BucketCosts.CostRatioEntry\x12\x13\n\x0bverify_cost\x18\x04 \x03(\x01\x12\x15\n\rverify_rounds\x18\x05 \x03(\x01\x12\x10\n\x08measured\x18\x06 \x01(\x08\x1a\x30\n\x0e\x43ostRatioEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"B\n\tCostModel\x12&\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x15.specd.v1.BucketCosts\x12\r\n\x05stale\x18\x02 \x01(\x08\"N\n\nPolicyInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x13\n\x0bloaded_unix\x18\x04 \x01(\x01\x32\xee\x03\n\nController\x12\x35\n\x06\x44\x65\x63ide\x12\x17.specd.v1.DecideRequest\x1a\x12.specd.v1.Decision\x12M\n\x0cReportRounds\x12\x1d.specd.v1.ReportRoundsRequest\x1a\x1e.specd.v1.ReportRoundsResponse\x12K\n\x0fGetSegmentStats\x12 .specd.v1.GetSegmentStatsRequest\x1a\x16.specd.v1.SegmentStats\x12M\n\x0cListSegments\x12\x1d.specd.v1.ListSegmentsRequest\x1a\x1e.specd.v1.ListSegmentsResponse\x12=\n\tGetPolicy\x12\x1a.specd.v1.GetPolicyRequest\x1a\x14.specd.v1.PolicyInfo\x12\x43\n\x0cReloadPolicy\x12\x1d.specd.v1.ReloadPolicyRequest\x1a\x14.specd.v1.PolicyInfo\x12:\n\x08GetCosts\x12\x19.specd.v1.GetCostsRequest\x1a\x13.specd.v1.CostModelb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd_api.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_BUCKETCOSTS_COSTRATIOENTRY']._loaded_options = None
+  _globals['_BUCKETCOSTS_COSTRATIOENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=110
   _globals['_PROMPTFEATURES']._serialized_start=112
@@ -38,33 +40,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECIDEREQUEST']._serialized_start=156
   _globals['_DECIDEREQUEST']._serialized_end=368
   _globals['_DECISION']._serialized_start=371
-  _globals['_DECISION']._serialized_end=543
-  _globals['_ROUNDSAGGREGATE']._serialized_start=546
-  _globals['_ROUNDSAGGREGATE']._serialized_end=949
-  _globals['_REPORTROUNDSREQUEST']._serialized_start=951
-  _globals['_REPORTROUNDSREQUEST']._serialized_end=1057
-  _globals['_REPORTROUNDSRESPONSE']._serialized_start=1059
-  _globals['_REPORTROUNDSRESPONSE']._serialized_end=1144
-  _globals['_GETSEGMENTSTATSREQUEST']._serialized_start=1146
-  _globals['_GETSEGMENTSTATSREQUEST']._serialized_end=1187
-  _globals['_POSITIONSTATS']._serialized_start=1190
-  _globals['_POSITIONSTATS']._serialized_end=1336
-  _globals['_DRAFTERKSTATS']._serialized_start=1339
-  _globals['_DRAFTERKSTATS']._serialized_end=1565
-  _globals['_DRAFTERSTATS']._serialized_start=1568
-  _globals['_DRAFTERSTATS']._serialized_end=1702
-  _globals['_SEGMENTSTATS']._serialized_start=1705
-  _globals['_SEGMENTSTATS']._serialized_end=1873
-  _globals['_LISTSEGMENTSREQUEST']._serialized_start=1875
-  _globals['_LISTSEGMENTSREQUEST']._serialized_end=1896
-  _globals['_LISTSEGMENTSRESPONSE']._serialized_start=1898
-  _globals['_LISTSEGMENTSRESPONSE']._serialized_end=1962
-  _globals['_GETPOLICYREQUEST']._serialized_start=1964
-  _globals['_GETPOLICYREQUEST']._serialized_end=1982
-  _globals['_RELOADPOLICYREQUEST']._serialized_start=1984
-  _globals['_RELOADPOLICYREQUEST']._serialized_end=2005
-  _globals['_POLICYINFO']._serialized_start=2007
-  _globals['_POLICYINFO']._serialized_end=2085
-  _globals['_CONTROLLER']._serialized_start=2088
-  _globals['_CONTROLLER']._serialized_end=2522
+  _globals['_DECISION']._serialized_end=703
+  _globals['_ROUNDSAGGREGATE']._serialized_start=706
+  _globals['_ROUNDSAGGREGATE']._serialized_end=1166
+  _globals['_REPORTROUNDSREQUEST']._serialized_start=1168
+  _globals['_REPORTROUNDSREQUEST']._serialized_end=1274
+  _globals['_REPORTROUNDSRESPONSE']._serialized_start=1276
+  _globals['_REPORTROUNDSRESPONSE']._serialized_end=1361
+  _globals['_GETSEGMENTSTATSREQUEST']._serialized_start=1363
+  _globals['_GETSEGMENTSTATSREQUEST']._serialized_end=1404
+  _globals['_POSITIONSTATS']._serialized_start=1407
+  _globals['_POSITIONSTATS']._serialized_end=1553
+  _globals['_DRAFTERKSTATS']._serialized_start=1556
+  _globals['_DRAFTERKSTATS']._serialized_end=1767
+  _globals['_DRAFTERSTATS']._serialized_start=1770
+  _globals['_DRAFTERSTATS']._serialized_end=2001
+  _globals['_DRIFTALARM']._serialized_start=2004
+  _globals['_DRIFTALARM']._serialized_end=2136
+  _globals['_SEGMENTSTATS']._serialized_start=2139
+  _globals['_SEGMENTSTATS']._serialized_end=2344
+  _globals['_LISTSEGMENTSREQUEST']._serialized_start=2346
+  _globals['_LISTSEGMENTSREQUEST']._serialized_end=2367
+  _globals['_LISTSEGMENTSRESPONSE']._serialized_start=2369
+  _globals['_LISTSEGMENTSRESPONSE']._serialized_end=2433
+  _globals['_GETPOLICYREQUEST']._serialized_start=2435
+  _globals['_GETPOLICYREQUEST']._serialized_end=2453
+  _globals['_RELOADPOLICYREQUEST']._serialized_start=2455
+  _globals['_RELOADPOLICYREQUEST']._serialized_end=2476
+  _globals['_GETCOSTSREQUEST']._serialized_start=2478
+  _globals['_GETCOSTSREQUEST']._serialized_end=2495
+  _globals['_BUCKETCOSTS']._serialized_start=2498
+  _globals['_BUCKETCOSTS']._serialized_end=2725
+  _globals['_BUCKETCOSTS_COSTRATIOENTRY']._serialized_start=2677
+  _globals['_BUCKETCOSTS_COSTRATIOENTRY']._serialized_end=2725
+  _globals['_COSTMODEL']._serialized_start=2727
+  _globals['_COSTMODEL']._serialized_end=2793
+  _globals['_POLICYINFO']._serialized_start=2795
+  _globals['_POLICYINFO']._serialized_end=2873
+  _globals['_CONTROLLER']._serialized_start=2876
+  _globals['_CONTROLLER']._serialized_end=3370
 # @@protoc_insertion_point(module_scope)

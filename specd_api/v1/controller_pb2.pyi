@@ -41,32 +41,48 @@ class DecideRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., batch_size: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., prompt_features: _Optional[_Union[PromptFeatures, _Mapping]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("drafter", "num_draft_tokens", "reason", "policy_version", "exploration", "expected_speedup", "stale", "segment")
+    __slots__ = ("drafter", "k", "reason", "policy_version", "exploration", "expected_speedup", "stale", "segment", "stop_threshold", "acceptance", "proposal", "prior_strength", "cost_ratio", "verify_cost", "probe_rounds", "counterfactual_k")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXPLORATION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    STOP_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    COST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERFACTUAL_K_FIELD_NUMBER: _ClassVar[int]
     drafter: str
-    num_draft_tokens: int
+    k: int
     reason: str
     policy_version: str
     exploration: bool
     expected_speedup: float
     stale: bool
     segment: str
-    def __init__(self, drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ...) -> None: ...
+    stop_threshold: float
+    acceptance: _containers.RepeatedScalarFieldContainer[float]
+    proposal: _containers.RepeatedScalarFieldContainer[float]
+    prior_strength: float
+    cost_ratio: float
+    verify_cost: _containers.RepeatedScalarFieldContainer[float]
+    probe_rounds: int
+    counterfactual_k: int
+    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., counterfactual_k: _Optional[int] = ...) -> None: ...
 
 class RoundsAggregate(_message.Message):
-    __slots__ = ("segment", "drafter", "num_draft_tokens", "rounds", "num_draft_tokens_proposed", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position")
+    __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -78,11 +94,14 @@ class RoundsAggregate(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SELF_REPETITION_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_BY_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_SECONDS_BY_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
     segment: str
     drafter: str
-    num_draft_tokens: int
+    k: int
     rounds: int
-    num_draft_tokens_proposed: int
+    num_drafted: int
     num_accepted: int
     verified_per_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
@@ -94,7 +113,10 @@ class RoundsAggregate(_message.Message):
     prompt_tokens: int
     self_repetition: float
     proposed_per_position: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, segment: _Optional[str] = ..., drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., num_draft_tokens_proposed: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verified_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_emitted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., temperature: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., self_repetition: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+    rounds_by_drafted: _containers.RepeatedScalarFieldContainer[int]
+    verify_seconds_by_drafted: _containers.RepeatedScalarFieldContainer[float]
+    counterfactual: bool
+    def __init__(self, segment: _Optional[str] = ..., drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verified_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_emitted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., temperature: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., self_repetition: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., rounds_by_drafted: _Optional[_Iterable[int]] = ..., verify_seconds_by_drafted: _Optional[_Iterable[float]] = ..., counterfactual: _Optional[bool] = ...) -> None: ...
 
 class ReportRoundsRequest(_message.Message):
     __slots__ = ("report_id", "worker_id", "aggregates")
@@ -141,9 +163,9 @@ class PositionStats(_message.Message):
     def __init__(self, position: _Optional[int] = ..., offered: _Optional[float] = ..., proposed: _Optional[float] = ..., verified: _Optional[float] = ..., accepted: _Optional[float] = ..., conditional_alpha: _Optional[float] = ..., alpha: _Optional[float] = ...) -> None: ...
 
 class DrafterKStats(_message.Message):
-    __slots__ = ("drafter", "num_draft_tokens", "rounds", "proposed", "accepted", "alpha", "alpha_ci_low", "alpha_ci_high", "mean_accepted_length", "expected_speedup")
+    __slots__ = ("drafter", "k", "rounds", "proposed", "accepted", "alpha", "alpha_ci_low", "alpha_ci_high", "mean_accepted_length", "expected_speedup")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -153,7 +175,7 @@ class DrafterKStats(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     drafter: str
-    num_draft_tokens: int
+    k: int
     rounds: float
     proposed: float
     accepted: float
@@ -162,35 +184,59 @@ class DrafterKStats(_message.Message):
     alpha_ci_high: float
     mean_accepted_length: float
     expected_speedup: float
-    def __init__(self, drafter: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., rounds: _Optional[float] = ..., proposed: _Optional[float] = ..., accepted: _Optional[float] = ..., alpha: _Optional[float] = ..., alpha_ci_low: _Optional[float] = ..., alpha_ci_high: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., expected_speedup: _Optional[float] = ...) -> None: ...
+    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[float] = ..., proposed: _Optional[float] = ..., accepted: _Optional[float] = ..., alpha: _Optional[float] = ..., alpha_ci_low: _Optional[float] = ..., alpha_ci_high: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., expected_speedup: _Optional[float] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("drafter", "positions", "cost_ratio", "by_k")
+    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COST_RATIO_FIELD_NUMBER: _ClassVar[int]
     BY_K_FIELD_NUMBER: _ClassVar[int]
+    COUNTERFACTUAL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     positions: _containers.RepeatedCompositeFieldContainer[PositionStats]
     cost_ratio: float
     by_k: _containers.RepeatedCompositeFieldContainer[DrafterKStats]
-    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ...) -> None: ...
+    counterfactual_positions: _containers.RepeatedCompositeFieldContainer[PositionStats]
+    acceptance: _containers.RepeatedScalarFieldContainer[float]
+    proposal: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DriftAlarm(_message.Message):
+    __slots__ = ("drafter", "direction", "since_unix", "raised_unix", "alpha_before", "alpha_since")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RAISED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_SINCE_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    direction: str
+    since_unix: float
+    raised_unix: float
+    alpha_before: float
+    alpha_since: float
+    def __init__(self, drafter: _Optional[str] = ..., direction: _Optional[str] = ..., since_unix: _Optional[float] = ..., raised_unix: _Optional[float] = ..., alpha_before: _Optional[float] = ..., alpha_since: _Optional[float] = ...) -> None: ...
 
 class SegmentStats(_message.Message):
-    __slots__ = ("segment", "drafters", "rounds", "last_update_unix", "decision", "stale")
+    __slots__ = ("segment", "drafters", "rounds", "last_update_unix", "decision", "stale", "drift")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     LAST_UPDATE_UNIX_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
     segment: str
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStats]
     rounds: float
     last_update_unix: float
     decision: Decision
     stale: bool
-    def __init__(self, segment: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStats, _Mapping]]] = ..., rounds: _Optional[float] = ..., last_update_unix: _Optional[float] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., stale: _Optional[bool] = ...) -> None: ...
+    drift: _containers.RepeatedCompositeFieldContainer[DriftAlarm]
+    def __init__(self, segment: _Optional[str] = ..., drafters: _Optional[_Iterable[_Union[DrafterStats, _Mapping]]] = ..., rounds: _Optional[float] = ..., last_update_unix: _Optional[float] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., stale: _Optional[bool] = ..., drift: _Optional[_Iterable[_Union[DriftAlarm, _Mapping]]] = ...) -> None: ...
 
 class ListSegmentsRequest(_message.Message):
     __slots__ = ()
@@ -209,6 +255,41 @@ class GetPolicyRequest(_message.Message):
 class ReloadPolicyRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetCostsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BucketCosts(_message.Message):
+    __slots__ = ("batch_bucket", "step_seconds", "cost_ratio", "verify_cost", "verify_rounds", "measured")
+    class CostRatioEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    batch_bucket: int
+    step_seconds: float
+    cost_ratio: _containers.ScalarMap[str, float]
+    verify_cost: _containers.RepeatedScalarFieldContainer[float]
+    verify_rounds: _containers.RepeatedScalarFieldContainer[float]
+    measured: bool
+    def __init__(self, batch_bucket: _Optional[int] = ..., step_seconds: _Optional[float] = ..., cost_ratio: _Optional[_Mapping[str, float]] = ..., verify_cost: _Optional[_Iterable[float]] = ..., verify_rounds: _Optional[_Iterable[float]] = ..., measured: _Optional[bool] = ...) -> None: ...
+
+class CostModel(_message.Message):
+    __slots__ = ("buckets", "stale")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketCosts]
+    stale: bool
+    def __init__(self, buckets: _Optional[_Iterable[_Union[BucketCosts, _Mapping]]] = ..., stale: _Optional[bool] = ...) -> None: ...
 
 class PolicyInfo(_message.Message):
     __slots__ = ("version", "path", "text", "loaded_unix")

@@ -64,6 +64,11 @@ class ControllerStub:
                 request_serializer=specd__api_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
                 response_deserializer=specd__api_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
                 _registered_method=True)
+        self.GetCosts = channel.unary_unary(
+                '/specd.v1.Controller/GetCosts',
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.GetCostsRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.CostModel.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -110,6 +115,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCosts(self, request, context):
+        """The learned costs: per batch bucket, one target step, c per drafter and v(n) per drafted count n.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +154,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.ReloadPolicy,
                     request_deserializer=specd__api_dot_v1_dot_controller__pb2.ReloadPolicyRequest.FromString,
                     response_serializer=specd__api_dot_v1_dot_controller__pb2.PolicyInfo.SerializeToString,
+            ),
+            'GetCosts': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCosts,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.GetCostsRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.CostModel.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class Controller:
             '/specd.v1.Controller/ReloadPolicy',
             specd__api_dot_v1_dot_controller__pb2.ReloadPolicyRequest.SerializeToString,
             specd__api_dot_v1_dot_controller__pb2.PolicyInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCosts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Controller/GetCosts',
+            specd__api_dot_v1_dot_controller__pb2.GetCostsRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.CostModel.FromString,
             options,
             channel_credentials,
             insecure,

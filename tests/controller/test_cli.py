@@ -37,7 +37,7 @@ def daemon(tmp_path_factory, embedded_redis_url):
     d.startup()
     stub = pb_grpc.ControllerStub(grpc.insecure_channel(d.address))
     agg = pb.RoundsAggregate(
-        segment="code", drafter="draft", num_draft_tokens=2, rounds=10, num_draft_tokens_proposed=20,
+        segment="code", drafter="draft", k=2, rounds=10, num_drafted=20,
         num_accepted=15, proposed_per_position=[10, 10], verified_per_position=[10, 8], accepted_per_position=[8, 7],
         tokens_emitted=25, draft_seconds=0.02, verify_seconds=0.1, batch_size=1,
     )  # fmt: skip

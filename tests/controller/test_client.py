@@ -32,14 +32,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 import controller.server as server_module
-from controller import validation
-from controller.client import ClientConfig, ControllerClient, DecisionOutcome, rounds_to_aggregates, self_repetition
+from controller.client import ClientConfig, ControllerClient, rounds_to_aggregates, self_repetition
 from controller.client.buffer import ReportBuffer
-from controller.client.fallback import DecisionMemory, LocalDefault, fallback_decision
+from controller.client.fallback import DecisionMemory
 from controller.config import ControllerConfig, LearningConfig
 from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
+from decoder.counterfactual import PositionTally
 from decoder.telemetry import RoundRecord
+from specd_api.checks import check_aggregate
+from specd_api.plan import Plan
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
@@ -55,12 +57,13 @@ class Round:
     """A round as any engine might record it (the RoundLike attributes, nothing else)."""
 
     drafter: str
-    max_draft_tokens: int
-    num_draft_tokens: int
+    k: int
+    num_drafted: int
     num_accepted: int
     num_emitted: int
     draft_seconds: float = 0.001
     verify_seconds: float = 0.01
+    batch_size: int = 1
 
 
 def draft(k: int, proposed: int, accepted: int, emitted: int | None = None) -> Round:
@@ -74,7 +77,7 @@ def lookup(k: int, proposed: int, accepted: int) -> Round:
 def summary(a: pb.RoundsAggregate) -> tuple:
     """The counting fields of an aggregate: (drafter, K, rounds, proposed, accepted, emitted, per position...)."""
     return (
-        a.drafter, a.num_draft_tokens, a.rounds, a.num_draft_tokens_proposed, a.num_accepted, a.tokens_emitted,
+        a.drafter, a.k, a.rounds, a.num_drafted, a.num_accepted, a.tokens_emitted,
         list(a.proposed_per_position), list(a.verified_per_position), list(a.accepted_per_position),
     )  # fmt: skip
 
@@ -89,7 +92,7 @@ DECIDE_ARGS = dict(
     max_new_tokens=64,
     self_repetition=0.2,
 )
-REPORT_ARGS = dict(batch_size=1, temperature=0.0, prompt_tokens=100, self_repetition=0.2)
+REPORT_ARGS = dict(temperature=0.0, prompt_tokens=100, self_repetition=0.2)
 
 
 # --- rounds -> aggregates ------------------------------------------------------------------------------
@@ -148,21 +151,48 @@ def test_rounds_to_aggregates(rounds, expected):
     aggregates = rounds_to_aggregates("code", rounds, **REPORT_ARGS)
     assert [summary(a) for a in aggregates] == expected
     for a in aggregates:
-        validation.aggregate(a)  # and the controller accepts every one
+        check_aggregate(a)  # and the controller accepts every one
 
 
 def test_aggregates_carry_timings_and_request_features():
-    rounds = [Round("draft", 2, 2, 1, 2, draft_seconds=0.25, verify_seconds=0.5)] * 2
-    (a,) = rounds_to_aggregates("code", rounds, batch_size=3, temperature=0.7, prompt_tokens=42, self_repetition=0.5)
+    rounds = [Round("draft", 2, 2, 1, 2, draft_seconds=0.25, verify_seconds=0.5, batch_size=3)] * 2
+    (a,) = rounds_to_aggregates("code", rounds, temperature=0.7, prompt_tokens=42, self_repetition=0.5)
     assert (a.segment, a.draft_seconds, a.verify_seconds) == ("code", 0.5, 1.0)
     assert (a.batch_size, a.temperature, a.prompt_tokens, a.self_repetition) == pytest.approx((3, 0.7, 42, 0.5))
+
+
+def test_verification_time_is_kept_per_number_drafted():
+    # prompt lookup found 0, 2 and 2 tokens: v(n) is learned from rounds that verified exactly n drafts
+    rounds = [lookup(4, 0, 0), lookup(4, 2, 1), lookup(4, 2, 2)]
+    rounds = [Round(r.drafter, r.k, r.num_drafted, r.num_accepted, r.num_emitted, 0.0, 0.01 * (1 + r.num_drafted))
+              for r in rounds]  # fmt: skip
+    (a,) = rounds_to_aggregates("code", rounds, **REPORT_ARGS)
+    assert list(a.rounds_by_drafted) == [1, 0, 2]
+    assert list(a.verify_seconds_by_drafted) == pytest.approx([0.01, 0.0, 0.06])
+
+
+def test_rounds_of_different_batch_buckets_are_reported_apart():
+    # the costs of a round depend on the batch it ran in: 1, 2, 3-4, 5-8 ... are separate buckets
+    rounds = [Round("draft", 2, 2, 1, 2, batch_size=b) for b in (1, 1, 3, 4, 5)]
+    aggregates = rounds_to_aggregates("code", rounds, **REPORT_ARGS)
+    assert [(a.batch_size, a.rounds) for a in aggregates] == [(1, 2), (4, 2), (5, 1)]
+
+
+def test_counterfactual_tallies_become_scored_aggregates():
+    tally = PositionTally("prompt_lookup", 3)
+    tally.rounds, tally.proposed, tally.verified, tally.accepted = 4, [3, 2, 1], [3, 2, 1], [2, 1, 0]
+    (served, scored) = rounds_to_aggregates("code", [draft(2, 2, 1)], **REPORT_ARGS, scored=[tally])
+    assert not served.counterfactual and scored.counterfactual
+    assert summary(scored) == ("prompt_lookup", 3, 4, 6, 3, 0, [3, 2, 1], [3, 2, 1], [2, 1, 0])
+    assert (scored.draft_seconds, scored.verify_seconds, list(scored.rounds_by_drafted)) == (0.0, 0.0, [])
+    check_aggregate(scored)
 
 
 IMPOSSIBLE = [
     # more accepted than proposed: acceptance counts proposed tokens
     pytest.param(draft(3, 2, 3), "num_accepted", id="accepted-above-proposed"),
     # more proposed than K asked for
-    pytest.param(draft(2, 3, 0), "max_draft_tokens", id="proposed-above-k"),
+    pytest.param(draft(2, 3, 0), "k", id="proposed-above-k"),
     # a round adds at most the accepted tokens and the bonus token
     pytest.param(draft(3, 3, 1, emitted=3), "num_emitted", id="emitted-above-accepted-plus-bonus"),
     pytest.param(Round("draft", 2, 2, 1, 2, draft_seconds=-1.0), "draft_seconds", id="negative-seconds"),
@@ -189,7 +219,7 @@ def test_random_rounds_always_make_aggregates_the_controller_accepts():
             rounds.append(Round(drafter, k, proposed, accepted, rng.randint(0, accepted + 1), rng.random() * 0.01))
         aggregates = rounds_to_aggregates("random", rounds, **REPORT_ARGS)
         for a in aggregates:
-            validation.aggregate(a)
+            check_aggregate(a)
         assert sum(a.rounds for a in aggregates) == len(rounds)
         assert sum(a.num_accepted for a in aggregates) == sum(r.num_accepted for r in rounds)
         assert sum(a.tokens_emitted for a in aggregates) == sum(r.num_emitted for r in rounds)
@@ -222,37 +252,11 @@ def test_self_repetition(prompt, n, expected):
 
 # --- fallbacks ---------------------------------------------------------------------------------------
 
-LAST = DecisionOutcome(
-    drafter="prompt_lookup", num_draft_tokens=6, reason="best_expected_speedup", policy_version="v1",
-    exploration=False, expected_speedup=1.8, stale=False, fallback=None, source="controller", latency_s=0.001,
-)  # fmt: skip
-DRAFT_DEFAULT = LocalDefault("draft", 4, max_batch_size=8)
-
-FALLBACKS = [
-    # the segment was decided before and the worker can still run that drafter: reuse it
-    pytest.param(LAST, DRAFT_DEFAULT, ["draft", "prompt_lookup"], 1, ("prompt_lookup", 6, "last_decision"), id="last"),
-    # never decided: the configured default
-    pytest.param(None, DRAFT_DEFAULT, ["draft"], 1, ("draft", 4, "local_default"), id="default"),
-    # the last decision's drafter is not offered now: it cannot be used, the default can
-    pytest.param(LAST, DRAFT_DEFAULT, ["draft"], 1, ("draft", 4, "local_default"), id="last-not-offered"),
-    # nor can the default's: no speculation
-    pytest.param(None, DRAFT_DEFAULT, ["prompt_lookup"], 1, ("none", 0, "local_default"), id="default-not-offered"),
-    # above the batch threshold no fallback speculates, whatever was decided before (contract 6)
-    pytest.param(LAST, DRAFT_DEFAULT, ["draft", "prompt_lookup"], 9, ("none", 0, "local_default"), id="batch-rule"),
-    # at the threshold the batch rule does not apply
-    pytest.param(LAST, DRAFT_DEFAULT, ["prompt_lookup"], 8, ("prompt_lookup", 6, "last_decision"), id="batch-at-8"),
-]
-
-
-@pytest.mark.parametrize(("last", "default", "drafters", "batch_size", "expected"), FALLBACKS)
-def test_fallback_decision(last, default, drafters, batch_size, expected):
-    outcome = fallback_decision(last, default, drafters, batch_size, "timeout", 0.005)
-    assert (outcome.drafter, outcome.num_draft_tokens, outcome.source) == expected
-    assert (outcome.fallback, outcome.stale, outcome.latency_s) == ("timeout", True, 0.005)
+LAST = Plan("prompt_lookup", 6, "best_expected_speedup", "v1", expected_speedup=1.8, latency_s=0.001)
 
 
 def test_decision_memory_forgets_the_least_recently_used():
-    memory = DecisionMemory(max_segments=2)
+    memory = DecisionMemory(max_entries=2)
     memory.remember("a", LAST)
     memory.remember("b", LAST)
     assert memory.recall("a") is LAST  # "a" is now the most recently used
@@ -300,8 +304,8 @@ BAD_CONFIGS = [
     pytest.param({"decide_deadline_ms": 0}, "decide_deadline_ms", id="zero-deadline"),
     pytest.param({"default_drafter": "medusa"}, "default_drafter", id="unknown-drafter"),
     # "none" drafts nothing, a drafter drafts at least one token
-    pytest.param({"default_num_draft_tokens": 3}, "default_num_draft_tokens", id="none-with-k"),
-    pytest.param({"default_drafter": "draft"}, "default_num_draft_tokens", id="draft-with-k0"),
+    pytest.param({"default_k": 3}, "default_k", id="none-with-k"),
+    pytest.param({"default_drafter": "draft"}, "default_k", id="draft-with-k0"),
     pytest.param({"max_buffered_aggregates": 0}, "max_buffered_aggregates", id="no-buffer"),
     # the controller refuses reports of more than 10 000 aggregates
     pytest.param({"max_aggregates_per_report": 10_001}, "max_aggregates_per_report", id="report-too-big"),
@@ -325,11 +329,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def policy_with_a_forced_rule(folder: Path) -> Path:
+    """The default policy plus one rule that switches `forced-off*` segments off."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "policy.yaml"
+    path.write_text(DEFAULT_POLICY.read_text() + '\n  - match: "forced-off*"\n    force: none\n')
+    return path
+
+
 def daemon_config(redis_url: str, folder: Path, prefix: str, port: int = 0) -> ControllerConfig:
     return ControllerConfig(
         listen=f"127.0.0.1:{port}",
         redis_url=redis_url,
-        policy_path=DEFAULT_POLICY,
+        policy_path=policy_with_a_forced_rule(folder),
         state_dir=folder / "state",
         max_workers=4,
         shutdown_grace_seconds=0.5,
@@ -415,7 +427,7 @@ def segment_stats(stub: pb_grpc.ControllerStub, segment: str, rounds: float) -> 
 
 
 def k_stats(stats: pb.SegmentStats, drafter: str, k: int) -> tuple[float, float, float]:
-    entry = next(e for d in stats.drafters if d.drafter == drafter for e in d.by_k if e.num_draft_tokens == k)
+    entry = next(e for d in stats.drafters if d.drafter == drafter for e in d.by_k if e.k == k)
     return entry.rounds, entry.proposed, entry.accepted
 
 
@@ -435,7 +447,7 @@ class FakeController(pb_grpc.ControllerServicer):
     def Decide(self, request, context):
         self.decide_metadata.append(dict(context.invocation_metadata()))
         time.sleep(self.decide_delay)
-        return pb.Decision(drafter="draft", num_draft_tokens=4, reason="fake", policy_version="fake")
+        return pb.Decision(drafter="draft", k=4, reason="fake", policy_version="fake")
 
     def GetPolicy(self, request, context):
         return pb.PolicyInfo(version="fake")
@@ -475,8 +487,8 @@ def p(latencies: list[float], q: float) -> float:
 RULE_CASES = [
     # the default policy switches speculation off above batch 8 (contract 6)
     pytest.param("chat", 9, ("none", 0, "batch_size_above_threshold"), id="batch-rule"),
-    # the default policy's `adversarial*` rule forces "none"
-    pytest.param("adversarial-prompts", 1, ("none", 0, "policy_off"), id="policy-rule"),
+    # the test policy's `forced-off*` rule forces "none"
+    pytest.param("forced-off-prompts", 1, ("none", 0, "policy_off"), id="policy-rule"),
 ]
 
 
@@ -485,7 +497,7 @@ def test_decide_returns_the_controllers_decision(daemon, segment, batch_size, ex
     version = stub_for(daemon.address).GetPolicy(pb.GetPolicyRequest(), timeout=5).version
     with started(config(daemon.address, decide_deadline_ms=1000)) as client:
         outcome = client.decide(segment=segment, **{**DECIDE_ARGS, "batch_size": batch_size})
-    assert (outcome.drafter, outcome.num_draft_tokens, outcome.reason) == expected
+    assert (outcome.drafter, outcome.k, outcome.reason) == expected
     assert (outcome.source, outcome.fallback, outcome.policy_version) == ("controller", None, version)
     assert 0 < outcome.latency_s < 1.0
 
@@ -545,10 +557,8 @@ def test_killed_controller_falls_back_within_the_deadline(tmp_path, embedded_red
     assert p99 < LATENCY_BOUND_S * 1e3
     assert all(o.fallback in ("unavailable", "timeout") for o in outcomes)
     # the seen segment keeps its last decision; the unseen one gets the local default ("none")
-    assert {(o.drafter, o.num_draft_tokens, o.source) for o in outcomes[1::2]} == {
-        (seen.drafter, seen.num_draft_tokens, "last_decision")
-    }
-    assert {(o.drafter, o.num_draft_tokens, o.source) for o in outcomes[0::2]} == {("none", 0, "local_default")}
+    assert {(o.drafter, o.k, o.source) for o in outcomes[1::2]} == {(seen.drafter, seen.k, "last_decision")}
+    assert {(o.drafter, o.k, o.source) for o in outcomes[0::2]} == {("none", 0, "local_default")}
     assert stats.fallbacks.get("unavailable", 0) + stats.fallbacks.get("timeout", 0) >= 60
 
 
@@ -568,9 +578,9 @@ def test_slow_controller_is_a_timeout_within_the_deadline():
 
 
 def test_never_reachable_controller_gives_local_defaults():
-    with started(config(f"127.0.0.1:{free_port()}", default_drafter="prompt_lookup", default_num_draft_tokens=5)) as c:
+    with started(config(f"127.0.0.1:{free_port()}", default_drafter="prompt_lookup", default_k=5)) as c:
         outcome = c.decide(segment="chat", **DECIDE_ARGS)
-    assert (outcome.drafter, outcome.num_draft_tokens, outcome.reason) == ("prompt_lookup", 5, "local_default")
+    assert (outcome.drafter, outcome.k, outcome.reason) == ("prompt_lookup", 5, "local_default")
     assert (outcome.fallback, outcome.source, outcome.stale) == ("unavailable", "local_default", True)
 
 
@@ -727,7 +737,7 @@ def test_decide_span_joins_the_controllers_trace(tmp_path, embedded_redis_url, p
     expected = {
         "specd.segment": "chat",
         "specd.drafter": outcome.drafter,
-        "specd.num_draft_tokens": outcome.num_draft_tokens,
+        "specd.k": outcome.k,
         "specd.decision.reason": outcome.reason,
         "specd.fallback": "",  # the controller answered
         "specd.decision.source": "controller",

@@ -1,4 +1,4 @@
-"""decide() as a table: each row is a situation and the decision it must produce, with why."""
+"""decide() as a table: each row is a situation and the plan it must produce, with why."""
 
 from __future__ import annotations
 
@@ -6,40 +6,46 @@ import random
 
 import pytest
 
+from controller.cost_model import BucketCosts
 from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import Decision, Request, decide, estimate_drafter
+from controller.decide import Request, decide, estimate_drafter
 from controller.policy import Settings, SettingsOverride, apply_override
-from controller.speedup import VerifyCost
+from specd_api.plan import Plan
+from specd_api.speedup import speedup_curve
 
-VERIFY = VerifyCost(intercept_seconds=1.0, slope_seconds=0.02)
 BOTH = ("draft", "prompt_lookup")
 N = 1e6  # so many observations that the prior does not matter
+GPU = BucketCosts(1, 0.01, verify=tuple(1.0 + 0.02 * n for n in range(65)))  # v(n) = 1 + 0.02 n
+# v(n) as measured on a CPU in float32 (relative to v(0)): dear at 1-3 drafts, cheap again at 4, dear beyond.
+CPU = BucketCosts(1, 0.0045, verify=(1.0, 1.39, 1.71, 1.58, 1.21, *(1.9 + 0.4 * i for i in range(60))))
 
 
-def counts(**rates: tuple[float, float]) -> SegmentCounts:
+def counts(served: bool = True, **rates: tuple[float, float]) -> SegmentCounts:
     """Counts where drafter d has conditional acceptance a and proposal rate π at every position."""
     c = SegmentCounts()
+    table = c.positions if served else c.counterfactual
     for drafter, (a, pi) in rates.items():
         for i in range(16):
-            c.positions[(drafter, i)] = PositionCounts(offered=N, proposed=pi * N, verified=pi * N, accepted=a * pi * N)
+            table[(drafter, i)] = PositionCounts(offered=N, proposed=pi * N, verified=pi * N, accepted=a * pi * N)
     return c
 
 
 def run(
     seg: SegmentCounts,
     settings: Settings | None = None,
-    previous: Decision | None = None,
+    previous: Plan | None = None,
     seed: int = 0,
     c_draft: float = 0.05,
+    costs: BucketCosts = GPU,
     **request: object,
-) -> Decision:
+) -> Plan:
     settings = settings or Settings(exploration_rate=0.0)
     req = Request(**{"segment": "s", "batch_size": 1, "drafters": BOTH, "max_new_tokens": 128, **request})  # type: ignore[arg-type]
     estimates = {
         d: estimate_drafter(seg, d, settings.drafter(d).k_max, 0.5, 0.5, settings.prior_strength, c)
         for d, c in (("draft", c_draft), ("prompt_lookup", 0.0))
     }
-    return decide(settings, "v1", req, estimates, VERIFY, previous, random.Random(seed))
+    return decide(settings, "v1", req, estimates, costs, previous, random.Random(seed))
 
 
 def with_(**changes: object) -> Settings:
@@ -64,54 +70,92 @@ GOOD_DRAFT = counts(draft=(0.9, 1.0), prompt_lookup=(0.3, 0.3))
     ],
 )  # fmt: skip
 def test_rules(kwargs, drafter, reason, why):
-    decision = run(GOOD_DRAFT, **kwargs)
-    assert (decision.drafter, decision.reason) == (drafter, reason), why
-    assert decision.policy_version == "v1"
+    plan = run(GOOD_DRAFT, **kwargs)
+    assert (plan.drafter, plan.reason) == (drafter, reason), why
+    assert plan.policy_version == "v1"
 
 
-def test_forced_k_is_used():
-    decision = run(GOOD_DRAFT, settings=with_(force="prompt_lookup", force_k=3))
-    assert decision.num_draft_tokens == 3
+def test_forced_k_is_used_and_not_adapted():
+    plan = run(GOOD_DRAFT, settings=with_(force="prompt_lookup", force_k=3))
+    assert plan.k == 3 and not plan.adaptive  # every round at 3
 
 
 @pytest.mark.parametrize(
-    ("seg", "drafter", "reason", "why"),
+    ("seg", "c_draft", "drafter", "reason", "why"),
     [
-        (counts(draft=(0.9, 1.0), prompt_lookup=(0.3, 0.3)), "draft", "best_expected_speedup", "high α draft"),
-        (counts(draft=(0.5, 1.0), prompt_lookup=(0.95, 0.9)), "prompt_lookup", "best_expected_speedup",
+        (counts(draft=(0.9, 1.0), prompt_lookup=(0.3, 0.3)), 0.05, "draft", "best_expected_speedup", "high α draft"),
+        (counts(draft=(0.5, 1.0), prompt_lookup=(0.95, 0.9)), 0.05, "prompt_lookup", "best_expected_speedup",
          "extractive: lookup proposes and is accepted, at no drafting cost"),
-        (counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05)), "none", "low_expected_speedup",
+        (counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05)), 0.05, "none", "low_expected_speedup",
          "nothing agrees with the target: off"),
-        (counts(draft=(0.45, 1.0), prompt_lookup=(0.05, 0.05)), "none", "alpha_below_floor",
-         "draft α 0.45 would still pay a little with c = 0.05, but is under the 0.5 floor"),
+        (counts(draft=(0.45, 1.0), prompt_lookup=(0.05, 0.05)), 0.05, "draft", "best_expected_speedup",
+         "α 0.45 pays with c = 0.05 (about 1.3x at K = 2): no α floor may veto an arm that clears min_speedup"),
+        (counts(draft=(0.45, 1.0), prompt_lookup=(0.05, 0.05)), 0.4, "none", "low_expected_speedup",
+         "the same α with a draft 8x dearer does not pay: the costs decide"),
+        (counts(False, prompt_lookup=(0.95, 0.9)), 0.05, "prompt_lookup", "best_expected_speedup",
+         "prompt lookup never served here, but its counterfactual record is enough"),
     ],
 )  # fmt: skip
-def test_learned_choice(seg, drafter, reason, why):
-    decision = run(seg)
-    assert (decision.drafter, decision.reason) == (drafter, reason), why
+def test_learned_choice(seg, c_draft, drafter, reason, why):
+    plan = run(seg, c_draft=c_draft)
+    assert (plan.drafter, plan.reason) == (drafter, reason), why
 
 
 def test_best_k_grows_with_alpha():
-    ks = [run(counts(draft=(a, 1.0), prompt_lookup=(0.0, 0.0))).num_draft_tokens for a in (0.6, 0.8, 0.95)]
+    ks = [
+        run(counts(draft=(a, 1.0), prompt_lookup=(0.0, 0.0)), settings=with_(k_headroom=0)).k for a in (0.6, 0.8, 0.95)
+    ]
     assert ks == sorted(ks) and ks[0] < ks[-1], ks
 
 
+def test_the_best_k_follows_the_measured_verify_costs():
+    # On the CPU's v(n) a 0.8 draft with c 0.1 is best at K = 4 (v(4) = 1.21 is cheaper than v(2) = 1.71), not at
+    # the largest K allowed, and not where a line through v(n) would put it.
+    seg = counts(draft=(0.8, 1.0), prompt_lookup=(0.0, 0.0))
+    plan = run(seg, c_draft=0.1, costs=CPU, settings=with_(k_headroom=0))
+    curve = speedup_curve([0.8] * 8, [1.0] * 8, 8, 0.1, CPU.verify)
+    assert plan.k == 4 == 1 + max(range(8), key=lambda i: curve[i])
+    assert plan.expected_speedup == pytest.approx(curve[3], rel=1e-3)
+
+
+def test_the_plan_carries_what_the_worker_adapts_with():
+    plan = run(GOOD_DRAFT, costs=CPU, c_draft=0.1)
+    assert plan.adaptive and plan.k <= 8
+    assert len(plan.acceptance) == len(plan.proposal) == plan.k and len(plan.verify_cost) == plan.k + 1
+    assert plan.acceptance[0] == pytest.approx(0.9, abs=1e-3) and plan.verify_cost == CPU.verify[: plan.k + 1]
+    assert plan.cost_ratio == 0.1 and plan.prior_strength == Settings().plan_prior_rounds
+    assert plan.counterfactual_k == Settings().drafter("prompt_lookup").k_max  # lookup is scored on every round
+
+
+def test_the_ceiling_leaves_headroom_above_the_best_k():
+    tight = run(GOOD_DRAFT, costs=CPU, settings=with_(k_headroom=0))
+    roomy = run(GOOD_DRAFT, costs=CPU, settings=with_(k_headroom=2))
+    assert roomy.k == min(tight.k + 2, 8) and roomy.expected_speedup == tight.expected_speedup
+
+
+def test_off_plans_still_score_prompt_lookup():
+    plan = run(counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05)))
+    assert plan.drafter == "none" and plan.counterfactual_k > 0
+    assert run(GOOD_DRAFT, settings=with_(counterfactual=False)).counterfactual_k == 0
+    assert run(GOOD_DRAFT, drafters=("draft",)).counterfactual_k == 0  # the worker cannot run it
+
+
 def test_expected_speedup_is_reported():
-    decision = run(GOOD_DRAFT)
-    assert decision.expected_speedup > 2.0  # α 0.9, c 0.05: several tokens per round
+    assert run(GOOD_DRAFT).expected_speedup > 2.0  # α 0.9, c 0.05: several tokens per round
 
 
-def test_hysteresis_keeps_a_nearly_as_good_previous_choice():
-    best = run(GOOD_DRAFT)
-    previous = Decision("draft", best.num_draft_tokens - 1, "best_expected_speedup", "v1")
-    decision = run(GOOD_DRAFT, previous=previous)
-    assert (decision.drafter, decision.num_draft_tokens, decision.reason) == (
-        "draft", best.num_draft_tokens - 1, "kept_previous",
-    )  # fmt: skip
+def test_hysteresis_keeps_a_nearly_as_good_previous_drafter():
+    # lookup at 0.91 x 0.88 is 3.6% better than a free 0.9 draft (5.47x vs 5.28x), within the 5% margin: a
+    # segment that has been served by either stays with it
+    seg = counts(draft=(0.9, 1.0), prompt_lookup=(0.91, 0.88))
+    best = run(seg, c_draft=0.0)
+    other = "prompt_lookup" if best.drafter == "draft" else "draft"
+    plan = run(seg, c_draft=0.0, previous=Plan(other, 4, "best_expected_speedup", "v1"))
+    assert (plan.drafter, plan.reason) == (other, "kept_previous")
 
 
 def test_hysteresis_switches_when_the_gain_is_large():
-    previous = Decision("prompt_lookup", 2, "best_expected_speedup", "v1")
+    previous = Plan("prompt_lookup", 2, "best_expected_speedup", "v1")
     assert run(GOOD_DRAFT, previous=previous).drafter == "draft"
 
 
@@ -120,23 +164,46 @@ def test_switched_off_segment_needs_the_margin_to_come_back():
     seg = counts(draft=(0.55, 1.0), prompt_lookup=(0.0, 0.0))
     fresh = run(seg, c_draft=0.42)
     assert fresh.drafter == "draft" and 1.05 <= fresh.expected_speedup < 1.05 * 1.05, fresh
-    was_off = Decision("none", 0, "low_expected_speedup", "v1")
+    was_off = Plan("none", 0, "low_expected_speedup", "v1")
     assert run(seg, c_draft=0.42, previous=was_off).reason == "low_expected_speedup"
 
 
-def test_exploration_is_bounded_and_probes_switched_off_segments():
+def test_a_sure_segment_is_probed_only_at_the_floor():
+    # A million rounds say the draft is hopeless here: no posterior draw disagrees, so only the floor for
+    # switched-off segments probes (2% of requests), so that a change of traffic can still be seen.
     seg = counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05))
+    plans = [run(seg, settings=with_(exploration_rate=0.5), seed=s) for s in range(2000)]
+    probes = [p for p in plans if p.exploration]
+    assert 0.02 * 2000 - 3 * (2000 * 0.02) ** 0.5 <= len(probes) <= 0.02 * 2000 + 3 * (2000 * 0.02) ** 0.5
+    assert not any(
+        p.exploration for p in (run(seg, settings=with_(min_exploration_rate=0), seed=s) for s in range(300))
+    )
+    # prompt lookup is scored on every round, so it is never probed: its rate is known for free
+    assert all(p.drafter == "draft" for p in probes)
+    lookup_only = {"drafters": ("prompt_lookup",)}
+    assert not any(
+        run(seg, settings=with_(exploration_rate=0.5), seed=s, **lookup_only).exploration for s in range(500)
+    )
+    unscored = with_(exploration_rate=0.5, counterfactual=False)  # not scored: it has to be probed
+    assert any(run(seg, settings=unscored, seed=s, **lookup_only).exploration for s in range(500))
+
+
+def test_an_uncertain_segment_is_probed_at_k_max_within_the_cap():
+    # No data: the prior (α 0.5 over 20 pseudo-counts) leaves the draft's speedup uncertain around 1; Thompson
+    # draws disagree with "off" often, and at most exploration_rate of requests probe.
     settings = with_(exploration_rate=0.1)
-    decisions = [run(seg, settings=settings, seed=s) for s in range(2000)]
-    probes = [d for d in decisions if d.exploration]
-    assert 0.05 * 2000 < len(probes) <= 0.1 * 2000 + 3 * (2000 * 0.1 * 0.9) ** 0.5
-    assert all(d.reason == "exploration" and d.drafter != "none" for d in probes)
-    assert all(d.drafter == "none" for d in decisions if not d.exploration)
+    plans = [run(SegmentCounts(), settings=settings, seed=s, c_draft=0.4, drafters=("draft",)) for s in range(2000)]
+    probes = [p for p in plans if p.exploration]
+    assert plans[0].reason in ("low_expected_speedup", "exploration", "best_expected_speedup")
+    assert 0 < len(probes) <= 0.1 * 2000 + 3 * (2000 * 0.1 * 0.9) ** 0.5
+    assert all(p.reason == "exploration" and p.drafter == "draft" for p in probes)
+    assert all(p.k == settings.drafter("draft").k_max and p.probe_rounds == settings.probe_rounds for p in probes)
 
 
 def test_no_exploration_when_the_rate_is_zero():
-    seg = counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05))
-    assert not any(run(seg, seed=s).exploration for s in range(300))
+    assert not any(run(SegmentCounts(), seed=s, c_draft=0.4).exploration for s in range(300))
+    off = counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05))
+    assert not any(run(off, seed=s, settings=with_(min_exploration_rate=0.5)).exploration for s in range(300))
 
 
 def test_long_prompt_short_answer_does_not_repay_a_draft_prefill():
@@ -147,10 +214,10 @@ def test_long_prompt_short_answer_does_not_repay_a_draft_prefill():
 
 
 def test_k_never_exceeds_what_the_request_can_use():
-    assert run(GOOD_DRAFT, max_new_tokens=5).num_draft_tokens <= 4
+    assert run(GOOD_DRAFT, max_new_tokens=5).k <= 4
 
 
 def test_prior_decides_for_an_unseen_segment():
     # no data at all: prior α 0.5 per position, c 0.05 -> a short draft still pays
-    decision = run(SegmentCounts(), drafters=("draft",))
-    assert decision.drafter in ("draft", "none") and decision.reason in ("best_expected_speedup", "alpha_below_floor")
+    plan = run(SegmentCounts(), drafters=("draft",))
+    assert plan.drafter == "draft" and plan.reason == "best_expected_speedup"

@@ -31,7 +31,7 @@ def test_spans_are_written_as_json_lines(tmp_path):
         tracer.start_as_current_span("worker.request", kind=SpanKind.SERVER) as parent,
         tracer.start_as_current_span("worker.decide", attributes=attributes) as child,
     ):
-        child.set_attribute("specd.num_draft_tokens", 4)
+        child.set_attribute("specd.k", 4)
         child.add_event("controller.fallback", {"specd.reason": "deadline_exceeded"})
         child.set_status(Status(StatusCode.ERROR, "controller unreachable"))
     provider.shutdown()  # the batch processor writes on shutdown at the latest
@@ -55,7 +55,7 @@ def test_spans_are_written_as_json_lines(tmp_path):
     assert child_record["trace_id"] == parent_record["trace_id"]
     assert child_record["span_id"] == f"{child_context.span_id:016x}"
     assert child_record["parent_span_id"] == parent_record["span_id"]
-    assert child_record["attributes"] == {"specd.drafters": ["draft", "none"], "specd.num_draft_tokens": 4}
+    assert child_record["attributes"] == {"specd.drafters": ["draft", "none"], "specd.k": 4}
     assert [(e["name"], e["attributes"]) for e in child_record["events"]] == [
         ("controller.fallback", {"specd.reason": "deadline_exceeded"})
     ]

@@ -27,9 +27,9 @@ def aggregate(rounds: int, segment: str = "chat") -> Aggregate:
     return Aggregate(
         segment=segment,
         drafter="draft",
-        num_draft_tokens=2,
+        k=2,
         rounds=rounds,
-        proposed=2 * rounds,
+        num_drafted=2 * rounds,
         accepted=rounds,
         proposed_per_position=(rounds, rounds),
         verified_per_position=(rounds, rounds),
@@ -38,6 +38,7 @@ def aggregate(rounds: int, segment: str = "chat") -> Aggregate:
         draft_seconds=0.25 * rounds,
         verify_seconds=0.5 * rounds,
         batch_size=1,
+        by_drafted=((0, 0.0), (0, 0.0), (rounds, 0.5 * rounds)),
     )
 
 

@@ -69,10 +69,14 @@ def connected(daemon: ControllerDaemon) -> Iterator[grpc.Channel]:
         yield channel
 
 
+FORCED_OFF_RULE = '\n  - match: "forced-off*"\n    force: none\n'
+
+
 @pytest.fixture(scope="module")
 def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
-    """The module's daemon, running the default policy."""
-    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("daemon"), DEFAULT_POLICY.read_text()) as d:
+    """The module's daemon, running the default policy plus one rule that switches `forced-off*` segments off."""
+    policy = DEFAULT_POLICY.read_text() + FORCED_OFF_RULE
+    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("daemon"), policy) as d:
         yield d
 
 
@@ -110,9 +114,9 @@ def draft_aggregate(segment: str = "valid", **changes) -> pb.RoundsAggregate:
     fields = dict(
         segment=segment,
         drafter="draft",
-        num_draft_tokens=2,
+        k=2,
         rounds=10,
-        num_draft_tokens_proposed=20,
+        num_drafted=20,
         num_accepted=12,
         proposed_per_position=[10, 10],
         verified_per_position=[10, 8],  # position 1 is verified exactly when position 0 was accepted
@@ -131,9 +135,9 @@ def lookup_aggregate(segment: str) -> pb.RoundsAggregate:
     return pb.RoundsAggregate(
         segment=segment,
         drafter="prompt_lookup",
-        num_draft_tokens=3,
+        k=3,
         rounds=5,
-        num_draft_tokens_proposed=9,
+        num_drafted=9,
         num_accepted=3,
         proposed_per_position=[5, 3, 1],
         verified_per_position=[5, 2, 1],
@@ -150,9 +154,9 @@ def hopeless_aggregate(segment: str) -> pb.RoundsAggregate:
     return pb.RoundsAggregate(
         segment=segment,
         drafter="draft",
-        num_draft_tokens=4,
+        k=4,
         rounds=1000,
-        num_draft_tokens_proposed=4000,
+        num_drafted=4000,
         num_accepted=0,
         proposed_per_position=[1000] * 4,
         verified_per_position=[1000, 0, 0, 0],
@@ -203,8 +207,8 @@ def test_decide_carries_the_version_of_the_policy_in_force(stub):
     assert decision.segment == "chat"
     assert decision.drafter in ("draft", "prompt_lookup", "none")
     # "none" drafts nothing; a drafter drafts at least one token (K within the default policy's bounds)
-    assert (decision.drafter == "none") == (decision.num_draft_tokens == 0)
-    assert decision.num_draft_tokens <= 10
+    assert (decision.drafter == "none") == (decision.k == 0)
+    assert decision.k <= 10
     assert decision.expected_speedup > 0
 
 
@@ -213,15 +217,15 @@ def test_decide_carries_the_version_of_the_policy_in_force(stub):
     [
         # The default policy's max_batch_size is 8: one more switches speculation off (contract 6).
         ("chat", 9, "batch_size_above_threshold"),
-        # The default policy's `adversarial*` rule forces "none".
-        ("adversarial-prompts", 1, "policy_off"),
+        # The module's `forced-off*` rule forces "none".
+        ("forced-off-prompts", 1, "policy_off"),
         # The batch rule comes first, even for a segment the policy switches off.
-        ("adversarial-prompts", 9, "batch_size_above_threshold"),
+        ("forced-off-prompts", 9, "batch_size_above_threshold"),
     ],
 )
 def test_decide_switches_speculation_off_by_rule(stub, segment, batch_size, reason):
     decision = decide(stub, segment, batch_size)
-    assert (decision.drafter, decision.num_draft_tokens, decision.reason) == ("none", 0, reason)
+    assert (decision.drafter, decision.k, decision.reason) == ("none", 0, reason)
     assert not decision.exploration  # rules come before any probing
     assert decision.expected_speedup == 1.0
 
@@ -253,8 +257,11 @@ INVALID = [
     invalid("segment-newline", "Decide", decide_request(segment="chat\n"), "segment"),
     # the worker can only offer drafters the controller knows
     invalid("decide-unknown-drafter", "Decide", decide_request(drafters=["medusa"]), "drafter", "medusa"),
-    # a batch holds at least one sequence (0 reads as "unset", negative is nonsense)
+    # a batch holds at least one sequence (0 is what an unset field reads as; negative is nonsense)
     invalid("negative-batch", "Decide", decide_request(batch_size=-1), "batch_size"),
+    invalid("zero-batch", "Decide", decide_request(batch_size=0), "batch_size", "[1, "),
+    # a hostile drafter name is quoted, cut short, never echoed whole
+    invalid("long-unknown-drafter", "Decide", decide_request(drafters=["x" * 5000]), "drafters[0]", "xxx..."),
     invalid(
         "nan-temperature",
         "Decide",
@@ -262,17 +269,59 @@ INVALID = [
         "sampling.temperature",
     ),
     # K is a count of tokens
-    invalid(
-        "negative-k", "ReportRounds", report(draft_aggregate(num_draft_tokens=-1)), "aggregates[0]", "num_draft_tokens"
-    ),
+    invalid("negative-k", "ReportRounds", report(draft_aggregate(k=-1)), "aggregates[0]", "k"),
     invalid("report-unknown-drafter", "ReportRounds", report(draft_aggregate(drafter="medusa")), "drafter", "medusa"),
     # "none" drafts nothing, so its K must be 0
-    invalid(
-        "none-with-k", "ReportRounds", report(draft_aggregate(drafter="none")), "aggregates[0]", "num_draft_tokens"
-    ),
+    invalid("none-with-k", "ReportRounds", report(draft_aggregate(drafter="none")), "aggregates[0]", "k"),
     # timings feed the cost model: NaN or negative seconds would poison c and v(n)
     invalid("nan-draft-seconds", "ReportRounds", report(draft_aggregate(draft_seconds=math.nan)), "draft_seconds"),
     invalid("negative-verify-seconds", "ReportRounds", report(draft_aggregate(verify_seconds=-0.5)), "verify_seconds"),
+    # a round takes time: zero seconds for rounds made every cost ratio a division by zero (the one report that
+    # poisoned every decision, issue 11)
+    invalid(
+        "zero-seconds",
+        "ReportRounds",
+        report(
+            draft_aggregate(
+                rounds=1,
+                num_drafted=2,
+                num_accepted=0,
+                proposed_per_position=[1, 1],
+                verified_per_position=[1, 0],
+                accepted_per_position=[0, 0],
+                tokens_emitted=1,
+                draft_seconds=0,
+                verify_seconds=0,
+            )
+        ),
+        "verify_seconds",
+    ),
+    # the per-n timing table must add up to the totals
+    invalid(
+        "by-drafted-rounds",
+        "ReportRounds",
+        report(draft_aggregate(rounds_by_drafted=[0, 0, 9], verify_seconds_by_drafted=[0, 0, 0.2])),
+        "rounds_by_drafted",
+    ),
+    invalid(
+        "by-drafted-seconds",
+        "ReportRounds",
+        report(draft_aggregate(rounds_by_drafted=[0, 0, 10], verify_seconds_by_drafted=[0, 0, 0.3])),
+        "verify_seconds_by_drafted",
+    ),
+    invalid(
+        "by-drafted-longer-than-k",
+        "ReportRounds",
+        report(draft_aggregate(rounds_by_drafted=[0, 0, 0, 10], verify_seconds_by_drafted=[0, 0, 0, 0.2])),
+        "rounds_by_drafted",
+    ),
+    # counterfactual rounds were scored, not run: they cannot carry timings
+    invalid(
+        "counterfactual-with-timings",
+        "ReportRounds",
+        report(draft_aggregate(drafter="prompt_lookup", counterfactual=True, tokens_emitted=0, draft_seconds=0)),
+        "counterfactual",
+    ),
     # position 1 accepted 4 times but verified only 3 times: more acceptances than trials
     invalid(
         "accepted-above-verified",
@@ -361,7 +410,7 @@ def test_reported_rounds_show_in_segment_stats(stub):
 
     draft = by_drafter(stats, "draft")
     [k2] = draft.by_k
-    assert (k2.drafter, k2.num_draft_tokens) == ("draft", 2)
+    assert (k2.drafter, k2.k) == ("draft", 2)
     assert (k2.rounds, k2.proposed, k2.accepted) == pytest.approx((10, 20, 12))
     assert k2.alpha == pytest.approx(12 / 20)
     assert k2.alpha_ci_low < k2.alpha < k2.alpha_ci_high  # 20 trials: a wide interval around 0.6
@@ -377,7 +426,7 @@ def test_reported_rounds_show_in_segment_stats(stub):
 
     lookup = by_drafter(stats, "prompt_lookup")
     [k3] = lookup.by_k
-    assert (k3.num_draft_tokens, k3.rounds, k3.proposed, k3.accepted) == pytest.approx((3, 5, 9, 3))
+    assert (k3.k, k3.rounds, k3.proposed, k3.accepted) == pytest.approx((3, 5, 9, 3))
     assert k3.alpha == pytest.approx(3 / 9)  # α is per proposed token, not per offered slot
     assert k3.alpha_ci_low < k3.alpha < k3.alpha_ci_high
     positions = [(p.offered, p.proposed, p.verified, p.accepted) for p in lookup.positions]
@@ -483,7 +532,7 @@ def test_reflection_serves_the_controller_descriptor(channel):
     # grpcurl and friends need the file descriptor, not just the name
     response = reflect(channel, reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE))
     assert response.file_descriptor_response.file_descriptor_proto
-    assert b"specd/v1/controller.proto" in response.file_descriptor_response.file_descriptor_proto[0]
+    assert b"specd_api/v1/controller.proto" in response.file_descriptor_response.file_descriptor_proto[0]
 
 
 # --- bugs found while writing these tests: each fails until the code under test is fixed ----------------
@@ -494,7 +543,7 @@ def test_reflection_serves_the_controller_descriptor(channel):
 @pytest.fixture
 def fresh(embedded_redis_url, tmp_path) -> Iterator[Callable[..., pb_grpc.ControllerStub]]:
     """Start a daemon of the test's own: ``fresh(**learning_config)`` returns a stub connected to it."""
-    policy = DEFAULT_POLICY.read_text().replace("exploration_rate: 0.05", "exploration_rate: 0.0")
+    policy = DEFAULT_POLICY.read_text().replace("exploration_rate: 0.25", "exploration_rate: 0.0 ")
     assert "exploration_rate: 0.0 " in policy
     with ExitStack() as stack:
 
@@ -510,9 +559,9 @@ def stats_decision(stub: pb_grpc.ControllerStub, segment: str) -> pb.Decision:
 
 
 def test_a_new_report_is_never_acknowledged_as_a_duplicate(fresh):
-    """BUG (store.py ingest): the Lua script sums rounds as a Lua double and returns it as an integer reply;
-    at 2^63 that wraps negative, and ``IngestResult`` reads any negative reply as "duplicate". The report is
-    stored, yet the worker is told it was a duplicate with 0 rounds."""
+    """Regression (store.py ingest): the Lua script summed rounds as a Lua double and returned it as an integer
+    reply; at 2^63 that wrapped negative, and ``IngestResult`` read any negative reply as "duplicate". Fixed by
+    refusing absurd counts at the door."""
     stub = fresh()
     absurd = pb.RoundsAggregate(segment="huge", drafter="none", rounds=2**63 - 1, batch_size=1)
     try:
@@ -529,13 +578,12 @@ def test_a_new_report_is_never_acknowledged_as_a_duplicate(fresh):
     "draft_seconds",
     [
         0.01,  # control: a sane timing (0.5 ms per drafted token) leaves the draft model on
-        1.7e9,  # a worker bug: the clock's time sent as a duration (BUG: fails until fixed)
+        1.7e9,  # a worker bug: the clock's time sent as a duration
     ],
 )
 def test_one_report_cannot_switch_the_draft_model_off_everywhere(fresh, draft_seconds):
-    """BUG (validation.aggregate / cost_model.build_cost_model): timings are only checked to be finite and
-    >= 0, and c is a plain ratio of sums over all segments, so one report of 10 rounds from one segment
-    sets c ~ 1e11 for every segment, and every segment stops drafting for the learning window."""
+    """Regression: timings were only checked to be finite and >= 0, and c is a ratio of sums over all segments,
+    so one report of 10 rounds from one segment set c ~ 1e11 for every segment. Now refused at the door."""
     stub = fresh()
     assert stats_decision(stub, "chat").drafter == "draft"  # the default prior (α 0.6, c 0.1): speculate
     try:
@@ -549,10 +597,9 @@ def test_one_report_cannot_switch_the_draft_model_off_everywhere(fresh, draft_se
 
 
 def test_a_segment_beyond_the_cap_is_decided_from_the_overflow_statistics(fresh):
-    """BUG (service.Controller.decide): once max_segments is reached, a new segment's telemetry is counted
-    under _overflow (store.py), but Decide reads the new segment's own counts, which stay empty forever: it
-    decides from the prior alone and never learns, and Decision.segment never says _overflow, although the
-    proto promises "the segment the statistics came from (may be the overflow segment)"."""
+    """Regression (service.Controller.decide): once max_segments is reached, a new segment's telemetry is counted
+    under _overflow (store.py); Decide read the new segment's own counts, which stay empty forever. It now decides
+    from the overflow segment's counts and says so in Decision.segment."""
     stub = fresh(max_segments=1)
     for segment in ("first", "second"):  # the cap is one segment: "second" is counted under _overflow
         stub.ReportRounds(report(hopeless_aggregate(segment)), timeout=RPC_TIMEOUT)
@@ -564,13 +611,96 @@ def test_a_segment_beyond_the_cap_is_decided_from_the_overflow_statistics(fresh)
 
 
 def test_unprofitable_drafting_is_not_reported_as_a_short_request(fresh):
-    """BUG (decide.decide): arms whose expected speedup is below 1 fail ``repays_drafting`` (negative saving),
-    so when every arm is unprofitable the list is empty and the answer is "request_too_short" for a 64-token
-    request. That reason is not remembered as the segment's last decision either, so hysteresis never sees
-    the segment switched off."""
+    """Regression (decide.decide): arms whose expected speedup is below 1 failed ``repays_drafting`` (negative
+    saving), so the answer was "request_too_short" for a 64-token request, and hysteresis never saw the segment
+    switched off."""
     stub = fresh()
     stub.ReportRounds(report(hopeless_aggregate("hopeless")), timeout=RPC_TIMEOUT)
     wait_for_stats(stub, "hopeless", lambda s: s.rounds >= 1000)
     decision = decide(stub, "hopeless", drafters=("draft",))  # 64 new tokens, far above min_new_tokens (4)
     assert decision.drafter == "none"
-    assert decision.reason in ("low_expected_speedup", "alpha_below_floor")
+    assert decision.reason == "low_expected_speedup"
+
+
+def counterfactual_lookup(segment: str, rounds: int, accepted_at_0: int) -> pb.RoundsAggregate:
+    """Prompt lookup scored on ``rounds`` rounds of another drafter: one token proposed per round."""
+    return pb.RoundsAggregate(
+        segment=segment, drafter="prompt_lookup", k=1, rounds=rounds, num_drafted=rounds, num_accepted=accepted_at_0,
+        proposed_per_position=[rounds], verified_per_position=[rounds], accepted_per_position=[accepted_at_0],
+        batch_size=1, counterfactual=True,
+    )  # fmt: skip
+
+
+def test_counterfactual_rounds_are_shown_apart_and_decide_alone(fresh):
+    # No prompt lookup round was ever served in this segment; its counterfactual record says it would have been
+    # accepted 990 times in 1000 at the first position, which is enough to pick it without a single probe.
+    stub = fresh()
+    stub.ReportRounds(report(counterfactual_lookup("scored", 1000, 990)), timeout=RPC_TIMEOUT)
+    stats = wait_for_stats(stub, "scored", lambda s: any(d.counterfactual_positions for d in s.drafters))
+    lookup = by_drafter(stats, "prompt_lookup")
+    assert not lookup.positions and not lookup.by_k, "scored rounds are not served rounds"
+    [first] = lookup.counterfactual_positions
+    assert (first.verified, first.accepted) == pytest.approx((1000, 990))
+    assert lookup.acceptance[0] > 0.9  # the estimate decisions use includes them
+    assert stats.rounds == 0  # rounds served: none
+    assert decide(stub, "scored", drafters=("prompt_lookup",)).drafter == "prompt_lookup"
+
+
+def test_costs_are_learned_per_n_from_the_timing_tables(fresh):
+    # 20 plain rounds of 10 ms, and rounds verifying 2 drafts at 30 ms (v = 3.0) and 4 drafts at 15 ms (v = 1.5):
+    # not a line through v(0), v(2) and v(4) (least squares would put v(4) near 3.7).
+    stub = fresh()
+    plain = pb.RoundsAggregate(segment="costs", drafter="none", rounds=20, tokens_emitted=20, verify_seconds=0.2,
+                               batch_size=1, rounds_by_drafted=[20], verify_seconds_by_drafted=[0.2])  # fmt: skip
+    drafted = pb.RoundsAggregate(
+        segment="costs", drafter="draft", k=4, rounds=20, num_drafted=60, num_accepted=0,
+        proposed_per_position=[20, 20, 10, 10], verified_per_position=[20, 0, 0, 0], accepted_per_position=[0] * 4,
+        tokens_emitted=20, draft_seconds=0.06, verify_seconds=0.45, batch_size=1,
+        rounds_by_drafted=[0, 0, 10, 0, 10], verify_seconds_by_drafted=[0, 0, 0.3, 0, 0.15],
+    )  # fmt: skip
+    stub.ReportRounds(report(plain, drafted), timeout=RPC_TIMEOUT)
+    deadline = time.monotonic() + REFRESH_WAIT
+    while not (costs := stub.GetCosts(pb.GetCostsRequest(), timeout=RPC_TIMEOUT)).buckets:
+        assert time.monotonic() < deadline, "the costs never showed"
+        time.sleep(0.05)
+    [bucket] = costs.buckets
+    assert (bucket.batch_bucket, bucket.measured) == (1, True)
+    assert bucket.step_seconds == pytest.approx(0.010)
+    assert list(bucket.verify_cost) == pytest.approx([1.0, 2.0, 3.0, 2.25, 1.5])  # 1 and 3 interpolated
+    assert list(bucket.verify_rounds) == pytest.approx([20, 0, 10, 0, 10])
+    assert bucket.cost_ratio["draft"] == pytest.approx(0.06 / 60 / 0.010)  # 1 ms per token over a 10 ms step
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {"k|draft|4|rounds": "1", "k|draft|4|proposed": "0", "p|draft|0|verified": "0"},  # ratios of zeros
+        {"p|draft|0|verified": "nan", "p|draft|0|accepted": "inf", "k|draft|4|rounds": "-5"},  # not numbers
+        {"p|draft|x|verified": "3", "k|draft|four|rounds": "1", "p|draft|0|accepted": "not a number"},  # garbage
+    ],
+)
+def test_stored_data_never_breaks_a_decision(fresh, embedded_redis_url, poison):
+    # Whatever sits in Redis (a bug of an older version, a hand edit), every read answers (contract 7).
+    stub = fresh()
+    stub.ReportRounds(report(draft_aggregate("poisoned")), timeout=RPC_TIMEOUT)
+    wait_for_stats(stub, "poisoned", lambda s: s.rounds >= 10)
+    client = make_client(embedded_redis_url, 2.0)
+    [key] = list(client.scan_iter("*:seg:poisoned:*"))
+    client.hset(key, mapping=poison)
+    for k in client.scan_iter("*:cost:*"):
+        # zero seconds for 9 rounds (a step of 0 s), negative drafting time (numbers, so later reports still add)
+        client.hset(k, mapping={"w|0|1|s": "0", "w|0|1|r": "9", "e|draft|1|s": "-1", "e|draft|1|n": "0"})
+    # Once a later report shows, a refresh has read the poison (a refresh that failed on it would never show it:
+    # the report goes straight to Redis, and only a refresh brings it into the statistics).
+    assert not stub.ReportRounds(report(draft_aggregate("after-poison")), timeout=RPC_TIMEOUT).journaled
+    assert wait_for_stats(stub, "after-poison", lambda s: s.rounds >= 10).rounds >= 10
+    decision = decide(stub, "poisoned")
+    assert decision.policy_version and math.isfinite(decision.expected_speedup)
+    assert all(math.isfinite(a) and 0 <= a <= 1 for a in decision.acceptance)
+    stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment="poisoned"), timeout=RPC_TIMEOUT)
+    for drafter in stats.drafters:
+        numbers = [p.conditional_alpha for p in drafter.positions] + [k.alpha for k in drafter.by_k]
+        assert all(math.isfinite(x) for x in [*numbers, *drafter.acceptance, drafter.cost_ratio])
+    assert stub.ListSegments(pb.ListSegmentsRequest(), timeout=RPC_TIMEOUT).segments
+    assert stub.GetCosts(pb.GetCostsRequest(), timeout=RPC_TIMEOUT) is not None
+    client.close()

@@ -12,8 +12,8 @@ import redis
 
 from controller.counts import Aggregate, KCounts, PositionCounts
 from controller.redis_conn import make_client
-from controller.segments import OVERFLOW_SEGMENT
 from controller.store import StoreConfig, TelemetryStore
+from specd_api.segments import OVERFLOW_SEGMENT
 
 T0 = 1_000_000.0  # a bucket boundary for every bucket_seconds used here
 
@@ -42,9 +42,9 @@ def four_rounds(segment: str = "chat", drafter: str = "draft") -> Aggregate:
     return Aggregate(
         segment=segment,
         drafter=drafter,
-        num_draft_tokens=3,
+        k=3,
         rounds=4,
-        proposed=11,
+        num_drafted=11,
         accepted=6,
         proposed_per_position=(4, 4, 3),
         verified_per_position=(4, 3, 2),
@@ -53,18 +53,18 @@ def four_rounds(segment: str = "chat", drafter: str = "draft") -> Aggregate:
         draft_seconds=0.5,
         verify_seconds=0.75,
         batch_size=3,
+        by_drafted=((0, 0.0), (0, 0.0), (1, 0.125), (3, 0.625)),  # one round drafted 2, three drafted 3
     )
 
 
-def small(segment: str = "chat", num_draft_tokens: int = 2, rounds: int = 1, accepted: int = 1) -> Aggregate:
-    """A tiny aggregate: ``rounds`` rounds of K = ``num_draft_tokens``, the first ``accepted`` positions kept."""
-    k = num_draft_tokens
+def small(segment: str = "chat", k: int = 2, rounds: int = 1, accepted: int = 1) -> Aggregate:
+    """A tiny aggregate: ``rounds`` rounds of K = ``k``, the first ``accepted`` positions kept."""
     return Aggregate(
         segment=segment,
         drafter="draft",
-        num_draft_tokens=k,
+        k=k,
         rounds=rounds,
-        proposed=rounds * k,
+        num_drafted=rounds * k,
         accepted=rounds * accepted,
         proposed_per_position=(rounds,) * k,
         verified_per_position=tuple(rounds if i <= accepted else 0 for i in range(k)),
@@ -127,17 +127,16 @@ def test_snapshot_reads_back_exact_counts(redis_client: redis.Redis, prefix: str
     ]
     assert counts.last_update == T0
     # Costs: drafting 0.5 s for 11 tokens; verification of round(11 / 4) = 3 drafts at batch 3 -> bucket 4.
-    assert dict(snapshot.costs.draft_s) == {"draft": 0.5}
-    assert dict(snapshot.costs.drafted) == {"draft": 11}
-    assert dict(snapshot.costs.verify_s) == {(3, 4): 0.75}
-    assert dict(snapshot.costs.verify_rounds) == {(3, 4): 4}
+    # costs per batch bucket (batch 3 is in bucket 4): drafting per token, verification per number drafted n
+    assert dict(snapshot.costs.draft_s) == {("draft", 4): 0.5}
+    assert dict(snapshot.costs.drafted) == {("draft", 4): 11}
+    assert dict(snapshot.costs.verify_s) == {(2, 4): 0.125, (3, 4): 0.625}
+    assert dict(snapshot.costs.verify_rounds) == {(2, 4): 1, (3, 4): 3}
 
 
 def test_positions_pool_over_k_and_k_fields_do_not(redis_client: redis.Redis, prefix: str) -> None:
     store = make_store(redis_client, prefix, FakeClock())
-    store.ingest(
-        "r1", [small(num_draft_tokens=2, rounds=5, accepted=2), small(num_draft_tokens=4, rounds=3, accepted=1)]
-    )
+    store.ingest("r1", [small(k=2, rounds=5, accepted=2), small(k=4, rounds=3, accepted=1)])
     counts = store.read_snapshot(["chat"]).segments["chat"]
     assert counts.by_k[("draft", 2)].rounds == 5
     assert counts.by_k[("draft", 4)].rounds == 3
@@ -225,10 +224,10 @@ def test_buckets_decay_by_half_life(
 ) -> None:
     clock = FakeClock(T0)
     store = make_store(redis_client, prefix, clock, bucket_seconds=10, half_life_seconds=10, window_buckets=4)
-    store.ingest("old", [small(num_draft_tokens=1, rounds=8)])
+    store.ingest("old", [small(k=1, rounds=8)])
     if elapsed >= 10:
         clock.now = T0 + 10
-        store.ingest("new", [small(num_draft_tokens=2, rounds=4)])
+        store.ingest("new", [small(k=2, rounds=4)])
     clock.now = T0 + elapsed
     counts = store.read_snapshot(["chat"]).segments["chat"]
     assert (counts.by_k[("draft", 1)].rounds, counts.by_k[("draft", 2)].rounds) == (k1_rounds, k2_rounds), why
@@ -296,7 +295,7 @@ def test_concurrent_reporters_lose_no_increment(
     clock = FakeClock()  # frozen: every report lands in the same bucket
     stores = [make_store(c, prefix, clock) for c in clients]
     # Each report: 1 round at K = 2 with only position 0 accepted, so each position counter has its own total.
-    report = [small("hot", num_draft_tokens=2, rounds=1, accepted=1)]
+    report = [small("hot", k=2, rounds=1, accepted=1)]
 
     def reporter(index: int) -> None:
         for n in range(REPORTS_EACH):

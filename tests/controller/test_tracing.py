@@ -35,8 +35,8 @@ DECIDE_SPAN = "specd.v1.Controller/Decide"
 DECISION_ATTRIBUTES = (
     "specd.segment",
     "specd.drafter",
-    "specd.num_draft_tokens",
-    "specd.reason",
+    "specd.k",
+    "specd.decision.reason",
     "specd.policy_version",
     "specd.expected_speedup",
     "specd.exploration",
@@ -133,8 +133,8 @@ def test_decide_span_carries_the_decision(stub, spans, worker_tracer):
     # The span says what the caller was told, field by field.
     assert attributes["specd.segment"] == decision.segment == "chat"
     assert attributes["specd.drafter"] == decision.drafter
-    assert attributes["specd.num_draft_tokens"] == decision.num_draft_tokens
-    assert attributes["specd.reason"] == decision.reason
+    assert attributes["specd.k"] == decision.k
+    assert attributes["specd.decision.reason"] == decision.reason
     assert attributes["specd.policy_version"] == decision.policy_version
     assert attributes["specd.expected_speedup"] == pytest.approx(decision.expected_speedup)
     assert attributes["specd.exploration"] == decision.exploration
@@ -145,8 +145,8 @@ def test_rule_decision_attributes(stub, spans):
     stub.Decide(decide_request(batch_size=9), timeout=5)
     attributes = finished(spans, DECIDE_SPAN).attributes
     assert attributes is not None
-    assert (attributes["specd.drafter"], attributes["specd.reason"]) == ("none", "batch_size_above_threshold")
-    assert attributes["specd.num_draft_tokens"] == 0
+    assert (attributes["specd.drafter"], attributes["specd.decision.reason"]) == ("none", "batch_size_above_threshold")
+    assert attributes["specd.k"] == 0
 
 
 def test_without_caller_context_the_span_starts_a_trace(stub, spans):

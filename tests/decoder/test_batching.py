@@ -113,7 +113,7 @@ def test_batched_greedy_equals_single_sequence_greedy(llama_target, llama_draft,
                 session = active[i]
                 if session.finish_reason is not None:
                     got[i] = session.result().token_ids
-                    proposed += session.stats.num_draft_tokens
+                    proposed += session.stats.num_drafted
                     accepted += session.stats.num_accepted
                     engine.close(session)
                     del active[i]

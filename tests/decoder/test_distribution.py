@@ -16,11 +16,13 @@ import torch
 from scipy.stats import chisquare
 
 import decoder.acceptance
+from decoder.drafters import DraftModelDrafter
 from decoder.engine import SpeculativeDecoder
 from decoder.models import from_objects
 from decoder.sampling import SamplingParams, logits_to_probs
 from decoder.stopping import StopRules
 from decoder.tiny import build_model
+from specd_api.plan import Plan
 
 VOCAB = 6
 PROMPT = [1, 4, 2, 5, 3]
@@ -114,3 +116,45 @@ def test_seeded_runs_are_reproducible(small_vocab_pair):
 def test_the_enumeration_is_a_distribution(small_vocab_pair):
     joint = exact_joint(small_vocab_pair[0], SamplingParams(temperature=1.0))
     assert joint.sum() == pytest.approx(1.0) and len(list(itertools.product(range(VOCAB), repeat=2))) == joint.size
+
+
+def stopping_pair(small_vocab_pair, threshold: float) -> SpeculativeDecoder:
+    """A decoder whose draft rounds stop at the plan's confidence threshold."""
+    target, draft = small_vocab_pair
+    decoder = SpeculativeDecoder(target, draft)
+    plan = Plan("draft", 3, stop_threshold=threshold)
+    real = decoder._make_drafter
+    decoder._make_drafter = lambda name, params, generator, _=None: real(name, params, generator, plan)  # type: ignore[method-assign]
+    return decoder
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.5])
+def test_a_draft_stopped_by_its_confidence_stays_exact(small_vocab_pair, threshold):
+    # The stop rule looks at the draft's distribution (its most likely token's probability), never at the token
+    # it samples, so shorter drafts keep the target's distribution.
+    decoder = stopping_pair(small_vocab_pair, threshold)
+    params = SamplingParams(temperature=1.0)
+    counts = sampled_joint(decoder, "draft", params)
+    pvalue = chi_square_pvalue(counts, exact_joint(small_vocab_pair[0], params))
+    assert pvalue > 1e-3, f"a stopped draft changed the distribution (chi-square p = {pvalue:.2e})"
+    # and the rule really stopped rounds short (else this test proves nothing)
+    rules = StopRules(max_new_tokens=NUM_TOKENS + 2)
+    stats = [decoder.generate(PROMPT, "draft", 3, SamplingParams(1.0, seed=s), rules).stats for s in range(50)]
+    assert any(r.num_drafted < r.k for st in stats for r in st.rounds)
+
+
+def test_stopping_on_the_sampled_tokens_own_probability_is_detected(small_vocab_pair, monkeypatch):
+    # The tempting rule, "drop a drafted token whose probability is low", biases the proposals towards likely
+    # tokens; rejection sampling with q then over-produces them. The test must see that.
+    def pick(self, logits):
+        q = logits_to_probs(logits, self.params)
+        token = torch.multinomial(q, 1, generator=self.generator)[0]
+        if float(q[0, token]) < self.stop_threshold:
+            return None
+        return token, q
+
+    monkeypatch.setattr(DraftModelDrafter, "pick", pick)
+    decoder = stopping_pair(small_vocab_pair, 0.3)
+    params = SamplingParams(temperature=1.0)
+    pvalue = chi_square_pvalue(sampled_joint(decoder, "draft", params), exact_joint(small_vocab_pair[0], params))
+    assert pvalue < 1e-3, f"the test cannot tell the biased stop rule from the exact one (p = {pvalue:.2e})"

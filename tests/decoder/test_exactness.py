@@ -45,7 +45,7 @@ def test_draft_model_greedy_equals_target_only(target, drafts, draft_kind, token
             got = decoder.generate(prompt, "draft", k, GREEDY, rules)
             assert got.token_ids == expected.token_ids, f"K={k} prompt={prompt}"
             assert got.finish_reason == expected.finish_reason
-            proposed += got.stats.num_draft_tokens
+            proposed += got.stats.num_drafted
             accepted += got.stats.num_accepted
     alpha = accepted / proposed
     # The three drafts must really exercise three regimes, or the test proves less than it says.
@@ -62,7 +62,7 @@ def test_prompt_lookup_greedy_equals_target_only(arch, target, tokenizer):
             expected = decoder.generate(prompt, "none", 0, GREEDY, rules)
             got = decoder.generate(prompt, "prompt_lookup", k, GREEDY, rules)
             assert got.token_ids == expected.token_ids, f"K={k} prompt={prompt}"
-            proposed += got.stats.num_draft_tokens
+            proposed += got.stats.num_drafted
             accepted += got.stats.num_accepted
     assert proposed > 0 and accepted < proposed, "lookup never matched, or never missed"
     if arch.startswith("llama"):  # the tiny random GPT-2 never repeats itself, so only the Llama accepts lookups
@@ -82,4 +82,4 @@ def test_k_can_change_every_round(target, tokenizer):
         session.step(schedule[rounds % len(schedule)])
         rounds += 1
     assert session.result().token_ids == expected
-    assert {r.max_draft_tokens for r in session.stats.rounds} > {0, 1}
+    assert {r.k for r in session.stats.rounds} > {0, 1}

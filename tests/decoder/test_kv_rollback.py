@@ -33,14 +33,14 @@ def test_caches_hold_the_accepted_prefix_after_each_round(arch, tokenizer, targe
     while session.finish_reason is None:
         session.step(4)
         last = session.stats.rounds[-1]
-        rejections += last.num_accepted < last.num_draft_tokens
+        rejections += last.num_accepted < last.num_drafted
         # Target: everything but the last token (the bonus token is fed at the head of the next round).
         assert_cache_holds(session.target, session.context[:-1])
         # Draft: verified tokens only. After a rejection that is all but the bonus token; after a fully
         # accepted round the last draft token was never fed either, so it may be one shorter.
         drafter = session.drafter
         held = drafter.seq.length
-        expected_held = session.context.shape[0] - (2 if last.num_accepted == last.num_draft_tokens else 1)
+        expected_held = session.context.shape[0] - (2 if last.num_accepted == last.num_drafted else 1)
         assert held == expected_held or session.finish_reason is not None
         assert torch.equal(drafter.cached_ids, session.context[:held])
         assert_cache_holds(drafter.seq, session.context[:held])

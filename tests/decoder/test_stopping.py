@@ -121,4 +121,4 @@ def test_draft_with_a_shorter_context_drafts_nothing_beyond_it(tokenizer):
     prompt = list(range(5, 25))  # 20 tokens: beyond the draft's 8
     expected = SpeculativeDecoder(target).generate(prompt, "none", 0, SamplingParams(), StopRules(10)).token_ids
     result = SpeculativeDecoder(target, short_draft).generate(prompt, "draft", 4, SamplingParams(), StopRules(10))
-    assert result.token_ids == expected and result.stats.num_draft_tokens == 0
+    assert result.token_ids == expected and result.stats.num_drafted == 0

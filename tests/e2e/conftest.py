@@ -21,6 +21,7 @@ from specd.launch import Service, start
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "models" / "reference"
 POLICY = ROOT / "policies" / "default.yaml"
+FORCED_RULE = '\n  - match: "adversarial*"\n    force: none\n'  # the tests' policy switches adversarial* off
 
 
 def otlp_telemetry(endpoint: str, service_name: str) -> dict[str, Any]:
@@ -42,10 +43,12 @@ class Stack:
         """The daemon with its own state_dir (embedded Redis, journal). A half-life of 1e12 s makes decayed counts
         the raw counts: a bucket a minute old weighs 1 - 4e-11 (1e9 would leave 4e-8, too much for comparing α to
         1e-9). A short refresh lets decisions see reports quickly."""
+        policy = self.root / "policy.yaml"  # the shipped policy, plus a rule to show rules work end to end
+        policy.write_text(POLICY.read_text() + FORCED_RULE)
         config = {
             "listen": listen,
             "redis_url": None,
-            "policy_path": str(POLICY),
+            "policy_path": str(policy),
             "state_dir": str(self.controller_state),
             "shutdown_grace_seconds": 2,
             "learning": {"half_life_seconds": 1e12, "refresh_seconds": 0.2},

@@ -5,9 +5,9 @@ Two things must hold. The controller's statistics are the worker's own counters,
 once, none lost or doubled on the way through the client's buffer, the gRPC report, the Lua ingest and the
 decayed read). And decisions follow the data: a segment the controller knows nothing about is decided from the
 prior (draft, α 0.6 assumed), and once its reports show the draft model failing (random text: α at position 0
-about 0.17 for this pair, far under the floor of 0.5) the controller stops drafting for it. The shipped policy
-forces ``adversarial*`` off by rule, so that switch is shown on the adversarial prompts under a segment name no
-rule covers.
+about 0.17 for this pair, so no K's expected speedup clears min_speedup) the controller stops drafting for it. The
+tests' policy forces ``adversarial*`` off by rule (tests/e2e/conftest.py), so that switch is shown on the
+adversarial prompts under a segment name no rule covers.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def as_counts(table: dict[K, tuple[float, ...]]) -> dict[K, tuple[int, ...]]:
 
 def decision(reply: Reply) -> tuple[str, int, str, str]:
     s = reply.specd
-    return s["drafter"], s["num_draft_tokens"], s["decision_reason"], s["decision_source"]
+    return s["drafter"], s["k"], s["decision_reason"], s["decision_source"]
 
 
 def print_timeline(replies: list[Reply]) -> None:

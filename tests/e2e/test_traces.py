@@ -22,8 +22,8 @@ REQUEST = "specd.worker.request"
 CLIENT_DECIDE = "specd.controller.decide"
 SERVER_DECIDE = "specd.v1.Controller/Decide"
 # what the request did, on its decode span (and on the request span)
-DECODE_ATTRIBUTES = ("specd.segment", "specd.drafter", "specd.num_draft_tokens", "specd.rounds", "specd.proposed",
-                     "specd.accepted", "specd.alpha", "specd.tokens_per_second", "specd.fallback_used")  # fmt: skip
+DECODE_ATTRIBUTES = ("specd.segment", "specd.drafter", "specd.k", "specd.rounds", "specd.num_drafted",
+                     "specd.num_accepted", "specd.alpha", "specd.tokens_per_second", "specd.fallback_used")  # fmt: skip
 
 
 def traceparent() -> tuple[str, str, str]:
@@ -83,18 +83,18 @@ def test_a_request_is_one_trace_across_worker_and_controller(stack: Stack, otlp_
         for span in (client, server):
             assert span.attributes["specd.segment"] == "code"
             assert span.attributes["specd.drafter"] == info["drafter"]
-            assert span.attributes["specd.num_draft_tokens"] == info["num_draft_tokens"]
+            assert span.attributes["specd.k"] == info["k"]
         assert client.attributes["specd.decision.source"] == "controller"
         # what the request did, on the decode span (and the request span)
         assert prefill.attributes["specd.prompt_tokens"] == reply.body["usage"]["prompt_tokens"]
         for span in (decode, request):
             a = span.attributes
             assert set(DECODE_ATTRIBUTES) <= a.keys()
-            assert [a["specd.segment"], a["specd.drafter"], a["specd.num_draft_tokens"]] == [
-                "code", info["drafter"], info["num_draft_tokens"],
+            assert [a["specd.segment"], a["specd.drafter"], a["specd.k"]] == [
+                "code", info["drafter"], info["k"],
             ]  # fmt: skip
-            assert [a["specd.rounds"], a["specd.proposed"], a["specd.accepted"]] == [
-                info["num_rounds"], info["num_draft_tokens_proposed"], info["num_accepted"],
+            assert [a["specd.rounds"], a["specd.num_drafted"], a["specd.num_accepted"]] == [
+                info["num_rounds"], info["num_drafted"], info["num_accepted"],
             ]  # fmt: skip
             assert abs(a["specd.alpha"] - info["alpha"]) < 1e-12
             assert a["specd.tokens_per_second"] > 0

@@ -61,8 +61,8 @@ def test_streamed_deltas_concatenate_to_the_non_streaming_text(
         "total_tokens": prompt_tokens + completion_tokens,
     }
     specd = full["specd"]
-    assert specd["num_draft_tokens"] == 3 and specd["decision_reason"] == "local_default"
-    assert 0 <= specd["num_accepted"] <= specd["num_draft_tokens_proposed"]
+    assert specd["k"] == 3 and specd["decision_reason"] == "local_default"
+    assert 0 <= specd["num_accepted"] <= specd["num_drafted"]
     if finish_reason == "length":
         assert completion_tokens == max_tokens
         assert specd["num_rounds"] + specd["num_accepted"] == completion_tokens  # accepted + 1 bonus per round
@@ -146,7 +146,7 @@ def test_chat_streamed_and_not_agree_and_render_as_a_transcript(draft_worker: Wo
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(c["choices"][0]["delta"]["content"] for c in middle) == message["content"]
     assert all(c["choices"][0]["finish_reason"] is None for c in middle)
-    assert final["choices"][0]["finish_reason"] == "length" and final["specd"]["num_draft_tokens"] == 3
+    assert final["choices"][0]["finish_reason"] == "length" and final["specd"]["k"] == 3
 
 
 # -- the official openai client, unchanged -----------------------------------------------------------------
@@ -208,7 +208,7 @@ def test_metrics_count_what_the_requests_did(draft_worker: Worker):
     def moved(name: str, **labels: str) -> float:
         return after.total(name, **labels) - before.total(name, **labels)
 
-    proposed = sum(b["specd"]["num_draft_tokens_proposed"] for b in bodies)
+    proposed = sum(b["specd"]["num_drafted"] for b in bodies)
     accepted = sum(b["specd"]["num_accepted"] for b in bodies)
     assert 0 < accepted < proposed, "the near draft should be accepted sometimes, not always"
     assert moved("specd_draft_tokens_total", segment=segment, drafter="draft") == proposed

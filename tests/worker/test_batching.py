@@ -118,7 +118,7 @@ def test_above_speculation_max_batch_the_output_is_the_same(narrow_worker: Worke
     assert plain_batched >= plain_alone + 3 * above
     long_one = batched[0]["specd"]
     assert long_one["drafter"] == "draft"  # decided alone; it shared the batch only part of the time
-    assert long_one["num_draft_tokens_proposed"] > single[0]["specd"]["num_draft_tokens_proposed"] / 2 > 0
+    assert long_one["num_drafted"] > single[0]["specd"]["num_drafted"] / 2 > 0
 
 
 class InFlight:

@@ -13,6 +13,7 @@ from decoder.batch_engine import BatchEngine
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
+from specd_api.plan import Plan
 from tests.conftest import tiny_lm
 
 
@@ -35,8 +36,7 @@ class Recorder:
             prompt_ids=prompt or [5, 6, 7, 8],
             params=SamplingParams(),
             rules=StopRules(max_new_tokens, frozenset()),  # no EOS: every job runs to max_new_tokens
-            drafter="prompt_lookup",
-            num_draft_tokens=2,
+            plan=Plan("prompt_lookup", 2),
             timeout_seconds=timeout,
             on_tokens=self.tokens.extend,
             on_started=lambda seconds: setattr(self, "started", True),

@@ -6,6 +6,7 @@ import re
 
 MAX_SEGMENT_LENGTH = 128
 OVERFLOW_SEGMENT = "_overflow"  # where traffic of segments beyond the cap is counted
+SEGMENT_PATTERN = r"^[A-Za-z0-9_.:/-]{1,128}$"  # the same rule as a regular expression (for pydantic fields)
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9_.:/-]+")
 
 
@@ -16,5 +17,5 @@ def validate_segment(name: str) -> str:
     if len(name) > MAX_SEGMENT_LENGTH:
         raise ValueError(f"segment is {len(name)} characters long; at most {MAX_SEGMENT_LENGTH} are allowed")
     if not _SEGMENT_RE.fullmatch(name):
-        raise ValueError(f"segment {name!r} has characters outside [A-Za-z0-9_.:/-]")
+        raise ValueError(f"segment {name[:64]!r} has characters outside [A-Za-z0-9_.:/-]")
     return name

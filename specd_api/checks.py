@@ -1,0 +1,143 @@
+"""What a message may hold: the wire contract's rules, checked by the controller at the door (INVALID_ARGUMENT) and by
+the client library before it sends (one bad entry would sink a whole report). Every problem is a ValueError whose
+message names the field; values quoted in messages are truncated.
+
+Stored data can never break a decision (contract 7), so implausible telemetry is refused here: timings must be
+finite, a round takes time (a report of zero seconds would make every cost ratio a division by zero), and the
+per-n timing tables must add up to the totals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from specd_api.plan import DRAFTER_NAMES
+from specd_api.segments import validate_segment
+from specd_api.v1 import controller_pb2 as pb
+
+MAX_K = 64
+MAX_AGGREGATES = 10_000
+MAX_ROUNDS = 1_000_000_000  # per aggregate: far above any real request, far below float precision limits
+MAX_BATCH_SIZE = 1_000_000
+MAX_DRAFT_SECONDS_PER_TOKEN = 10.0  # timings beyond these are clocks sent as durations, not measurements
+MAX_VERIFY_SECONDS_PER_ROUND = 60.0
+MIN_VERIFY_SECONDS_PER_ROUND = 1e-7  # no target pass is faster: below it a worker sent no timing at all
+SUM_TOLERANCE = 1e-6  # relative: a per-n table must add up to its total up to float rounding
+
+
+def quoted(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters: errors never echo hostile input whole."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def drafter_name(name: str, field: str = "drafter") -> str:
+    if name not in DRAFTER_NAMES:
+        raise ValueError(f"{field}: unknown drafter {quoted(name)}; known: {', '.join(DRAFTER_NAMES)}")
+    return name
+
+
+def finite(name: str, value: float, low: float = 0.0, high: float = math.inf) -> float:
+    if not math.isfinite(value) or not (low <= value <= high):
+        raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value}")
+    return value
+
+
+def count(name: str, value: int, high: int | None = None, low: int = 0) -> int:
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return value
+
+
+def check_aggregate(a: pb.RoundsAggregate) -> None:
+    """Raise ValueError (naming the field) unless ``a`` describes rounds that could have happened."""
+    validate_segment(a.segment)
+    drafter_name(a.drafter)
+    k = count("k", a.k, MAX_K)
+    if a.drafter == "none" and k:
+        raise ValueError("k: drafter 'none' reports k 0")
+    rounds = count("rounds", a.rounds, MAX_ROUNDS)
+    drafted = count("num_drafted", a.num_drafted, rounds * k)
+    accepted = count("num_accepted", a.num_accepted, drafted)
+    count("batch_size", a.batch_size, MAX_BATCH_SIZE, low=1)
+    finite("temperature", a.temperature, high=100.0)
+    count("prompt_tokens", a.prompt_tokens)
+    finite("self_repetition", a.self_repetition, high=1.0)
+    _check_positions(a, k, rounds, drafted, accepted)
+    if a.counterfactual:
+        _check_counterfactual(a)
+    else:
+        _check_timings(a, k, rounds, drafted)
+
+
+def _check_positions(a: pb.RoundsAggregate, k: int, rounds: int, drafted: int, accepted: int) -> None:
+    per_position = {
+        "proposed_per_position": a.proposed_per_position,
+        "verified_per_position": a.verified_per_position,
+        "accepted_per_position": a.accepted_per_position,
+    }
+    for name, values in per_position.items():
+        if len(values) > k:
+            raise ValueError(f"{name} has {len(values)} entries, more than k ({k})")
+    proposed_at, verified_at, accepted_at = (_padded(values, k) for values in per_position.values())
+    for i in range(k):
+        p, v, acc = proposed_at[i], verified_at[i], accepted_at[i]
+        if not (0 <= acc <= v <= p <= rounds):
+            raise ValueError(f"position {i}: need 0 <= accepted ({acc}) <= verified ({v}) <= proposed ({p}) <= rounds")
+        # acceptance is a prefix: position i is verified exactly when every earlier one was accepted
+        if i == 0 and v != p:
+            raise ValueError(f"position 0: verified ({v}) must equal proposed ({p}); nothing precedes it")
+        if i > 0 and v > accepted_at[i - 1]:
+            raise ValueError(
+                f"position {i}: verified ({v}) exceeds accepted at position {i - 1} ({accepted_at[i - 1]})"
+            )
+        if i > 0 and p > proposed_at[i - 1]:
+            raise ValueError(
+                f"position {i}: proposed ({p}) exceeds proposed at position {i - 1} ({proposed_at[i - 1]})"
+            )
+    if sum(accepted_at) != accepted:
+        raise ValueError("accepted_per_position does not add up to num_accepted")
+    if k and sum(proposed_at) != drafted:
+        raise ValueError("proposed_per_position does not add up to num_drafted")
+
+
+def _check_counterfactual(a: pb.RoundsAggregate) -> None:
+    if a.drafter == "none":
+        raise ValueError("counterfactual: drafter 'none' proposes nothing to score")
+    if a.draft_seconds or a.verify_seconds or a.tokens_emitted or a.rounds_by_drafted or a.verify_seconds_by_drafted:
+        raise ValueError("counterfactual: scored rounds carry no timings and no emitted tokens")
+
+
+def _check_timings(a: pb.RoundsAggregate, k: int, rounds: int, drafted: int) -> None:
+    count("tokens_emitted", a.tokens_emitted, rounds * (k + 1))
+    finite("draft_seconds", a.draft_seconds, high=MAX_DRAFT_SECONDS_PER_TOKEN * max(drafted, rounds, 1))
+    low = MIN_VERIFY_SECONDS_PER_ROUND * rounds
+    finite("verify_seconds", a.verify_seconds, low=low, high=MAX_VERIFY_SECONDS_PER_ROUND * max(rounds, 1))
+    by_rounds, by_seconds = a.rounds_by_drafted, a.verify_seconds_by_drafted
+    if len(by_rounds) != len(by_seconds):
+        raise ValueError(
+            f"rounds_by_drafted ({len(by_rounds)} entries) and verify_seconds_by_drafted ({len(by_seconds)}) "
+            "must have the same length"
+        )
+    if not by_rounds:
+        return  # a worker that does not time rounds per drafted count: the totals alone
+    if len(by_rounds) > k + 1:
+        raise ValueError(f"rounds_by_drafted has {len(by_rounds)} entries, more than k + 1 ({k + 1})")
+    for n, (r, s) in enumerate(zip(by_rounds, by_seconds, strict=True)):
+        count(f"rounds_by_drafted[{n}]", r, rounds)
+        finite(f"verify_seconds_by_drafted[{n}]", s, low=MIN_VERIFY_SECONDS_PER_ROUND * r,
+               high=MAX_VERIFY_SECONDS_PER_ROUND * max(r, 1))  # fmt: skip
+        if s and not r:
+            raise ValueError(f"verify_seconds_by_drafted[{n}]: seconds without rounds")
+    if sum(by_rounds) != rounds:
+        raise ValueError(f"rounds_by_drafted adds up to {sum(by_rounds)}, not rounds ({rounds})")
+    if sum(n * r for n, r in enumerate(by_rounds)) != drafted:
+        raise ValueError("rounds_by_drafted does not add up to num_drafted (sum of n x rounds)")
+    total = sum(by_seconds)
+    if abs(total - a.verify_seconds) > SUM_TOLERANCE * max(a.verify_seconds, 1e-9):
+        raise ValueError(f"verify_seconds_by_drafted adds up to {total:g}, not verify_seconds ({a.verify_seconds:g})")
+
+
+def _padded(values: Sequence[int], k: int) -> list[int]:
+    return [values[i] if i < len(values) else 0 for i in range(k)]

@@ -1,0 +1,101 @@
+"""The speedup model, shared by the controller (which K and drafter) and the worker (which K this round). Pure.
+
+With conditional acceptance a_i at draft position i (accepted / verified) and proposal rate pi_i (the drafter
+had a token for position i, over rounds allowed to reach it), a round with ceiling K
+
+    emits  E(K) = 1 + sum_{i<K} pi_i * prod_{j<=i} a_j       tokens  (Leviathan et al. 2023, per position), and
+    costs  c * E[N] + E[v(N)]                                 target steps, N = tokens drafted, N <= K,
+
+where c is the cost of drafting one token and v(n) the cost of verifying n drafts plus the head token, both
+relative to one target step (v(0) = 1). P(N >= i + 1) = pi_i, so E[N] = sum pi_i and E[v(N)] weighs each
+v(n) by P(N = n) = pi_{n-1} - pi_n. v is a table, measured per n (never a fitted line: on a CPU in float32
+it is not even monotonic). The speedup over plain decoding (one token per step) is their ratio.
+
+Every function here is total: rates are clamped to [0, 1], costs to >= 0, and no division can fail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+MIN_ROUND_COST = 1e-9  # target steps; a round always costs something (guards a zero cost table)
+
+
+def verify_at(verify: Sequence[float], n: int, slope: float = 0.0) -> float:
+    """v(n) from a table v[0..]; beyond its end, the last entry plus ``slope`` per extra token. A corrupt entry
+    (negative, not a number) counts as one step."""
+    if not verify:
+        return _cost(1.0 + slope * n)
+    if n < len(verify):
+        return _cost(verify[n])
+    return _cost(verify[-1]) + _cost(slope) * (n - len(verify) + 1)
+
+
+def _cost(value: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else 1.0
+
+
+def speedup_curve(
+    conditional: Sequence[float],
+    proposal: Sequence[float],
+    k_max: int,
+    c: float,
+    verify: Sequence[float],
+    verify_slope: float = 0.0,
+) -> list[float]:
+    """Expected speedup for K = 1..k_max, in one pass over the positions.
+
+    ``conditional`` and ``proposal`` need at least ``k_max`` entries (missing ones count as 0).
+    """
+    curve = []
+    tokens, survive = 1.0, 1.0
+    c = max(c, 0.0) if math.isfinite(c) else 0.0
+    drafted = 0.0  # E[N] for the ceiling K
+    reached = 1.0  # pi_{i-1}: P(N >= i)
+    verify_mass = 0.0  # sum over n < K of P(N = n) v(n), the part of E[v(N)] that no larger K changes
+    for i in range(k_max):
+        a = _rate(conditional, i)
+        pi = min(_rate(proposal, i), reached)  # a drafter cannot reach position i more often than i - 1
+        survive *= a
+        tokens += pi * survive
+        drafted += pi
+        verify_mass += (reached - pi) * verify_at(verify, i, verify_slope)  # P(N = i) v(i)
+        reached = pi
+        cost = c * drafted + verify_mass + reached * verify_at(verify, i + 1, verify_slope)  # + P(N = K) v(K)
+        curve.append(tokens / max(cost, MIN_ROUND_COST))
+    return curve
+
+
+def best_k(curve: Sequence[float], k_min: int = 1) -> tuple[int, float]:
+    """(K, speedup) of the best entry of a curve for K = 1..len(curve), K >= k_min; (0, 1.0) when empty."""
+    best, value = 0, 1.0
+    for k in range(max(k_min, 1), len(curve) + 1):
+        if best == 0 or curve[k - 1] > value:
+            best, value = k, curve[k - 1]
+    return best, value
+
+
+def wilson_interval(successes: float, trials: float, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval for a rate (works on decayed, fractional counts)."""
+    if not (trials > 0 and math.isfinite(trials)):
+        return 0.0, 1.0
+    p = min(max(successes / trials, 0.0), 1.0)
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def ratio(numerator: float, denominator: float, default: float = 0.0) -> float:
+    """numerator / denominator, or ``default`` when that is not a finite number (empty or corrupt counts)."""
+    if denominator == 0 or not (math.isfinite(numerator) and math.isfinite(denominator)):
+        return default
+    value = numerator / denominator
+    return value if math.isfinite(value) else default
+
+
+def _rate(values: Sequence[float], i: int) -> float:
+    value = float(values[i]) if i < len(values) else 0.0
+    return min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0

@@ -1,0 +1,127 @@
+"""The plan's rules, each a table: why each row's answer is right is in its last column."""
+
+from __future__ import annotations
+
+import pytest
+
+from specd_api.plan import (
+    BATCH_RULE_REASON,
+    LOCAL_DEFAULT_REASON,
+    Observed,
+    Plan,
+    batch_bucket,
+    fallback_plan,
+    local_plan,
+    round_k,
+    speculation_allowed,
+    worth_remembering,
+)
+
+CPU_V = (1.0, 1.39, 1.71, 1.58, 1.21, 1.9, 2.3, 2.7, 3.1)  # non-monotonic, as measured on a CPU in float32
+
+
+@pytest.mark.parametrize(
+    ("batch", "threshold", "allowed", "why"),
+    [(8, 8, True, "at the threshold: on"), (9, 8, False, "above it: off"), (1, 0, False, "threshold 0: never"),
+     (0, 0, True, "nothing decoding yet")],
+)  # fmt: skip
+def test_the_batch_rule(batch, threshold, allowed, why):
+    assert speculation_allowed(batch, threshold) is allowed, why
+
+
+@pytest.mark.parametrize(("batch", "bucket"), [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (0, 1)])
+def test_batch_buckets_are_named_by_their_top(batch, bucket):
+    assert batch_bucket(batch) == bucket
+
+
+LAST = Plan("draft", 6, "best_expected_speedup", "v1", acceptance=(0.9,) * 6, verify_cost=CPU_V[:7])
+DEFAULT = Plan("prompt_lookup", 4, source="local_default")
+
+
+@pytest.mark.parametrize(
+    ("last", "offered", "batch", "expected", "why"),
+    [
+        (LAST, ["draft", "prompt_lookup"], 1, ("draft", 6, "best_expected_speedup", "last_decision"),
+         "the segment's last plan, marked as a fallback"),
+        (LAST, ["prompt_lookup"], 1, ("prompt_lookup", 4, LOCAL_DEFAULT_REASON, "local_default"),
+         "the worker lost the draft model: the local default"),
+        (LAST, ["draft", "prompt_lookup"], 9, ("none", 0, BATCH_RULE_REASON, "local_default"),
+         "the batch rule comes first, even over the last plan"),
+        (None, ["draft"], 1, ("none", 0, LOCAL_DEFAULT_REASON, "local_default"),
+         "the default's drafter is not offered: no speculation"),
+        (None, ["draft", "prompt_lookup"], 1, ("prompt_lookup", 4, LOCAL_DEFAULT_REASON, "local_default"),
+         "never seen: the local default"),
+    ],
+)  # fmt: skip
+def test_fallbacks(last, offered, batch, expected, why):
+    plan = fallback_plan(last, DEFAULT, offered, batch, 8, "timeout", 0.004)
+    assert (plan.drafter, plan.k, plan.reason, plan.source) == expected, why
+    assert plan.stale and plan.fallback == "timeout" and plan.latency_s == 0.004 and not plan.exploration
+
+
+def test_a_fallback_keeps_the_last_plans_estimates():
+    plan = fallback_plan(LAST, DEFAULT, ["draft"], 1, 8, "unavailable", 0.0)
+    assert plan.acceptance == LAST.acceptance and plan.adaptive
+
+
+def test_the_local_plan_without_a_controller():
+    assert local_plan("draft", 4, ["draft"], 1, 8, None).speculates
+    assert local_plan("draft", 0, ["draft"], 1, 8, None).drafter == "none"
+    assert local_plan("draft", 4, ["draft"], 16, 8, None).reason == BATCH_RULE_REASON
+
+
+@pytest.mark.parametrize(
+    ("plan", "worth", "why"),
+    [(LAST, True, "the controller's learned plan"),
+     (Plan("draft", 8, "exploration", exploration=True), False, "a probe"),
+     (Plan("none", 0, BATCH_RULE_REASON), False, "about the batch, not the segment"),
+     (Plan("draft", 4, source="last_decision"), False, "a fallback is not news")],
+)  # fmt: skip
+def test_worth_remembering(plan, worth, why):
+    assert worth_remembering(plan) is worth, why
+
+
+def test_observed_counts_the_verified_prefix():
+    seen = Observed()
+    seen.observe(4, 2)  # positions 0, 1 accepted; 2 verified and rejected; 3 never verified
+    seen.observe(2, 2)
+    seen.observe(0, 0)
+    assert (seen.rounds, seen.verified, seen.accepted) == (3, [2, 2, 1, 0], [2, 2, 0, 0])
+
+
+def observed(rounds: int, drafted: int, accepted: int) -> Observed:
+    seen = Observed()
+    for _ in range(rounds):
+        seen.observe(drafted, accepted)
+    return seen
+
+
+ADAPTIVE = Plan("draft", 8, acceptance=(0.9,) * 8, proposal=(1.0,) * 8, prior_strength=8.0, cost_ratio=0.1,
+                verify_cost=CPU_V)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("plan", "seen", "ceiling", "k", "why"),
+    [
+        (Plan("draft", 4), Observed(), 4, 4, "no estimates: every round at the ceiling"),
+        (ADAPTIVE, Observed(), 8, 4, "the estimates alone: v(n) makes K = 4 the best, not the largest"),
+        (ADAPTIVE, Observed(), 3, 3, "the budget cuts the ceiling"),
+        (Plan(**{**ADAPTIVE.__dict__, "k": 2}), Observed(), 8, 2, "never above the plan's k"),
+        (ADAPTIVE, observed(30, 4, 0), 8, 0, "this request rejects everything: plain steps"),
+        (ADAPTIVE, observed(2, 4, 0), 8, 4, "two bad rounds do not outweigh eight pseudo-rounds of 0.9"),
+        (Plan(**{**ADAPTIVE.__dict__, "probe_rounds": 4}), observed(3, 4, 0), 8, 8, "a probe runs at k first"),
+        (Plan(**{**ADAPTIVE.__dict__, "probe_rounds": 4}), observed(30, 4, 0), 8, 0, "... then adapts"),
+        (Plan(**{**ADAPTIVE.__dict__, "acceptance": (0.3,) * 8}), observed(30, 4, 4), 8, 4,
+         "this request accepts everything where the segment rarely does: it drafts"),
+        (Plan(**{**ADAPTIVE.__dict__, "verify_cost": (1.0,) * 9}), Observed(), 8, 8, "flat v(n): the largest K"),
+    ],
+)  # fmt: skip
+def test_round_k(plan, seen, ceiling, k, why):
+    assert round_k(plan, seen, ceiling) == k, why
+
+
+def test_the_plan_survives_the_wire():
+    plan = Plan("draft", 6, "best_expected_speedup", "abc", False, 1.4, True, "code", 0.3, (0.9, 0.8), (1.0, 1.0),
+                8.0, 0.12, (1.0, 1.2, 1.3), 4, 10)  # fmt: skip
+    back = Plan.from_proto(plan.to_proto(), latency_s=0.002)
+    assert back == Plan(**{**plan.__dict__, "latency_s": 0.002})
