@@ -138,8 +138,9 @@ def model_card(out: Path, meta: dict[str, Any]) -> str:
             lines.append(
                 f"- {role}, run {i}: `{command_of(run)}` (peak lr {cfg['lr']}): {run['steps']} steps, "
                 f"{run['tokens_seen'] / 1e6:.1f}M tokens, {run['wall_seconds'] / 3600:.2f} h, "
-                f"val loss {run['final_val_loss']:.3f}"
+                f"val loss {run.get('pretrained', run)['final_val_loss']:.3f}"
             )
+    lines += distillation(summaries["draft"])
     by_domain = summaries["target"]["final_val_loss_by_domain"]
     lines += [
         "",
@@ -157,6 +158,36 @@ def model_card(out: Path, meta: dict[str, Any]) -> str:
               " `source` in `loss_curve.jsonl`):", ""]  # fmt: skip
     lines += curve_table(curves)
     return "\n".join(lines) + "\n"
+
+
+def distillation(summary: dict[str, Any]) -> list[str]:
+    """The distillation stages a model went through after pretraining (``distilled`` in its refmodels.json)."""
+    stages = summary.get("distilled") or []
+    if not stages:
+        return []
+    lines = [
+        "",
+        "Then distilled from the target (`specd distill`, forward KL on the target's logits, 10% of the batches",
+        "the target's own greedy continuations), stage by stage, each from the previous stage's weights:",
+        "",
+    ]
+    for i, stage in enumerate(stages, start=1):
+        r = stage["report"]
+        lines.append(
+            f"- stage {i}: `{stage['command']}` on {stage['device']}: {r['steps']} steps, {r['tokens'] / 1e6:.1f}M "
+            f"tokens, {r['seconds'] / 60:.1f} min; held-out greedy α (K = {r['eval_k']}, {r['eval_prompts']} "
+            f"prompts) {r['alpha_before']:.3f} → {r['alpha_after']:.3f}, "
+            f"KL {r['kl_before']:.3f} → {r['kl_after']:.3f}, "
+            f"top-1 agreement {r['agreement_before']:.3f} → {r['agreement_after']:.3f}"
+        )
+    pre = summary.get("pretrained")
+    if pre:
+        lines += [
+            "",
+            f"Before distillation the draft's validation loss was {pre['final_val_loss']:.3f}; the table "
+            "below is the shipped (distilled) draft's, measured on its bfloat16 weights run in float32.",
+        ]
+    return lines
 
 
 def main() -> None:

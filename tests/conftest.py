@@ -48,6 +48,16 @@ def target(arch, tokenizer) -> LoadedModel:
     return tiny_lm(arch, tokenizer, seed=0)
 
 
+@pytest.fixture(scope="session")
+def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
+    """The embedded Redis-protocol server (what a controller starts when no redis_url is given), once per run."""
+    from controller.redis_conn import start_embedded
+
+    server, url = start_embedded(tmp_path_factory.mktemp("valkey"))
+    yield url
+    server.stop()
+
+
 @pytest.fixture
 def otlp_receiver() -> Iterator[OtlpReceiver]:
     """A started OTLP/gRPC trace receiver of this test's own (tests/otlp_receiver.py): send to ``.endpoint``."""

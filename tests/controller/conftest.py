@@ -1,5 +1,5 @@
-"""Redis for controller tests: the embedded server (always), and the local Redis at 127.0.0.1:6379 when
-one answers. Every test gets its own key prefix, so runs never see each other's keys."""
+"""Redis for controller tests: the embedded server (always; tests/conftest.py), and the local Redis at
+127.0.0.1:6379 when one answers. Every test gets its own key prefix, so runs never see each other's keys."""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from controller.redis_conn import make_client, start_embedded
+from controller.redis_conn import make_client
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-@pytest.fixture(scope="session")
-def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
-    server, url = start_embedded(tmp_path_factory.mktemp("valkey"))
-    yield url
-    server.stop()
 
 
 def _local_redis_available() -> bool:
