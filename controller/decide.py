@@ -221,9 +221,9 @@ def decide(
         ceiling = min(choice.k + settings.k_headroom, bounds[choice.drafter][1])
         exploit = plan_for(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
 
-    # Prompt lookup scored on every round is known for free: probing it would pay to learn what is already seen.
-    probed = [d for d in usable if not (d == "prompt_lookup" and lookup_k > 0)]
-    probe = _thompson(probed, estimates, bounds, costs, exploit, settings, rng)
+    # Prompt lookup replayed over every request is known for free: probing it would pay to learn what is seen.
+    probeable = [d for d in usable if not (d == "prompt_lookup" and lookup_k > 0)]
+    probe = _thompson(usable, probeable, estimates, bounds, costs, exploit, settings, rng)
     if probe is not None:
         mean_arm = next(a for a in arms if a.drafter == probe)  # report the point estimate, not the lucky draw
         return plan_for(mean_arm, "exploration", bounds[probe][1], max(settings.probe_rounds, 1))
@@ -254,6 +254,7 @@ def _with_hysteresis(best: Arm, arms: list[Arm], previous: Plan | None, settings
 
 def _thompson(
     usable: Sequence[str],
+    probeable: Sequence[str],
     estimates: Mapping[str, DrafterEstimate],
     bounds: Mapping[str, tuple[int, int]],
     costs: BucketCosts,
@@ -261,18 +262,22 @@ def _thompson(
     settings: Settings,
     rng: random.Random,
 ) -> str | None:
-    """The drafter to probe, or None: the winner of one posterior draw per drafter (plain decoding scores 1.0),
-    when it is a drafter other than the exploit plan's, for at most ``exploration_rate`` of requests. A segment
-    switched off is also probed on at least ``min_exploration_rate`` of its requests, with the drafter its draw
-    likes best: its old counts decay, but only new rounds can show that its traffic changed."""
-    if settings.exploration_rate <= 0 or not usable:
+    """The drafter to probe, or None. One posterior draw per usable drafter (plain decoding scores min_speedup):
+    when the draw's winner is a ``probeable`` drafter other than the exploit plan's, it is probed, on at most
+    ``exploration_rate`` of requests. A segment switched off is also probed on at least ``min_exploration_rate``
+    of its requests, with the probeable drafter its draw likes best: its old counts decay, but only new rounds
+    can show that its traffic changed."""
+    if settings.exploration_rate <= 0 or not probeable:
         return None
-    draws = [best_arm(estimates[d], estimates[d].sample(rng), *bounds[d], costs) for d in usable]
-    winner = max(draws, key=lambda a: a.speedup)
-    if winner.drafter == exploit.drafter:
-        return None
-    if winner.speedup > settings.min_speedup and rng.random() < settings.exploration_rate:
+    draws = {d: best_arm(estimates[d], estimates[d].sample(rng), *bounds[d], costs) for d in usable}
+    winner = max(draws.values(), key=lambda a: a.speedup)
+    if (
+        winner.drafter in probeable
+        and winner.drafter != exploit.drafter
+        and winner.speedup > settings.min_speedup
+        and rng.random() < settings.exploration_rate
+    ):
         return winner.drafter
     if not exploit.speculates and rng.random() < min(settings.min_exploration_rate, settings.exploration_rate):
-        return winner.drafter
+        return max((draws[d] for d in probeable), key=lambda a: a.speedup).drafter
     return None

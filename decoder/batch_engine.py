@@ -20,7 +20,7 @@ import torch
 
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig
 from decoder.drafters.draft_model import propose_together
-from decoder.engine import DecodeSession, SpeculativeDecoder, counterfactual_k, make_drafter
+from decoder.engine import DecodeSession, SpeculativeDecoder, make_drafter
 from decoder.kv_cache import ModelSequence
 from decoder.llama_fast import LlamaKVPool, PooledSequence
 from decoder.models import LoadedModel
@@ -57,10 +57,7 @@ class BatchEngine(SpeculativeDecoder):
         made: Drafter | None = None
         try:
             made = self._pooled_drafter(drafter, params, generator, plan)
-            session = DecodeSession(
-                self.target, made, prompt_ids, params, rules, generator, target_seq,
-                self.lookup_index(), counterfactual_k(plan, made),
-            )  # fmt: skip
+            session = DecodeSession(self.target, made, prompt_ids, params, rules, generator, target_seq)
             session.prefill()
         except BaseException:
             self.target_pool.release(target_seq)

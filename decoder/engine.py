@@ -14,12 +14,11 @@ import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
-from decoder.drafters.prompt_lookup import NgramIndex
 from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, trim_stop_string
-from decoder.telemetry import Counterfactual, RequestStats, RoundRecord
+from decoder.telemetry import RequestStats, RoundRecord
 from specd_api.plan import Plan
 
 
@@ -69,8 +68,7 @@ class DecodeSession:
     """One sequence being decoded. Call ``prefill`` once, then ``step(k)`` until ``finish_reason`` is set.
 
     ``k`` is the ceiling of a round; the drafter's schedule picks the round's K under it (``Drafter.next_k``,
-    from the plan when one is given). With ``lookup`` set, prompt lookup's would-be proposal of up to
-    ``lookup_k`` tokens is recorded at every round start (``stats.counterfactual``) while another drafter runs.
+    from the plan when one is given).
     """
 
     def __init__(
@@ -82,8 +80,6 @@ class DecodeSession:
         rules: StopRules,
         generator: torch.Generator | None,
         target_sequence: ModelSequence | None = None,
-        lookup: NgramIndex | None = None,
-        lookup_k: int = 0,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt must have at least one token")
@@ -101,8 +97,6 @@ class DecodeSession:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
-        self.lookup = lookup if lookup_k > 0 else None
-        self.lookup_k = lookup_k
 
     def prefill(self) -> None:
         start = time.perf_counter()
@@ -125,14 +119,10 @@ class DecodeSession:
 
     def round_k(self, ceiling: int) -> int:
         """This round's K: ``ceiling`` cut to the output budget and the target's context, then the drafter's
-        choice under it. Also records the counterfactual proposal of this round, if any."""
+        choice under it."""
         assert self.finish_reason is None, "step() after the request finished"
         length = self.context.shape[0]
         assert self.target.length == length - 1, "step() before prefill(), or the cache lost its invariant"
-        if self.lookup is not None:
-            self.lookup.extend(self.context)
-            proposal = tuple(self.lookup.propose(self.lookup_k))
-            self.stats.counterfactual.append(Counterfactual("prompt_lookup", len(self.generated), proposal))
         ceiling = clamp_k(ceiling, length, len(self.generated), self.rules, self.target.lm.max_context)
         return self.drafter.next_k(ceiling)
 
@@ -236,17 +226,11 @@ class SpeculativeDecoder:
         rules: StopRules,
         plan: Plan | None = None,
     ) -> DecodeSession:
-        """A sequence decoded with ``drafter``; with a ``plan``, K is chosen per round by its rule, the draft model
-        stops at its threshold, and prompt lookup is scored counterfactually when the plan asks."""
+        """A sequence decoded with ``drafter``; with a ``plan``, K is chosen per round by its rule and the draft
+        model stops at its threshold."""
         generator = make_generator(params.seed, self.target.device)
         made = self._make_drafter(drafter, params, generator, plan)
-        lookup_k = counterfactual_k(plan, made)
-        return DecodeSession(
-            self.target, made, prompt_ids, params, rules, generator, None, self.lookup_index(), lookup_k
-        )
-
-    def lookup_index(self) -> NgramIndex:
-        return NgramIndex(self.prompt_lookup)
+        return DecodeSession(self.target, made, prompt_ids, params, rules, generator)
 
     def generate(
         self,
@@ -301,9 +285,9 @@ def make_drafter(
     return made
 
 
-def counterfactual_k(plan: Plan | None, drafter: Drafter) -> int:
-    """How many tokens of prompt lookup's would-be proposal to score per round: the plan's, unless prompt lookup
-    is what runs (its own rounds are then the data)."""
-    if plan is None or drafter.name == "prompt_lookup":
+def counterfactual_k(plan: Plan | None, drafter: str) -> int:
+    """The ceiling prompt lookup is replayed at over a request's output (decoder.counterfactual): the plan's, unless
+    prompt lookup is what ran (its own rounds are then the data)."""
+    if plan is None or drafter == "prompt_lookup":
         return 0
     return max(plan.counterfactual_k, 0)

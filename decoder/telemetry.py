@@ -27,16 +27,6 @@ class RoundRecord:
         return tuple(i < self.num_accepted for i in range(self.num_drafted))
 
 
-@dataclass(frozen=True, slots=True)
-class Counterfactual:
-    """What a drafter that did not run would have proposed at the start of one round (scored once the tokens
-    that followed are known, see decoder.counterfactual)."""
-
-    drafter: str  # "prompt_lookup"
-    start: int  # tokens generated before the round
-    tokens: tuple[int, ...]  # its proposal, possibly empty
-
-
 @dataclass(slots=True)
 class RequestStats:
     """Everything measured while decoding one request."""
@@ -44,7 +34,6 @@ class RequestStats:
     prompt_tokens: int
     prefill_seconds: float = 0.0
     rounds: list[RoundRecord] = field(default_factory=list)
-    counterfactual: list[Counterfactual] = field(default_factory=list)
 
     def observe(self, record: RoundRecord) -> None:
         self.rounds.append(record)

@@ -31,7 +31,7 @@ from decoder.worker.openai_api import (
     usage,
 )
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
-from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, WorkerService
+from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, Speculation, WorkerService
 from specd_api.errors import SpecdError
 
 SEGMENT_HEADER = "x-specd-segment"
@@ -210,6 +210,12 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
         stop_strings=body.stop_strings(),
         segment=segment,
         trace_context=propagate.extract(dict(request.headers)),
+        stream=bool(body.stream),
+        speculation=(
+            Speculation(body.speculation.drafter, body.speculation.k, body.speculation.report)
+            if body.speculation is not None
+            else None
+        ),
     )
 
 

@@ -2,7 +2,8 @@
 
 Unknown fields are ignored, as OpenAI's own server tolerates client-library extras; fields we cannot
 honour (n > 1, logprobs, echo, best_of) are refused with a 400 naming the field. ``segment`` is specd's
-extension: the traffic segment the controller judges the request by (also the X-Specd-Segment header).
+extension: the traffic segment the controller judges the request by (also the X-Specd-Segment header); so is
+``speculation``: the caller's own drafter and K for the request (``SpeculationChoice``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,25 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpeculationChoice(BaseModel):
+    """specd's extension: the caller chooses the drafter and K for this request (A/B tests, benchmarks); the
+    controller is not asked, and every round runs at ``k``. ``report: false`` keeps its rounds from the
+    controller's statistics."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    drafter: Literal["draft", "prompt_lookup", "none"]
+    k: int = Field(0, ge=0, le=64)
+    report: bool = True
+
+    @field_validator("k")
+    @classmethod
+    def _k_fits(cls, k: int, info: Any) -> int:
+        if (info.data.get("drafter") == "none") != (k == 0):
+            raise ValueError("k must be 0 exactly when the drafter is none")
+        return k
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -49,6 +69,7 @@ class _Common(BaseModel):
     n: int = 1
     logprobs: Any = None
     segment: str | None = Field(None, pattern=SEGMENT_PATTERN)
+    speculation: SpeculationChoice | None = None
 
     @field_validator("model", "stop")
     @classmethod

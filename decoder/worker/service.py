@@ -24,9 +24,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from controller.client import ClientConfig, ControllerClient, self_repetition
 from controller.tracing import make_exporter, make_provider, no_tracer
 from decoder.batch_engine import BatchEngine
-from decoder.counterfactual import score
+from decoder.counterfactual import replay_lookup
 from decoder.drafters import PromptLookupConfig
-from decoder.engine import GenerationResult
+from decoder.engine import GenerationResult, counterfactual_k
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
@@ -53,6 +53,7 @@ class RequestSpec:
     segment: str | None  # as named by the caller (body or header); None: infer
     trace_context: Context | None = None
     speculation: Speculation | None = None  # the caller chose the drafter and K: no controller asked
+    stream: bool = True  # text as it is decoded; False: the whole text once done (nothing decoded per step)
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,9 @@ class WorkerService:
     def startup(self, worker_id: str | None = None) -> None:
         """Load the models, start the decode thread, connect to the controller, set up tracing."""
         cfg = self.cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
-        target = load_model(cfg.target, device, dtype)
-        draft = load_model(cfg.draft, device, dtype) if cfg.draft is not None else None
-        lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
-        self.engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch)
-        self.scheduler = Scheduler(self.engine, cfg.max_queue, cfg.speculation_max_batch, self._on_step)
+        self.scheduler = Scheduler(self._load_engine, cfg.max_queue, cfg.speculation_max_batch, self._on_step)
+        self.scheduler.start()  # the models load in the decode thread (see Scheduler)
+        self.engine = self.scheduler.engine
         exporter = make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
         if exporter is not None:
             self._provider = make_provider(cfg.telemetry.service_name, exporter)
@@ -136,7 +132,16 @@ class WorkerService:
                 tracer=self.tracer if exporter is not None else None,
             )
             self.client.start()
-        self.scheduler.start()
+
+    def _load_engine(self) -> BatchEngine:
+        cfg = self.cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+        target = load_model(cfg.target, device, dtype)
+        draft = load_model(cfg.draft, device, dtype) if cfg.draft is not None else None
+        lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
+        return BatchEngine(target, draft, lookup, max_batch=cfg.max_batch)
 
     def shutdown(self) -> None:
         """Finish admitted requests (up to the grace period), flush telemetry and spans, stop."""
@@ -187,7 +192,7 @@ class WorkerService:
         def put(kind: str, value: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        job = self._submit(request, put)
+        job = self._submit(request, put if spec.stream else _only_the_finish(put))
         stream = TextStream(self._decode, spec.stop_strings)
         outcome: JobOutcome | None = None
         try:
@@ -354,15 +359,21 @@ class WorkerService:
         return self.client is not None and (chosen is None or chosen.report)
 
     def _report(self, request: InFlight, stats: RequestStats, generated: list[int]) -> None:
-        assert self.client is not None
-        scored = score(stats.counterfactual, generated, request.plan.counterfactual_k)
+        assert self.client is not None and self.engine is not None
+        spec, engine = request.spec, self.engine
+        drafter = stats.rounds[0].drafter if stats.rounds else "none"
+        k = counterfactual_k(request.plan, drafter)
+        scored = replay_lookup(
+            spec.prompt_ids, generated, engine.prompt_lookup, k,
+            StopRules(spec.max_new_tokens, engine.target.eos_token_ids), engine.target.max_context,
+        ) if k else []  # fmt: skip
         self.client.report(
             segment=request.segment,
             rounds=stats.rounds,
-            temperature=request.spec.params.temperature,
-            prompt_tokens=len(request.spec.prompt_ids),
+            temperature=spec.params.temperature,
+            prompt_tokens=len(spec.prompt_ids),
             self_repetition=request.repetition,
-            scored=list(scored.values()),
+            scored=scored,
         )
 
     def _infer_segment(self, spec: RequestSpec, repetition: float) -> str:
@@ -373,6 +384,17 @@ class WorkerService:
 
     def _decode(self, token_ids: Any) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _only_the_finish(put: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    """For a request that is not streamed: no event per step (detokenizing every step on the event loop would take
+    the GIL from the decode thread, and cost the rounds it times), just the finish."""
+
+    def put_finish(kind: str, value: Any) -> None:
+        if kind != "tokens":
+            put(kind, value)
+
+    return put_finish
 
 
 def plan_attributes(plan: Plan) -> dict[str, Any]:

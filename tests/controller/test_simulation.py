@@ -3,8 +3,8 @@
 Synthetic workers decode requests whose every round has a known cost (a target step of 10 ms, drafting c steps per
 token, verification v(n) steps for n drafts, with v as measured on a CPU in float32: dear at 1-3 drafts, cheap at
 4, dear again beyond, so the best K is interior) and known per-position acceptance. They ask Decide over real gRPC,
-follow the plan as the real worker does (``specd_api.plan.round_k`` each round, prompt lookup scored
-counterfactually on every round), and report through the real client library's conversion into real Redis (the
+follow the plan as the real worker does (``specd_api.plan.round_k`` each round, prompt lookup replayed
+counterfactually over every request), and report through the real client library's conversion into real Redis (the
 embedded server).
 
 The ground truth is what each static arm measures when run the same way: the best (drafter, K) per segment is the
@@ -77,10 +77,7 @@ class Served:
 def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random) -> Served:
     """One request run as the worker runs a plan: each round's K by ``round_k`` under the plan's ceiling."""
     observed, rounds, emitted, seconds = Observed(), [], 0, 0.0
-    scored = PositionTally("prompt_lookup", LOOKUP_K)
     while emitted < TOKENS_PER_REQUEST:
-        if plan.counterfactual_k and plan.drafter != "prompt_lookup":
-            score_lookup(truth, scored, rng)
         ceiling = min(plan.k, TOKENS_PER_REQUEST - emitted - 1)
         k = round_k(plan, observed, ceiling) if plan.drafter != "none" else 0
         n = proposed(plan.drafter, truth, k, rng)
@@ -93,9 +90,8 @@ def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random) -> Served
         observed.observe(n, accepted)
         emitted += accepted + 1
         seconds += draft_s + verify_s
-    aggregates = rounds_to_aggregates(
-        segment, rounds, 0.0, 200, truth.self_repetition, [scored] if scored.rounds else []
-    )
+    scored = replay_lookup(truth, emitted, rng) if plan.counterfactual_k and plan.drafter != "prompt_lookup" else []
+    aggregates = rounds_to_aggregates(segment, rounds, 0.0, 200, truth.self_repetition, scored)
     return Served(emitted, seconds, aggregates)
 
 
@@ -108,17 +104,28 @@ def proposed(drafter: str, truth: Truth, k: int, rng: random.Random) -> int:
     return n
 
 
-def score_lookup(truth: Truth, tally: PositionTally, rng: random.Random) -> None:
-    """What prompt lookup would have proposed at a round start, scored against the (simulated) target."""
-    tally.rounds += 1
-    n = proposed("prompt_lookup", truth, LOOKUP_K, rng)
-    for i in range(n):
-        tally.proposed[i] += 1
-    for i in range(n):
-        tally.verified[i] += 1
-        if rng.random() >= truth.lookup:
-            break
-        tally.accepted[i] += 1
+def replay_lookup(truth: Truth, emitted: int, rng: random.Random) -> list[PositionTally]:
+    """Prompt lookup replayed over the request's tokens, as the worker does (decoder.counterfactual): rounds at
+    its ceiling, each starting after the previous one's accepted tokens and bonus token."""
+    tallies: dict[int, PositionTally] = {}
+    done = 0
+    while done < emitted:
+        ceiling = min(LOOKUP_K, TOKENS_PER_REQUEST - done - 1)
+        accepted = 0
+        if ceiling > 0:
+            tally = tallies.setdefault(ceiling, PositionTally("prompt_lookup", ceiling))
+            tally.rounds += 1
+            n = proposed("prompt_lookup", truth, ceiling, rng)
+            for i in range(n):
+                tally.proposed[i] += 1
+            for i in range(n):
+                tally.verified[i] += 1
+                if rng.random() >= truth.lookup:
+                    break
+                tally.accepted[i] += 1
+                accepted += 1
+        done += accepted + 1
+    return list(tallies.values())
 
 
 def static_throughput(truth: Truth, drafter: str, k: int, requests: int = 60) -> float:
