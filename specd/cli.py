@@ -57,10 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
     distill_cli.add_parser(commands)
     worker_cli.add_parser(commands)
     add_demo_parser(commands)
+    add_bench_parser(commands)
     tiny_parser = commands.add_parser("tiny-pair", help="write a tiny random target/draft pair (for trying things)")
     tiny.add_arguments(tiny_parser)
     tiny_parser.set_defaults(handler=tiny.run)
     return parser
+
+
+def add_bench_parser(commands: Any) -> None:
+    """`specd bench` (needs the demo extra: rich, matplotlib, httpx; and the worker's)."""
+    try:
+        from specd.bench import cli as bench_cli
+    except ModuleNotFoundError as e:
+        if extra_for(e) is None:
+            raise
+        missing = e
+
+        def explain(args: argparse.Namespace) -> int:
+            raise UsageError(needs_extra(missing))
+
+        stand_in = commands.add_parser("bench", help="the benchmark (needs the demo extra)", add_help=False)
+        stand_in.set_defaults(handler=explain, any_arguments=True)
+        return
+    bench_cli.add_parser(commands)
 
 
 def add_demo_parser(commands: Any) -> None:

@@ -1,0 +1,1 @@
+"""`specd bench`: the proof that adaptation pays, through the real worker and controller."""

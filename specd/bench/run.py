@@ -1,0 +1,362 @@
+"""`specd bench`, in order: start the controller (embedded Redis, fresh state) and one worker on the reference pair ->
+pass 1: every prompt through every static arm and the adaptive arm (the controller starting cold), interleaved ->
+pass 2: the same prompts again, adaptive (warm) beside none -> optional batch sweep and drift scenario -> stop the
+services -> measure the engine's costs alone -> bench.json, BENCH.md, plots.
+
+Static arms name their drafter and K in the request (``speculation``, with ``report: false``), so the controller
+learns from the adaptive arm's traffic only and its costs are its own measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from controller.redis_conn import PID_FILE, stop_orphan
+from specd.bench.measure import ADAPTIVE, ADAPTIVE_WARM, NONE, STATIC_ARMS, WARM_BASELINE, Sample, parse_arm
+from specd.demo.configs import DemoPaths, controller_config, worker_config, write_config
+from specd.launch import LaunchError, Service, start
+from specd_api.errors import SpecdError
+from workloads import Prompt, load_workload
+
+MARKER = ".specd-bench"
+
+
+class BenchError(SpecdError):
+    """The bench cannot run (a service did not start, a bad workload, a run folder it will not wipe)."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    workloads: tuple[Path, ...]
+    out: Path
+    prompts_per_segment: int
+    max_new_tokens: int
+    dtype: str
+    repeats: int
+    batches: tuple[int, ...]
+    drift: bool
+    target: Path
+    draft: Path
+    policy: Path
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    """Everything measured, for the report."""
+
+    samples: list[Sample] = field(default_factory=list)
+    batch: dict[str, dict[str, float]] = field(default_factory=dict)  # batch size -> arm -> tokens/s
+    batch_decisions: dict[str, dict[str, int]] = field(default_factory=dict)  # batch size -> drafter -> requests
+    drift: dict[str, Any] = field(default_factory=dict)
+    learned_costs: dict[str, Any] = field(default_factory=dict)
+    isolated_costs: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def load_prompts(files: Sequence[Path], per_segment: int, seed: int) -> dict[str, list[Prompt]]:
+    """``per_segment`` prompts of each segment found in ``files`` (a seeded sample, in file order when all)."""
+    segments: dict[str, list[Prompt]] = {}
+    for path in files:
+        try:
+            for prompt in load_workload(path):
+                segments.setdefault(prompt.segment, []).append(prompt)
+        except (OSError, ValueError) as e:
+            raise BenchError(f"--workload {path}: {e}") from None
+    if not segments:
+        raise BenchError("the workloads hold no prompts")
+    rng = random.Random(seed)
+    return {s: (ps if len(ps) <= per_segment else rng.sample(ps, per_segment)) for s, ps in segments.items()}
+
+
+def interleaved(prompts: dict[str, list[Prompt]]) -> list[Prompt]:
+    """Round-robin over the segments, so that the controller learns every segment at once."""
+    order: list[Prompt] = []
+    for i in range(max(map(len, prompts.values()))):
+        order += [ps[i] for ps in prompts.values() if i < len(ps)]
+    return order
+
+
+def body(prompt: Prompt, arm: str, max_new_tokens: int, segment: str | None = None) -> dict[str, Any]:
+    request: dict[str, Any] = {
+        "prompt": prompt.prompt,
+        "max_tokens": min(prompt.max_new_tokens, max_new_tokens),
+        "temperature": prompt.temperature,
+        "seed": 1234,  # the same for every arm: sampled arms differ only by speculation
+        "segment": segment or prompt.segment,
+    }
+    if arm not in (ADAPTIVE, ADAPTIVE_WARM):
+        drafter, k = parse_arm(arm)
+        request["speculation"] = {"drafter": drafter, "k": k, "report": False}
+    return request
+
+
+def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: BenchOptions, order: int,
+         segment: str | None = None) -> Sample:  # fmt: skip
+    response = client.post(f"{url}/v1/completions", json=body(prompt, arm, options.max_new_tokens, segment))
+    if response.status_code != 200:
+        raise BenchError(f"{arm} on {prompt.id}: HTTP {response.status_code}: {response.text[:200]}")
+    answer = response.json()
+    info = answer["specd"]
+    return Sample(
+        arm=arm,
+        segment=segment or prompt.segment,
+        prompt_id=prompt.id,
+        tokens=int(answer["usage"]["completion_tokens"]),
+        decode_seconds=float(info.get("decode_seconds", 0.0)),
+        greedy=prompt.temperature == 0,
+        text=answer["choices"][0]["text"],
+        drafter=str(info.get("drafter", "none")),
+        k=int(info.get("k", 0)),
+        mean_k=float(info.get("mean_k", 0.0)),
+        exploration=bool(info.get("exploration", False)),
+        order=order,
+    )
+
+
+def run_bench(options: BenchOptions, console: Console) -> int:
+    prompts = load_prompts(options.workloads, options.prompts_per_segment, options.seed)
+    paths = DemoPaths(options.out)
+    prepare(paths)
+    run = Run()
+    started = time.monotonic()
+    services: dict[str, Service] = {}
+    try:
+        start_services(options, paths, services, console)
+        url, controller = services["worker"].url, services["controller"].address
+        order = interleaved(prompts)
+        total = len(order) * (len(STATIC_ARMS) + 1) * options.repeats + 2 * len(order)
+        total += sum(4 * b * max(1, 8 // b) for b in options.batches if b > 1)
+        total += 2 * DRIFT_PROMPTS if options.drift else 0
+        with progress_bar(console) as bar, httpx.Client(timeout=600) as client:
+            task = bar.add_task("bench", total=total)
+
+            def done(sample: Sample) -> None:
+                run.samples.append(sample)
+                bar.advance(task)
+
+            passes(client, url, order, options, done)
+            for b in (b for b in options.batches if b > 1):
+                run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(
+                    url, order, b, options, lambda: bar.advance(task)
+                )
+            if options.drift:
+                run.drift = drift_scenario(client, url, controller, prompts, options, done)
+        run.learned_costs = fetch_costs(controller)
+    except LaunchError as e:
+        raise BenchError(str(e).splitlines()[0]) from None
+    finally:
+        stop(services, paths)
+    console.print("measuring the engine's own costs (no worker, no controller) …")
+    from specd.bench.isolated import measure_engine_costs
+
+    run.isolated_costs = asdict(measure_engine_costs(options.target, options.draft, options.dtype, prompts))
+    run.seconds = time.monotonic() - started
+    from specd.bench.report import write_report
+
+    result = write_report(run, options, paths.run)
+    console.print(result.text, soft_wrap=True)
+    return 0 if result.summary["outputs_equal"] else 1
+
+
+def passes(client: httpx.Client, url: str, order: list[Prompt], options: BenchOptions,
+           done: Callable[[Sample], None]) -> None:  # fmt: skip
+    """Pass 1 (every static arm, and adaptive starting cold) and pass 2 (adaptive warm beside none)."""
+    arms = [*STATIC_ARMS, ADAPTIVE]
+    for i, prompt in enumerate(order):
+        for r in range(options.repeats):
+            shift = (i * options.repeats + r) % len(arms)  # no arm always goes first
+            for arm in arms[shift:] + arms[:shift]:
+                done(send(client, url, prompt, arm, options, i))
+    for i, prompt in enumerate(order):
+        pair = (WARM_BASELINE, ADAPTIVE_WARM) if i % 2 else (ADAPTIVE_WARM, WARM_BASELINE)
+        for arm in pair:
+            sample = send(client, url, prompt, NONE if arm == WARM_BASELINE else ADAPTIVE, options, i)
+            done(Sample(**{**asdict(sample), "arm": arm}))
+
+
+BATCH_ARMS = (NONE, "draft:4", "prompt_lookup:8", ADAPTIVE)
+
+
+def batch_sweep(url: str, order: list[Prompt], b: int, options: BenchOptions,
+                tick: Callable[[], None]) -> tuple[dict[str, float], dict[str, int]]:  # fmt: skip
+    """``b`` requests at once, per arm in turn (groups of b prompts, repeated so every batch size sends about
+    8 groups' worth): tokens/s of the worker (all tokens over the wall time of the group)."""
+    groups = [order[(g * b + j) % len(order)] for g in range(max(1, 8 // b)) for j in range(b)]
+    rates: dict[str, list[float]] = {arm: [0.0, 0.0] for arm in BATCH_ARMS}
+    decisions: dict[str, int] = {}
+    with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=b)) as client:
+        for g in range(0, len(groups), b):
+            for arm in BATCH_ARMS:
+                started = time.perf_counter()
+                results = at_once(groups[g : g + b], lambda prompt, arm=arm: send(client, url, prompt, arm, options, 0))  # type: ignore[misc]
+                rates[arm][0] += sum(s.tokens for s in results)
+                rates[arm][1] += time.perf_counter() - started
+                for s in results:
+                    tick()
+                    if arm == ADAPTIVE:
+                        decisions[s.drafter] = decisions.get(s.drafter, 0) + 1
+    return {arm: t / s if s else 0.0 for arm, (t, s) in rates.items()}, decisions
+
+
+def at_once(prompts: list[Prompt], call: Callable[[Prompt], Sample]) -> list[Sample]:
+    """``call`` on every prompt at the same time (one thread each); the answers in prompt order."""
+    results: list[Sample | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = call(prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    missing = [p.id for p, r in zip(prompts, results, strict=True) if r is None]
+    if missing:
+        raise BenchError(f"requests failed: {', '.join(missing)} (see the worker's log)")
+    return [r for r in results if r is not None]
+
+
+DRIFT_PROMPTS = 24  # per phase
+
+
+def drift_scenario(client: httpx.Client, url: str, controller: str, prompts: dict[str, list[Prompt]],
+                   options: BenchOptions, done: Callable[[Sample], None]) -> dict[str, Any]:  # fmt: skip
+    """One segment ("drift") whose traffic switches from high acceptance (structured, greedy) to low (adversarial,
+    sampled hot) halfway: the adaptive arm's decision per request, and when it switched off for good."""
+    high = [p for p in prompts.get("structured", []) or next(iter(prompts.values()))]
+    low = [p for p in prompts.get("adversarial", []) or next(iter(prompts.values()))]
+    sequence = [high[i % len(high)] for i in range(DRIFT_PROMPTS)] + [low[i % len(low)] for i in range(DRIFT_PROMPTS)]
+    timeline: list[dict[str, Any]] = []
+    switched_at = time.monotonic()
+    for i, prompt in enumerate(sequence):
+        if i == DRIFT_PROMPTS:
+            switched_at = time.monotonic()
+        sample = send(client, url, prompt, ADAPTIVE, options, i, segment="drift")
+        done(Sample(**{**asdict(sample), "arm": "drift"}))
+        late = i >= DRIFT_PROMPTS
+        timeline.append({
+            "request": i, "phase": "low" if late else "high", "drafter": sample.drafter,
+            "exploration": sample.exploration, "mean_k": sample.mean_k,
+            "seconds_since_switch": time.monotonic() - switched_at if late else 0.0,
+        })  # fmt: skip
+    after = [t for t in timeline if t["phase"] == "low"]
+    switch = next((j for j in range(len(after)) if stays_off(after[j:])), None)
+    alarms = fetch_drift(controller, "drift")
+    return {
+        "requests_to_switch": switch,
+        "seconds_to_switch": after[switch]["seconds_since_switch"] if switch is not None else None,
+        "half_life_seconds": HALF_LIFE_SECONDS,
+        "alarms": alarms,
+        "timeline": timeline,
+    }
+
+
+def stays_off(timeline: Sequence[dict[str, Any]]) -> bool:
+    """Every decision (probes aside) from here on is no speculation."""
+    return all(t["drafter"] == "none" for t in timeline if not t["exploration"])
+
+
+HALF_LIFE_SECONDS = 120.0  # the bench controller's learning half-life (the demo's)
+
+
+def fetch_drift(address: str, segment: str) -> list[dict[str, Any]]:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from specd_api.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2_grpc as pb_grpc
+
+    time.sleep(1.0)  # two refreshes: the last reports are in
+    with grpc.insecure_channel(address) as channel:
+        stats = pb_grpc.ControllerStub(channel).GetSegmentStats(pb.GetSegmentStatsRequest(segment=segment), timeout=10)
+    return [MessageToDict(a, preserving_proto_field_name=True) for a in stats.drift]
+
+
+def fetch_costs(address: str) -> dict[str, Any]:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from specd_api.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        model = pb_grpc.ControllerStub(channel).GetCosts(pb.GetCostsRequest(), timeout=10)
+    return MessageToDict(model, preserving_proto_field_name=True)
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+    )  # fmt: skip
+
+
+# -- services -------------------------------------------------------------------------------------------------
+
+
+def prepare(paths: DemoPaths) -> None:
+    run = paths.run
+    if run.exists():
+        if any(run.iterdir()) and not (run / MARKER).exists():
+            raise BenchError(f"{run} is not empty and is not a bench run folder; refusing to wipe it (use --out)")
+        stop_orphan(run / "controller-state" / "redis" / PID_FILE)
+        shutil.rmtree(run)
+    paths.logs.mkdir(parents=True)
+    (run / MARKER).write_text("specd bench run folder: wiped at the start of every run\n")
+
+
+def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, Service], console: Console) -> None:
+    cap = max([8, *options.batches])  # the learned costs decide where speculation stops paying, up to this batch
+    policy = write_config(paths.config("policy"), bench_policy(options.policy, cap),
+                          f"specd bench: {options.policy} with max_batch_size {cap}")  # fmt: skip
+    config = controller_config(paths, policy)
+    config["telemetry"] = {"exporter": "none"}
+    config["learning"]["half_life_seconds"] = HALF_LIFE_SECONDS
+    controller_file = write_config(paths.config("controller"), config, "specd bench: the controller")
+    console.print("starting the controller (embedded Redis, fresh state) …")
+    services["controller"] = start("controller", ["controller", "--config", str(controller_file)],
+                                   paths.log("controller"), timeout_seconds=180)  # fmt: skip
+    worker = worker_config(paths, "worker", options.target, options.draft)
+    worker.update(dtype=options.dtype, speculation_max_batch=cap, max_batch=max(16, cap))
+    worker["telemetry"] = {"exporter": "none"}
+    worker_file = write_config(paths.config("worker"), worker, "specd bench: the worker")
+    console.print("starting the worker …")
+    args = ["worker", "--config", str(worker_file), "--controller", services["controller"].address]
+    services["worker"] = start("worker", args, paths.log("worker"), timeout_seconds=300)
+
+
+def bench_policy(policy: Path, cap: int) -> dict[str, Any]:
+    import yaml
+
+    loaded = yaml.safe_load(policy.read_text()) or {}
+    defaults = {**(loaded.get("defaults") or {}), "max_batch_size": cap}
+    return {**loaded, "defaults": defaults}
+
+
+def stop(services: dict[str, Service], paths: DemoPaths) -> None:
+    for name in ("worker", "controller"):
+        service = services.get(name)
+        if service is not None:
+            service.stop()
+    stop_orphan(paths.run / "controller-state" / "redis" / PID_FILE)
+
+
+def dump(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def flatten(samples: Iterable[Sample]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in asdict(s).items() if k != "text"} for s in samples]
