@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from decoder.batch_engine import BatchEngine
 from decoder.choices import RUNNER_NAMES
 from decoder.engine import SpeculativeDecoder
 from decoder.kv_cache import open_sequence
@@ -38,6 +40,7 @@ from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, r
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats, RoundRecord
+from specd.bench.isolated import engine_costs
 
 PROMPTS = [
     "def parse_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    return",
@@ -186,6 +189,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--runner", choices=RUNNER_NAMES, default="auto", help="model forward for our loop")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -243,9 +247,46 @@ def main() -> None:
           f"{len(prompts)} prompts x {args.repeats} repeats, interleaved")  # fmt: skip
     print(f"target {target.name} ({params_millions(target):.1f}M params), "
           f"draft {draft.name} ({params_millions(draft):.1f}M params)")  # fmt: skip
-    print(f"costs: target step {costs.target_step_seconds * 1e3:.2f} ms, c(draft) = {costs.c_draft:.3f}, "
-          "v(K) = " + ", ".join(f"{x:.2f}" for x in costs.v))  # fmt: skip
+    print(f"costs, one forward alone: target step {costs.target_step_seconds * 1e3:.2f} ms, "
+          f"c(draft) = {costs.c_draft:.3f}, v(K) = " + ", ".join(f"{x:.2f}" for x in costs.v))  # fmt: skip
+    loop = engine_costs(BatchEngine(target, draft), prompts, n) if target.runner == "auto" else None
+    if loop is not None:  # what a worker reports to the controller, measured without one (specd costs to compare)
+        print(f"costs, in the engine's loop (as a worker reports them): target step {loop.step_seconds * 1e3:.2f} ms, "
+              f"c(draft) = {loop.c_draft:.3f}, v(n) = " + ", ".join(f"{x:.2f}" for x in loop.v))  # fmt: skip
+    bandwidth = read_bandwidth_gbps(device)
+    print(f"memory read bandwidth (a sum over 256 MB): {bandwidth:.1f} GB/s")
     report(tallies, costs, len(prompts) * args.repeats)
+    if args.json:
+        runs = len(prompts) * args.repeats
+        document = {
+            "variants": {
+                name: {"tokens_per_second": t.tokens_per_second, "same_tokens": [runs - t.mismatches, runs]}
+                for name, t in tallies.items()
+            },
+            "costs": {
+                "target_step_ms": (loop.step_seconds if loop else costs.target_step_seconds) * 1e3,
+                "c_draft": loop.c_draft if loop else costs.c_draft,
+                "v": loop.v if loop else costs.v,
+                "forward_alone": {"target_step_ms": costs.target_step_seconds * 1e3, "c_draft": costs.c_draft,
+                                  "v": costs.v},
+            },
+            "bandwidth_gbps": bandwidth,
+        }  # fmt: skip
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+def read_bandwidth_gbps(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
+    """A STREAM-like read: the best of ``repeats`` sums over a ``megabytes`` float32 tensor, in GB/s."""
+    data = torch.ones(megabytes * (1 << 20) // 4, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        data.sum()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
 
 
 def params_millions(lm: LoadedModel) -> float:

@@ -17,7 +17,9 @@ from controller.counts import CostCounts
 from specd_api.checks import MAX_K
 from specd_api.plan import batch_bucket
 
-MIN_ROUNDS = 3.0  # (decayed) rounds before a v(n) or a c is taken as measured
+MIN_ROUNDS = 20.0  # (decayed) rounds before a v(n) is taken as measured: a few rounds timed on a busy machine
+# would otherwise set it, and a segment switched off by them drafts no more rounds to correct it
+MIN_DRAFTED = 50.0  # (decayed) drafted tokens before a c is
 DEFAULT_VERIFY_SLOPE = 0.02  # the literature's v(n) = 1 + 0.02 n (a GPU at batch 1), until measured
 TABLE_SIZE = MAX_K + 1  # v(0..MAX_K)
 
@@ -102,7 +104,7 @@ def _bucket(costs: CostCounts, bucket: int) -> BucketCosts | None:
     verify = tuple(_interpolate(points, n) for n in range(TABLE_SIZE))
     ratios = {}
     for (d, b), drafted in costs.drafted.items():
-        if b == bucket and drafted >= MIN_ROUNDS:
+        if b == bucket and drafted >= MIN_DRAFTED:
             c = costs.draft_s.get((d, b), 0.0) / drafted / t0
             if _usable(c):
                 ratios[d] = c

@@ -17,7 +17,14 @@ from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from controller.yaml_config import load_yaml_model, parse_yaml_model
+from controller.yaml_config import (
+    DEFAULT_LIMITS,
+    ConfigError,
+    YamlLimits,
+    load_yaml_model,
+    parse_yaml_model,
+    read_stable_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -208,27 +215,48 @@ def _warn_deprecated(document: PolicyDocument, source: str) -> None:
 
 
 class PolicyStore:
-    """The policy in force; reloads swap it atomically, and a bad file leaves it in place."""
+    """The policy in force; reloads swap it atomically, and a bad file leaves it in place.
+
+    A reload reads the file until its content is stable (an editor's save in progress is not taken half-written),
+    and a content that was refused is remembered by its hash: the watcher does not try it again (nor log it again)
+    until the file changes.
+    """
 
     def __init__(self, policy: Policy) -> None:
         self._policy = policy
         self._lock = threading.Lock()
+        self._refused: str | None = None  # version of the file content last refused
 
     @property
     def current(self) -> Policy:
         return self._policy  # a single reference read: atomic under the GIL
 
-    def reload(self) -> Policy:
+    def reload(self, settle_seconds: float = 0.25) -> Policy:
         """Load the file again. Raises ConfigError and keeps the old policy when the file is invalid."""
         with self._lock:
-            policy = load_policy(self._policy.path)
-            self._policy = policy
+            path = self._policy.path
+            try:
+                text = read_stable_text(path, settle_seconds=settle_seconds)
+                policy = parse_policy(text, source=path)
+            except ConfigError:
+                self._refused = file_version(path)
+                raise
+            self._policy, self._refused = policy, None
             return policy
 
     def file_changed(self) -> bool:
-        """True when the file on disk no longer matches the policy in force (for the reload watcher)."""
-        try:
-            text = Path(self._policy.path).read_text()
-        except OSError:
-            return False
-        return content_version(text) != self._policy.version
+        """True when the file on disk differs from the policy in force and from the content last refused (for the
+        reload watcher)."""
+        version = file_version(self._policy.path)
+        return version is not None and version not in (self._policy.version, self._refused)
+
+
+def file_version(path: str | Path, limits: YamlLimits = DEFAULT_LIMITS) -> str | None:
+    """The content version of a file's bytes (equal to ``content_version`` of its text when it is UTF-8), or None
+    when it cannot be read; at most the loader's size limit (plus one byte) is read."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(limits.max_bytes + 1)
+    except OSError:
+        return None
+    return hashlib.sha256(data).hexdigest()[:12]

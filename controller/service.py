@@ -24,6 +24,7 @@ from controller.tracing import context_from_metadata
 from controller.yaml_config import ConfigError
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan
+from specd_api.spans import plan_attributes
 from specd_api.speedup import ratio, speedup_curve, wilson_interval
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -196,20 +197,6 @@ def position_stats(i: int, pos: PositionCounts) -> pb.PositionStats:
         conditional_alpha=ratio(pos.accepted, pos.verified),
         alpha=ratio(pos.accepted, pos.offered),
     )
-
-
-def plan_attributes(d: Plan) -> dict[str, Any]:
-    """The span attributes of a plan (the table in ops/README.md)."""
-    return {
-        "specd.segment": d.segment,
-        "specd.drafter": d.drafter,
-        "specd.k": d.k,
-        "specd.decision.reason": d.reason,
-        "specd.policy_version": d.policy_version,
-        "specd.exploration": d.exploration,
-        "specd.expected_speedup": d.expected_speedup,
-        "specd.stale": d.stale,
-    }
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):

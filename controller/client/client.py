@@ -26,6 +26,7 @@ from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregate
 from controller.tracing import metadata_with_context
 from specd_api.checks import check_aggregate
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
+from specd_api.spans import plan_attributes
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
@@ -69,19 +70,6 @@ def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
         ("grpc.max_reconnect_backoff_ms", round(high * 1000)),
         ("grpc.client_idle_timeout_ms", MAX_GRPC_MS),
     ]
-
-
-def span_attributes(segment: str, plan: Plan) -> dict[str, str | int | bool]:
-    return {
-        "specd.segment": segment,
-        "specd.drafter": plan.drafter,
-        "specd.k": plan.k,
-        "specd.decision.reason": plan.reason,
-        "specd.decision.source": plan.source,
-        "specd.fallback": plan.fallback or "",
-        "specd.policy_version": plan.policy_version,
-        "specd.exploration": plan.exploration,
-    }
 
 
 class Backoff:
@@ -201,7 +189,7 @@ class ControllerClient:
             return self._decide(segment, batch_size, drafters, make_request)
         with self._tracer.start_as_current_span(DECIDE_SPAN, kind=SpanKind.CLIENT) as span:
             outcome = self._decide(segment, batch_size, drafters, make_request)
-            span.set_attributes(span_attributes(segment, outcome))
+            span.set_attributes(plan_attributes(outcome, segment))
             return outcome
 
     def _decide(

@@ -37,6 +37,7 @@ from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, Shut
 from decoder.worker.segments import classify_prompt
 from decoder.worker.text_stream import TextStream
 from specd_api.plan import REQUEST_REASON, Plan, local_plan
+from specd_api.spans import plan_attributes
 
 __all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "Speculation", "WorkerService"]
 
@@ -227,7 +228,7 @@ class WorkerService:
             span.end()
             raise
         self._observe_decision(segment, plan)
-        span.set_attributes(plan_attributes(plan))
+        span.set_attributes({**plan_attributes(plan, segment), "specd.fallback_used": plan.fallback is not None})
         return InFlight(spec, segment, repetition, plan, started, span, span_ctx)
 
     def _submit(self, request: InFlight, put: Callable[[str, Any], None]) -> Job:
@@ -395,17 +396,6 @@ def _only_the_finish(put: Callable[[str, Any], None]) -> Callable[[str, Any], No
             put(kind, value)
 
     return put_finish
-
-
-def plan_attributes(plan: Plan) -> dict[str, Any]:
-    return {
-        "specd.drafter": plan.drafter,
-        "specd.k": plan.k,
-        "specd.decision.reason": plan.reason,
-        "specd.decision.source": plan.source,
-        "specd.fallback": plan.fallback or "",
-        "specd.fallback_used": plan.fallback is not None,
-    }
 
 
 def response_info(segment: str, plan: Plan, batch_size: int, stats: RequestStats | None) -> dict[str, Any]:

@@ -43,6 +43,8 @@ class Sample:
     mean_k: float = 0.0  # the K its drafting rounds ran with, on average
     exploration: bool = False
     order: int = 0  # when it was answered, within its arm
+    reason: str = ""  # the plan's reason
+    expected_speedup: float = 1.0  # the controller's prediction for the plan it gave
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ def by(samples: Sequence[Sample], arm: str, segment: str | None = None) -> list[
 
 
 def segments_of(samples: Sequence[Sample]) -> list[str]:
-    return list(dict.fromkeys(s.segment for s in samples))
+    """The segments the static arms ran on (the drift scenario's segment is reported apart)."""
+    return list(dict.fromkeys(s.segment for s in samples if s.arm == NONE))
 
 
 def outputs_equal(samples: Sequence[Sample]) -> tuple[bool, list[str]]:

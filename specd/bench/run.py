@@ -14,7 +14,8 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: Benc
         mean_k=float(info.get("mean_k", 0.0)),
         exploration=bool(info.get("exploration", False)),
         order=order,
+        reason=str(info.get("decision_reason", "")),
+        expected_speedup=float(info.get("expected_speedup", 1.0)),
     )
 
 
@@ -140,18 +143,15 @@ def run_bench(options: BenchOptions, console: Console) -> int:
         total = len(order) * (len(STATIC_ARMS) + 1) * options.repeats + 2 * len(order)
         total += sum(4 * b * max(1, 8 // b) for b in options.batches if b > 1)
         total += 2 * DRIFT_PROMPTS if options.drift else 0
-        with progress_bar(console) as bar, httpx.Client(timeout=600) as client:
-            task = bar.add_task("bench", total=total)
+        with progress_bar(console, total) as advance, httpx.Client(timeout=600) as client:
 
             def done(sample: Sample) -> None:
                 run.samples.append(sample)
-                bar.advance(task)
+                advance()
 
             passes(client, url, order, options, done)
             for b in (b for b in options.batches if b > 1):
-                run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(
-                    url, order, b, options, lambda: bar.advance(task)
-                )
+                run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(url, order, b, options, advance)
             if options.drift:
                 run.drift = drift_scenario(client, url, controller, prompts, options, done)
         run.learned_costs = fetch_costs(controller)
@@ -297,11 +297,29 @@ def fetch_costs(address: str) -> dict[str, Any]:
     return MessageToDict(model, preserving_proto_field_name=True)
 
 
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-    )  # fmt: skip
+@contextmanager
+def progress_bar(console: Console, total: int) -> Iterator[Callable[[], None]]:
+    """A bar with an ETA on a terminal; elsewhere (CI logs, a pipe) a line every 10 seconds. Yields ``advance``."""
+    if console.is_terminal:
+        columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                   TimeRemainingColumn())  # fmt: skip
+        with Progress(*columns, console=console) as bar:
+            task = bar.add_task("bench", total=total)
+            yield lambda: bar.advance(task)
+        return
+    started = time.monotonic()
+    state = {"done": 0, "said": started}
+
+    def advance() -> None:
+        state["done"] += 1
+        now = time.monotonic()
+        if now - state["said"] >= 10 or state["done"] == total:
+            state["said"] = now
+            elapsed = now - started
+            eta = elapsed / state["done"] * (total - state["done"])
+            console.print(f"bench: {state['done']}/{total} requests, {elapsed:.0f} s elapsed, ETA {eta:.0f} s")
+
+    yield advance
 
 
 # -- services -------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from controller.policy import PolicyStore, load_policy, parse_policy
-from controller.yaml_config import ConfigError
+from controller.yaml_config import ConfigError, read_stable_text
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,3 +107,36 @@ def test_store_keeps_old_policy_when_reload_fails(tmp_path):
     assert store.current.version == old
     path.write_text(POLICY + "# v2\n")
     assert store.reload().version != old and store.current.version != old
+
+
+def test_the_watcher_tries_a_refused_content_once(tmp_path):
+    # a bad save is refused (and logged by the daemon) once; the watcher then waits for the file to change again
+    path = tmp_path / "policy.yaml"
+    path.write_text("defaults:\n  min_speedup: 1.1\n")
+    store = PolicyStore(load_policy(path))
+    assert not store.file_changed()
+    for bad in ("defaults:\n  min_speedup: 0.5\n", b"defaults:\n  min_speedup: \xff\xfe\n", ""):
+        path.write_bytes(bad.encode() if isinstance(bad, str) else bad)
+        assert store.file_changed()
+        with pytest.raises(ConfigError):  # not a UnicodeDecodeError traceback, whatever the bytes
+            store.reload(settle_seconds=0.0)
+        assert not store.file_changed(), "the same refused content must not be tried again"
+        assert store.current.document.defaults.min_speedup == 1.1  # the policy in force stays
+    path.write_text("defaults:\n  min_speedup: 1.2\n")
+    assert store.file_changed()
+    assert store.reload(settle_seconds=0.0).document.defaults.min_speedup == 1.2
+    assert not store.file_changed()
+
+
+def test_a_file_that_keeps_changing_is_not_loaded_half_written(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text("defaults:\n  min_speedup: 1.1\n")
+    store = PolicyStore(load_policy(path))
+    writes = iter(f"defaults:\n  min_speedup: 1.{i}\n" for i in range(2, 100))
+
+    def editor_still_writing(seconds: float) -> None:
+        path.write_text(next(writes))
+
+    with pytest.raises(ConfigError, match="kept changing"):
+        read_stable_text(path, settle_seconds=0.0, sleep=editor_still_writing)
+    assert store.current.document.defaults.min_speedup == 1.1

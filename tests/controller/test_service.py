@@ -647,16 +647,17 @@ def test_counterfactual_rounds_are_shown_apart_and_decide_alone(fresh):
 
 
 def test_costs_are_learned_per_n_from_the_timing_tables(fresh):
-    # 20 plain rounds of 10 ms, and rounds verifying 2 drafts at 30 ms (v = 3.0) and 4 drafts at 15 ms (v = 1.5):
-    # not a line through v(0), v(2) and v(4) (least squares would put v(4) near 3.7).
+    # 40 plain rounds of 10 ms, and rounds verifying 2 drafts at 30 ms (v = 3.0) and 4 drafts at 15 ms (v = 1.5):
+    # not a line through v(0), v(2) and v(4) (least squares would put v(4) near 3.7). And 10 rounds verifying 1
+    # draft at 50 ms: too few to trust (a busy moment), so v(1) is interpolated instead.
     stub = fresh()
-    plain = pb.RoundsAggregate(segment="costs", drafter="none", rounds=20, tokens_emitted=20, verify_seconds=0.2,
-                               batch_size=1, rounds_by_drafted=[20], verify_seconds_by_drafted=[0.2])  # fmt: skip
+    plain = pb.RoundsAggregate(segment="costs", drafter="none", rounds=40, tokens_emitted=40, verify_seconds=0.4,
+                               batch_size=1, rounds_by_drafted=[40], verify_seconds_by_drafted=[0.4])  # fmt: skip
     drafted = pb.RoundsAggregate(
-        segment="costs", drafter="draft", k=4, rounds=20, num_drafted=60, num_accepted=0,
-        proposed_per_position=[20, 20, 10, 10], verified_per_position=[20, 0, 0, 0], accepted_per_position=[0] * 4,
-        tokens_emitted=20, draft_seconds=0.06, verify_seconds=0.45, batch_size=1,
-        rounds_by_drafted=[0, 0, 10, 0, 10], verify_seconds_by_drafted=[0, 0, 0.3, 0, 0.15],
+        segment="costs", drafter="draft", k=4, rounds=50, num_drafted=130, num_accepted=0,
+        proposed_per_position=[50, 50, 20, 10], verified_per_position=[50, 0, 0, 0], accepted_per_position=[0] * 4,
+        tokens_emitted=50, draft_seconds=0.13, verify_seconds=1.4, batch_size=1,
+        rounds_by_drafted=[0, 10, 20, 0, 20], verify_seconds_by_drafted=[0, 0.5, 0.6, 0, 0.3],
     )  # fmt: skip
     stub.ReportRounds(report(plain, drafted), timeout=RPC_TIMEOUT)
     deadline = time.monotonic() + REFRESH_WAIT
@@ -667,8 +668,8 @@ def test_costs_are_learned_per_n_from_the_timing_tables(fresh):
     assert (bucket.batch_bucket, bucket.measured) == (1, True)
     assert bucket.step_seconds == pytest.approx(0.010)
     assert list(bucket.verify_cost) == pytest.approx([1.0, 2.0, 3.0, 2.25, 1.5])  # 1 and 3 interpolated
-    assert list(bucket.verify_rounds) == pytest.approx([20, 0, 10, 0, 10])
-    assert bucket.cost_ratio["draft"] == pytest.approx(0.06 / 60 / 0.010)  # 1 ms per token over a 10 ms step
+    assert list(bucket.verify_rounds) == pytest.approx([40, 0, 20, 0, 20])
+    assert bucket.cost_ratio["draft"] == pytest.approx(0.13 / 130 / 0.010)  # 1 ms per token over a 10 ms step
 
 
 @pytest.mark.parametrize(

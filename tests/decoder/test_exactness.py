@@ -9,6 +9,7 @@ import pytest
 from decoder.engine import SpeculativeDecoder
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import Plan
 from tests.conftest import perturbed_copy, tiny_lm
 
 GREEDY = SamplingParams()
@@ -83,3 +84,26 @@ def test_k_can_change_every_round(target, tokenizer):
         rounds += 1
     assert session.result().token_ids == expected
     assert {r.k for r in session.stats.rounds} > {0, 1}
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7])
+def test_plans_that_change_k_every_round_and_stop_early_stay_exact(target, tokenizer, threshold):
+    # A plan adapts K round by round (specd_api.plan.round_k) and the draft stops at its confidence threshold;
+    # whatever K each round ends up with, the greedy output is the target's own.
+    decoder = SpeculativeDecoder(target, perturbed_copy(target, scale=0.1, seed=5))
+    rules = StopRules(max_new_tokens=30)
+    rng = random.Random(int(threshold * 10))
+    ks, drafted_less = set(), False
+    for prompt in random_prompts(tokenizer, seed=21, count=6):
+        verify = tuple(1.0 + rng.random() for _ in range(9))  # a random, non-monotonic v(n)
+        plan = Plan("draft", 8, acceptance=tuple(rng.uniform(0.3, 0.95) for _ in range(8)), proposal=(1.0,) * 8,
+                    prior_strength=rng.choice([0.0, 2.0, 8.0]), cost_ratio=rng.uniform(0.0, 0.3),
+                    verify_cost=(1.0, *verify[1:]), stop_threshold=threshold)  # fmt: skip
+        expected = decoder.generate(prompt, "none", 0, GREEDY, rules)
+        got = decoder.generate(prompt, "draft", 8, GREEDY, rules, plan=plan)
+        assert got.token_ids == expected.token_ids, (prompt, plan)
+        ks |= {r.k for r in got.stats.rounds}
+        drafted_less |= any(r.num_drafted < r.k for r in got.stats.rounds)
+    assert len(ks) >= 3, f"K hardly changed ({ks}): the test would not see a bug in the per-round path"
+    if threshold >= 0.7:
+        assert drafted_less, "the stop rule never cut a draft short"

@@ -284,6 +284,19 @@ def test_an_invalid_segment_is_refused_naming_the_field(draft_worker: Worker, wh
 # -- bad input --------------------------------------------------------------------------------------------
 
 
+def test_the_caller_can_choose_the_drafter_and_k(draft_worker: Worker):
+    # the worker's local default is the draft model at K 3; a request asks for prompt lookup at 5 instead
+    body = {"prompt": "a b c a b c a b", "max_tokens": 12, "temperature": 0}
+    chosen = draft_worker.complete(**body, speculation={"drafter": "prompt_lookup", "k": 5})
+    plain = draft_worker.complete(**body, speculation={"drafter": "none", "k": 0})
+    default = draft_worker.complete(**body)
+    assert (chosen["specd"]["drafter"], chosen["specd"]["k"], chosen["specd"]["decision_source"]) == (
+        "prompt_lookup", 5, "request")  # fmt: skip
+    assert (plain["specd"]["drafter"], plain["specd"]["num_drafted"]) == ("none", 0)
+    assert default["specd"]["drafter"] == "draft"
+    assert completion_text(chosen) == completion_text(plain) == completion_text(default)  # greedy: exact
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param", "why"),
     [
@@ -301,6 +314,12 @@ def test_an_invalid_segment_is_refused_naming_the_field(draft_worker: Worker, wh
         ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs", "logprobs are not served"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "echo is not served"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
+        ("/v1/completions", {"prompt": "x", "speculation": {"drafter": "medusa", "k": 2}}, "speculation.drafter",
+         "an unknown drafter"),
+        ("/v1/completions", {"prompt": "x", "speculation": {"drafter": "none", "k": 3}}, "speculation.k",
+         "none drafts nothing"),
+        ("/v1/completions", {"prompt": "x", "speculation": {"drafter": "draft", "k": 99}}, "speculation.k",
+         "K is at most 64"),
         ("/v1/chat/completions", {"messages": []}, "messages", "no messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role",
          "an unknown role"),

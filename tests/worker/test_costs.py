@@ -28,9 +28,9 @@ from decoder.worker.service import RequestSpec, Speculation, WorkerService
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
-STEP = 0.050  # seconds of one injected target step
+STEP = 0.030  # seconds of one injected target step
 V = (1.0, 1.6, 1.9, 1.5, 1.25)  # injected v(n) for n = 0..4 drafts: not a line, not monotonic
-DRAFT = 0.020  # seconds of one injected draft pass: c = 0.4
+DRAFT = 0.012  # seconds of one injected draft pass: c = 0.4
 TOLERANCE = 0.15  # the issue's bar: learned within ±15% of the truth
 
 
@@ -80,7 +80,7 @@ def worker(tiny_pair, controller, slow_passes) -> Iterator[WorkerService]:
     service.shutdown()
 
 
-def run(service: WorkerService, requests: list[Speculation], tokens: int = 24) -> None:
+def run(service: WorkerService, requests: list[Speculation], tokens: int = 40) -> None:
     """Decode ``requests`` at the same time (batched when more than one), each with its own drafter and K."""
 
     async def one(chosen: Speculation, seed: int) -> None:
@@ -139,4 +139,4 @@ def test_reports_of_a_request_that_opted_out_are_not_counted(worker, controller)
         time.sleep(0.1)
     time.sleep(0.5)  # room for a second report, had there been one
     stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment="costs"), timeout=5)
-    assert stats.rounds == pytest.approx(24)  # one request of 24 tokens, one per round: the other was not reported
+    assert stats.rounds == pytest.approx(40)  # one request of 40 tokens, one per round: the other was not reported
