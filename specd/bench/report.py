@@ -146,9 +146,10 @@ def render(d: dict[str, Any]) -> str:
     if d["drift"]:
         dr = d["drift"]
         lines += ["", "## Drift", "",
-                  f"Segment `drift`: structured (greedy) then adversarial (sampled hot). Requests after the switch "
-                  f"until the controller stayed off: {dr['requests_to_switch']} ({fmt(dr['seconds_to_switch'])} s; "
-                  f"half-life {dr['half_life_seconds']:.0f} s). Alarms: "
+                  f"Segment `drift`: structured then adversarial prompts (both greedy). Before the switch the "
+                  f"controller chose `{dr['before']}`; requests after the switch until it stopped choosing it for "
+                  f"good: {dr['requests_to_switch']} ({fmt(dr['seconds_to_switch'])} s; learning half-life "
+                  f"{dr['half_life_seconds']:.0f} s). Alarms: "
                   + (", ".join(f"{a.get('drafter')} {a.get('direction')} {fmt(a.get('alpha_before'))} -> "
                                f"{fmt(a.get('alpha_since'))}" for a in dr["alarms"]) or "none")]  # fmt: skip
     if d["mismatches"]:

@@ -63,3 +63,17 @@ def test_greedy_outputs_must_equal_none_and_sampled_ones_need_not():
     assert outputs_equal(samples) == (False, ["prompt_lookup:8 code-p"])
     assert summarize(samples)["summary"]["outputs_equal"] is False
     assert outputs_equal(samples[:2] + samples[3:]) == (True, [])
+
+
+def test_the_drift_switch_point():
+    from specd.bench.run import switch_point
+
+    def t(phase: str, drafter: str, exploration: bool = False) -> dict:
+        return {"phase": phase, "drafter": drafter, "exploration": exploration, "seconds_since_switch": 1.0}
+
+    high = [t("high", "draft")] * 8
+    # two more drafts after the switch, then prompt lookup and none (a draft probe does not count)
+    low = [t("low", "draft"), t("low", "draft"), t("low", "prompt_lookup"), t("low", "draft", True), t("low", "none")]
+    assert switch_point(high + low) == {"before": "draft", "requests_to_switch": 2, "seconds_to_switch": 1.0}
+    never = high + [t("low", "draft")] * 3
+    assert switch_point(never)["requests_to_switch"] is None
