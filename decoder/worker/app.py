@@ -268,7 +268,7 @@ async def collect(
 
     watcher = asyncio.ensure_future(watch())
     try:
-        while event is not None and event.kind == "text":
+        while event is not None and event.kind in ("accepted", "text"):
             parts.append(event.text)
             nxt = asyncio.ensure_future(anext(events))
             done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -305,7 +305,9 @@ async def sse(
             yield data(chat_chunk(request_id, model, {"role": "assistant", "content": ""}, None))
         event: Event = first
         while True:
-            if event.kind == "text":
+            if event.kind == "accepted":
+                pass
+            elif event.kind == "text":
                 yield data(shapes.chunk(request_id, model, event.text, None, None))
             elif event.kind == "done":
                 final = shapes.chunk(request_id, model, None, event.finish_reason, None)

@@ -95,6 +95,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        self._opening = 0  # jobs taken from the queue whose prefill is running (drain waits for them too)
 
     @property
     def engine(self) -> BatchEngine:
@@ -162,10 +163,15 @@ class Scheduler:
             self._accepting = False
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
-            if not self._queue and not self._active:
+            if self._idle():
                 return True
             time.sleep(0.02)
-        return not self._queue and not self._active
+        return self._idle()
+
+    def _idle(self) -> bool:
+        """Nothing queued, opening or decoding (a job being opened is in neither the queue nor the batch)."""
+        with self._wake:
+            return not self._queue and not self._active and self._opening == 0
 
     def stop(self) -> None:
         """Cancel whatever is left and end the thread."""
@@ -207,20 +213,29 @@ class Scheduler:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
-            if job.cancelled:
-                self._finish(job, JobOutcome("cancelled"))
-                continue
-            if time.monotonic() - job.submitted_at > job.timeout_seconds:
-                self._finish(job, JobOutcome("timeout", error=f"timed out after {job.timeout_seconds:g} s queued"))
-                continue
-            started = time.perf_counter()
+                self._opening += 1
             try:
-                job.session = self.engine.open(job.prompt_ids, job.plan.drafter, job.params, job.rules, job.plan)
-            except ValueError as e:  # a request the engine cannot run (e.g. a prompt longer than the context)
-                self._finish(job, JobOutcome("error", error=str(e)))
-                continue
-            self._active.append(job)
-            job.on_started(time.perf_counter() - started)
+                self._open(job)
+            finally:
+                with self._wake:
+                    self._opening -= 1
+
+    def _open(self, job: Job) -> None:
+        """Prefill one admitted job into the batch, or finish it (cancelled, timed out, refused by the engine)."""
+        if job.cancelled:
+            self._finish(job, JobOutcome("cancelled"))
+            return
+        if time.monotonic() - job.submitted_at > job.timeout_seconds:
+            self._finish(job, JobOutcome("timeout", error=f"timed out after {job.timeout_seconds:g} s queued"))
+            return
+        started = time.perf_counter()
+        try:
+            job.session = self.engine.open(job.prompt_ids, job.plan.drafter, job.params, job.rules, job.plan)
+        except ValueError as e:  # a request the engine cannot run (e.g. a prompt longer than the context)
+            self._finish(job, JobOutcome("error", error=str(e)))
+            return
+        self._active.append(job)
+        job.on_started(time.perf_counter() - started)
 
     def _step(self) -> None:
         batch = list(self._active)

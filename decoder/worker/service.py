@@ -69,7 +69,7 @@ class Speculation:
 
 @dataclass
 class Event:
-    kind: str  # "text" | "done" | "error"
+    kind: str  # "accepted" (queued: the first event) | "text" | "done" | "error"
     text: str = ""
     finish_reason: str | None = None
     status: int = 200
@@ -184,8 +184,8 @@ class WorkerService:
     # -- one request ---------------------------------------------------------------------------------------
 
     async def run_request(self, spec: RequestSpec) -> AsyncGenerator[Event, None]:
-        """Decode one request; yields "text" events, then one "done" or "error". Raises QueueFull/ShuttingDown
-        before anything is yielded when the request cannot be queued."""
+        """Decode one request; yields "accepted" once it is queued, "text" events, then one "done" or "error".
+        Raises QueueFull/ShuttingDown before anything is yielded when the request cannot be queued."""
         request = await self._plan(spec)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -197,6 +197,7 @@ class WorkerService:
         stream = TextStream(self._decode, spec.stop_strings)
         outcome: JobOutcome | None = None
         try:
+            yield Event("accepted")  # the caller can answer now, and watch for a client that goes away
             while outcome is None:
                 kind, value = await events.get()
                 if kind == "tokens":

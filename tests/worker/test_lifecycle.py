@@ -108,6 +108,7 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(busy_worker: Worker, lau
     assert (body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]) == (300, "length")
     queued.join()
     assert queued.payloads is not None and queued.payloads[-1] == "[DONE]"
+    assert "choices" in queued.payloads[-2], queued.payloads[-3:]
     assert queued.payloads[-2]["choices"][0]["finish_reason"] == "length"
     with pytest.raises(httpx.ConnectError):  # and it is gone
         httpx.get(busy_worker.url + "/health", timeout=2)

@@ -170,6 +170,33 @@ def test_drain_finishes_admitted_jobs_and_refuses_new_ones(make, target):
         scheduler.submit(Recorder().job(target))
 
 
+def test_drain_waits_for_a_job_whose_prefill_is_running(make, target, monkeypatch):
+    """A job taken from the queue is in neither the queue nor the batch while its prefill runs: a drain that looked
+    only at those two returned early, and the worker's stop then cancelled the job ("the worker shut down")."""
+    scheduler, _ = make(max_batch=1, max_queue=1)
+    opening, release = threading.Event(), threading.Event()
+    real_open = scheduler.engine.open
+
+    def slow_open(*args, **kwargs):
+        opening.set()
+        release.wait(10)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler.engine, "open", slow_open)
+    recorder = Recorder()
+    scheduler.submit(recorder.job(target, max_new_tokens=4))
+    scheduler.start()
+    assert opening.wait(10)
+    drained: list[bool] = []
+    drainer = threading.Thread(target=lambda: drained.append(scheduler.drain(timeout_seconds=30)))
+    drainer.start()
+    time.sleep(0.2)
+    assert not drained, "the drain returned while a prefill was running"
+    release.set()
+    drainer.join(30)
+    assert drained == [True] and recorder.outcome().status == "finished"
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_failed_decode_loop_fails_its_jobs_and_refuses_new_ones(make, target, monkeypatch):
     scheduler, _ = make(max_batch=2, max_queue=2)
