@@ -185,7 +185,7 @@ def run_policy(args: argparse.Namespace) -> int:
 
 def check_policies(files: list[str]) -> int:
     from controller.policy import load_policy
-    from controller.yaml_config import ConfigError
+    from specd_api.yaml_config import ConfigError
 
     failed = False
     for path in files:

@@ -10,18 +10,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field
 
 from controller.store import StoreConfig
-from controller.tracing import Exporter
-from controller.yaml_config import load_yaml_model
+from specd_api.config_base import Strict, TelemetryConfig
+from specd_api.yaml_config import load_yaml_model
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class LearningConfig(_Strict):
+class LearningConfig(Strict):
     prefix: str = Field("specd", pattern=r"^[A-Za-z0-9_.-]{1,32}$", description="Redis key prefix")
     bucket_seconds: float = Field(60.0, gt=0)
     half_life_seconds: float = Field(600.0, gt=0, description="weight of a count halves over this age")
@@ -41,30 +37,7 @@ class LearningConfig(_Strict):
         )
 
 
-class TelemetryConfig(_Strict):
-    exporter: Exporter = "none"
-    endpoint: str | None = Field(
-        None,
-        validate_default=True,  # so that a file exporter with no endpoint at all is caught too
-        description="OTLP endpoint, e.g. http://127.0.0.1:4317; for the file exporter, the JSON-lines file",
-    )
-    service_name: str = "specd-controller"
-
-    @field_validator("endpoint")
-    @classmethod
-    def _file_exporter_needs_a_path(cls, endpoint: str | None, info: ValidationInfo) -> str | None:
-        if info.data.get("exporter") == "file" and not endpoint:
-            raise ValueError("the file exporter needs an endpoint: the path of the JSON-lines file to write spans to")
-        return endpoint
-
-    def resolve(self, base: Path) -> TelemetryConfig:
-        """The file exporter's path against ``base``; OTLP endpoints are addresses and stay as they are."""
-        if self.exporter != "file" or self.endpoint is None:
-            return self
-        return self.model_copy(update={"endpoint": str(base / Path(self.endpoint).expanduser())})
-
-
-class ControllerConfig(_Strict):
+class ControllerConfig(Strict):
     listen: str = Field("127.0.0.1:50061", description="host:port for gRPC (port 0 picks a free one)")
     redis_url: str | None = Field(None, description="redis://, rediss:// or unix://; none starts an embedded server")
     redis_timeout_seconds: float = Field(0.5, gt=0)

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from controller.yaml_config import (
+from specd_api.config_base import Strict
+from specd_api.yaml_config import (
     DEFAULT_LIMITS,
     ConfigError,
     YamlLimits,
@@ -32,11 +33,7 @@ DrafterName = Literal["draft", "prompt_lookup"]
 DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup")  # specd_api.plan.DRAFTERS, typed for pydantic
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class DrafterSettings(_Strict):
+class DrafterSettings(Strict):
     enabled: bool = True
     k_min: int = Field(1, ge=1, le=64)
     k_max: int = Field(8, ge=1, le=64)
@@ -56,7 +53,7 @@ class DrafterSettings(_Strict):
         return self
 
 
-class DrafterOverride(_Strict):
+class DrafterOverride(Strict):
     enabled: bool | None = None
     k_min: int | None = Field(None, ge=1, le=64)
     k_max: int | None = Field(None, ge=1, le=64)
@@ -73,7 +70,7 @@ def _default_drafters() -> dict[DrafterName, DrafterSettings]:
     }
 
 
-class Settings(_Strict):
+class Settings(Strict):
     """Everything a decision depends on, for one segment."""
 
     max_batch_size: int = Field(8, ge=0, description="speculation is off above this batch size")
@@ -117,7 +114,7 @@ class Settings(_Strict):
         return self.drafters[cast(DrafterName, name)]
 
 
-class SettingsOverride(_Strict):
+class SettingsOverride(Strict):
     max_batch_size: int | None = Field(None, ge=0)
     min_speedup: float | None = Field(None, ge=1.0)
     exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
@@ -139,7 +136,7 @@ class SegmentRule(SettingsOverride):
     match: str = Field(min_length=1, description="a segment name, or a glob such as 'tenant-*'")
 
 
-class PolicyDocument(_Strict):
+class PolicyDocument(Strict):
     """The YAML file's shape."""
 
     defaults: Settings = Field(default_factory=lambda: Settings())

@@ -27,11 +27,11 @@ from controller.redis_conn import RedisHandle, connect, redact
 from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore
 from controller.systemd import Notifier, WatchdogPinger
-from controller.tracing import make_exporter, make_provider, no_tracer
-from controller.yaml_config import ConfigError
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, serve
+from specd_api.tracing import make_exporter, make_provider, no_tracer
 from specd_api.v1 import controller_pb2, controller_pb2_grpc
+from specd_api.yaml_config import ConfigError
 
 log = logging.getLogger("specd.controller")
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name

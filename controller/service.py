@@ -20,14 +20,14 @@ from controller.decide import DrafterEstimate, Request, decide, estimate_drafter
 from controller.journal import JournalFull
 from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
-from controller.tracing import context_from_metadata
-from controller.yaml_config import ConfigError
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan
 from specd_api.spans import plan_attributes
 from specd_api.speedup import ratio, speedup_curve, wilson_interval
+from specd_api.tracing import context_from_metadata
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_api.yaml_config import ConfigError
 
 TYPICAL_MAX_NEW_TOKENS = 128  # the request that GetSegmentStats's "decision now" is made for
 # Plans made from the statistics (not from a rule): the ones hysteresis remembers.

@@ -52,18 +52,9 @@ FORBIDDEN_THIRD_PARTY: dict[str, frozenset[str]] = {
     "worker": DEMO_EXTRA,
 }
 
-# Imports the table forbids that the code still has, each (file, imported module): issue 12 moves them out. An entry
+# Imports the table forbids that the code still has, each (file, imported module) with its issue; none today. An entry
 # that is no longer needed fails test_known_violations_are_still_there, so this list only shrinks.
-KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    # issue 12: the tracing helpers (make_exporter, make_provider, no_tracer, metadata_with_context) serve both
-    # halves; they belong in the leaf (e.g. specd_api/tracing.py), not in the controller.
-    ("controller/client/client.py", "controller.tracing"): "client -> controller",
-    ("decoder/worker/service.py", "controller.tracing"): "worker -> controller",
-    # issue 12: the worker's config reuses the controller's YAML loader and TelemetryConfig; both belong in the
-    # leaf (with the one _Strict base that controller/config.py, controller/policy.py and this file each define).
-    ("decoder/worker/config.py", "controller.config"): "worker -> controller",
-    ("decoder/worker/config.py", "controller.yaml_config"): "worker -> controller",
-}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 PROJECT = tuple(prefix for prefix, _ in GROUPS if "." not in prefix)
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from controller.config import ControllerConfig
-from controller.yaml_config import parse_yaml_model
+from specd_api.yaml_config import parse_yaml_model
 
 OPS = Path(__file__).resolve().parents[1] / "ops"
 SECTIONS = ("receivers", "processors", "exporters", "connectors", "extensions")

@@ -1,5 +1,5 @@
 """The OTLP receiver (tests/otlp_receiver.py) gets real exports: two processes, each with the provider the
-controller daemon builds (controller.tracing, exporter otlp_grpc), share one trace through a W3C traceparent."""
+controller daemon builds (specd_api.tracing, exporter otlp_grpc), share one trace through a W3C traceparent."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyVa
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from controller.tracing import make_exporter, make_provider
+from specd_api.tracing import make_exporter, make_provider
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, plain_value
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROCESS_A = """
 import json, sys
 from opentelemetry import propagate
-from controller.tracing import make_exporter, make_provider
+from specd_api.tracing import make_exporter, make_provider
 
 provider = make_provider("a", make_exporter("otlp_grpc", sys.argv[1]))
 attributes = {"specd.segment": "chat", "specd.k": 4, "specd.expected_speedup": 1.5,
@@ -40,7 +40,7 @@ PROCESS_B = """
 import os, sys
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from controller.tracing import make_exporter, make_provider
+from specd_api.tracing import make_exporter, make_provider
 
 provider = make_provider("b", make_exporter("otlp_grpc", sys.argv[1]))
 parent = propagate.extract({"traceparent": os.environ["TRACEPARENT"]})

@@ -8,19 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from controller.config import TelemetryConfig
-from controller.yaml_config import load_yaml_model
+from specd_api.config_base import Strict, TelemetryConfig
+from specd_api.yaml_config import load_yaml_model
 
 SEGMENT_PATTERN = r"^[A-Za-z0-9_.:/-]{1,128}$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ControllerLink(_Strict):
+class ControllerLink(Strict):
     address: str | None = Field("127.0.0.1:50061", description="the controller's host:port; null: no controller")
     decide_deadline_ms: float = Field(5.0, gt=0, le=10_000)
     default_drafter: Literal["draft", "prompt_lookup", "none"] = "none"
@@ -39,7 +35,7 @@ class WorkerTelemetry(TelemetryConfig):
     service_name: str = "specd-worker"
 
 
-class PromptLookupSettings(_Strict):
+class PromptLookupSettings(Strict):
     min_ngram: int = Field(1, ge=1, le=16)
     max_ngram: int = Field(3, ge=1, le=16)
 
@@ -50,7 +46,7 @@ class PromptLookupSettings(_Strict):
         return self
 
 
-class RequestLimits(_Strict):
+class RequestLimits(Strict):
     """Bounds on one request, checked before the work they bound: the body before JSON parsing (chunked bodies
     included), a text prompt's characters before tokenizing, a prompt's tokens before queueing."""
 
@@ -61,13 +57,13 @@ class RequestLimits(_Strict):
     max_prompt_tokens: int = Field(32_768, ge=1, description="tokens of a prompt, given as ids or tokenized")
 
 
-class MetricsSettings(_Strict):
+class MetricsSettings(Strict):
     max_segments: int = Field(
         100, ge=1, description="segment label values on /metrics; traffic of later segments is counted as _overflow"
     )
 
 
-class WorkerConfig(_Strict):
+class WorkerConfig(Strict):
     listen: str = Field("127.0.0.1:8000", description="host:port for HTTP (port 0 picks a free one)")
     worker_id: str | None = Field(None, description="reported to the controller; default: hostname:port")
     target: Path = Path("../models/reference/target")

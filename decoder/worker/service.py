@@ -22,7 +22,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from controller.client import ClientConfig, ControllerClient, self_repetition
-from controller.tracing import make_exporter, make_provider, no_tracer
 from decoder.batch_engine import BatchEngine
 from decoder.counterfactual import replay_lookup
 from decoder.drafters import PromptLookupConfig
@@ -38,6 +37,7 @@ from decoder.worker.segments import classify_prompt
 from decoder.worker.text_stream import TextStream
 from specd_api.plan import REQUEST_REASON, Plan, local_plan
 from specd_api.spans import plan_attributes
+from specd_api.tracing import make_exporter, make_provider, no_tracer
 
 __all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "Speculation", "WorkerService"]
 

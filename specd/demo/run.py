@@ -29,7 +29,7 @@ from rich.text import Text
 import workloads as workloads_package
 from controller.policy import load_policy
 from controller.redis_conn import PID_FILE, stop_orphan
-from controller.yaml_config import ConfigError
+from specd_api.yaml_config import ConfigError
 from specd.demo import driver as drv
 from specd.demo.configs import DemoPaths, controller_config, demo_policy, worker_config, write_config
 from specd.demo.driver import BASELINE_PREFIX

@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from controller.config import ControllerConfig, TelemetryConfig, load_config
-from controller.tracing import FileSpanExporter, make_exporter, make_provider
-from controller.yaml_config import ConfigError, parse_yaml_model
+from specd_api.tracing import FileSpanExporter, make_exporter, make_provider
+from specd_api.yaml_config import ConfigError, parse_yaml_model
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

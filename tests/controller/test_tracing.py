@@ -26,7 +26,7 @@ from controller.policy import PolicyStore, load_policy
 from controller.redis_conn import make_client
 from controller.service import Controller, ControllerServicer
 from controller.store import StoreConfig, TelemetryStore
-from controller.tracing import metadata_with_context
+from specd_api.tracing import metadata_with_context
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.yaml_config import EMPTY_FILE, ConfigError, ConfigIssue, load_yaml_model, parse_yaml_model
 from specd_api.errors import SpecdError
+from specd_api.yaml_config import EMPTY_FILE, ConfigError, ConfigIssue, load_yaml_model, parse_yaml_model
 
 
 class Draft(BaseModel):

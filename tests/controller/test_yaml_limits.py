@@ -16,7 +16,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from controller.policy import load_policy, parse_policy
-from controller.yaml_config import (
+from specd_api.yaml_config import (
     ConfigError,
     YamlLimits,
     load_yaml_model,
