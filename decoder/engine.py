@@ -19,7 +19,7 @@ from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, trim_stop_string
 from decoder.telemetry import RequestStats, RoundRecord
-from specd_api.plan import Plan
+from specd_api.plan import DRAFTER_NAMES, Plan
 
 
 def clamp_k(k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
@@ -213,7 +213,7 @@ class SpeculativeDecoder:
     @property
     def drafters(self) -> tuple[str, ...]:
         """The drafters this worker can run."""
-        return ("draft", "prompt_lookup", "none") if self.draft is not None else ("prompt_lookup", "none")
+        return tuple(name for name in DRAFTER_NAMES if name != "draft" or self.draft is not None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])

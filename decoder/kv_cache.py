@@ -2,7 +2,7 @@
 
 Rollback truncates the cache to the accepted length; the accepted prefix is never recomputed. Two runners
 implement the same interface: ``CachedSequence`` (transformers' own forward and DynamicCache, any causal
-LM) and ``decoder.llama_fast.LlamaSequence`` (a lean Llama forward over preallocated tensors).
+LM) and ``decoder.llama_fast.open_llama_sequence`` (a lean Llama forward over preallocated tensors).
 In transformers 5, ``Cache.crop(n)`` takes a *negative* count of tokens to remove (a positive
 argument, the v4 "final length" meaning, raises), so rollback goes through ``truncate`` here only.
 """
@@ -32,10 +32,10 @@ class ModelSequence(Protocol):
 
 def open_sequence(lm: LoadedModel) -> ModelSequence:
     """A cache for one sequence of ``lm``: the lean Llama runner where it applies (runner "auto")."""
-    from decoder.llama_fast import LlamaSequence, supports_fast_path
+    from decoder.llama_fast import open_llama_sequence, supports_fast_path
 
     if lm.runner == "auto" and supports_fast_path(lm.model):
-        return LlamaSequence(lm)
+        return open_llama_sequence(lm)
     return CachedSequence(lm)
 
 

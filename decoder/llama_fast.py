@@ -6,7 +6,7 @@ concatenating cache. Rollback is a length change: nothing is copied.
 
 ``LlamaKVPool`` holds the caches of many sequences ("slots") in one tensor and runs one forward pass over
 several of them at once, each appending its own number of tokens at its own position (ragged): that is
-what continuous batching with ragged acceptance needs. ``LlamaSequence`` is a pool of one slot. A pass over
+what continuous batching with ragged acceptance needs. ``open_llama_sequence`` opens a pool of one slot. A pass over
 one sequence computes exactly what transformers' sdpa forward computes (same logits to the bit, tested).
 
 Only plain ``LlamaForCausalLM`` models take this path (no sliding window, no tensor-parallel split);
@@ -249,6 +249,6 @@ class PooledSequence:
         return self.pool.cached_keys(self.slot)
 
 
-def LlamaSequence(lm: LoadedModel) -> PooledSequence:
+def open_llama_sequence(lm: LoadedModel) -> PooledSequence:
     """One sequence's cache for a Llama model: a pool of one slot that grows as the sequence does."""
     return LlamaKVPool(lm, num_slots=1).open()

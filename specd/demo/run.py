@@ -29,7 +29,6 @@ from rich.text import Text
 import workloads as workloads_package
 from controller.policy import load_policy
 from controller.redis_conn import PID_FILE, stop_orphan
-from specd_api.yaml_config import ConfigError
 from specd.demo import driver as drv
 from specd.demo.configs import DemoPaths, controller_config, demo_policy, worker_config, write_config
 from specd.demo.driver import BASELINE_PREFIX
@@ -39,6 +38,7 @@ from specd.demo.view import progress_line, progress_table, render_summary, shown
 from specd.launch import LaunchError, Service, start
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, serve
+from specd_api.yaml_config import ConfigError
 from workloads import Prompt, load_all
 
 MARKER = ".specd-demo"  # a run folder holds this, so that wiping never touches a folder the demo did not make

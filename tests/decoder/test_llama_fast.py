@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 
 from decoder.kv_cache import CachedSequence, open_sequence
-from decoder.llama_fast import INITIAL_CAPACITY, LlamaSequence, PooledSequence, supports_fast_path
+from decoder.llama_fast import INITIAL_CAPACITY, PooledSequence, open_llama_sequence, supports_fast_path
 from decoder.models import from_objects
 
 VOCAB = 97
@@ -39,7 +39,7 @@ VARIANTS = {
 def test_same_logits_as_transformers(variant):
     model = llama(**VARIANTS[variant])
     assert supports_fast_path(model)
-    fast = LlamaSequence(from_objects(model, None, "fast"))
+    fast = open_llama_sequence(from_objects(model, None, "fast"))
     slow = CachedSequence(from_objects(model, None, "slow", runner="transformers"))
     generator = torch.Generator().manual_seed(1)
     steps = [
@@ -63,7 +63,7 @@ def test_same_logits_as_transformers(variant):
 
 def test_logits_to_keep_returns_the_last_rows():
     model = llama()
-    fast = LlamaSequence(from_objects(model, None, "fast"))
+    fast = open_llama_sequence(from_objects(model, None, "fast"))
     tokens = torch.arange(1, 11)
     full = fast.forward(tokens)
     fast.truncate(0)
@@ -72,7 +72,7 @@ def test_logits_to_keep_returns_the_last_rows():
 
 def test_cache_grows_past_its_initial_capacity():
     model = llama()
-    fast = LlamaSequence(from_objects(model, None, "fast"))
+    fast = open_llama_sequence(from_objects(model, None, "fast"))
     slow = CachedSequence(from_objects(model, None, "slow", runner="transformers"))
     tokens = torch.randint(0, VOCAB, (INITIAL_CAPACITY - 3,), generator=torch.Generator().manual_seed(2))
     fast.forward(tokens), slow.forward(tokens)
