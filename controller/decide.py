@@ -143,91 +143,125 @@ def decide(
     previous: Plan | None,
     rng: random.Random,
 ) -> Plan:
-    """The plan for one request. ``previous`` is the segment's last learned (non-probe) plan."""
-    segment = request.segment
+    """The plan for one request. ``previous`` is the segment's last learned (non-probe) plan. The steps: the rules
+    (batch size, policy), the arms the request can run, the learned choice, then perhaps a probe instead."""
     lookup_k = _counterfactual_k(settings, request)
-
-    def stop(reason: str, speedup: float = 1.0) -> Plan:
-        return replace(off(reason, policy_version, segment, speedup), counterfactual_k=lookup_k)
-
-    if not speculation_allowed(request.batch_size, settings.max_batch_size):
-        return stop(BATCH_RULE_REASON)
-    if settings.force == "none":
-        return stop("policy_off")
-    if settings.force is not None and settings.force in request.drafters:
-        forced = settings.drafter(settings.force)
-        k = min(settings.force_k or forced.k_max, max(request.max_new_tokens - 1, 0))
-        if k == 0:
-            return stop("request_too_short")
-        threshold = forced.stop_threshold if settings.force == "draft" else 0.0
-        return Plan(settings.force, k, "policy_forced", policy_version, segment=segment, stop_threshold=threshold,
-                    counterfactual_k=lookup_k)  # fmt: skip
-    candidates = [
-        d for d in request.drafters if d in settings.drafters and settings.drafter(d).enabled and d in estimates
-    ]
-    if not candidates:
-        return stop("no_drafter_available")
-    if request.max_new_tokens < settings.min_new_tokens:
-        return stop("request_too_short")
-
-    k_cap = request.max_new_tokens - 1  # a round emits up to K + 1 tokens
-    usable: list[str] = [d for d in candidates if settings.drafter(d).k_min <= k_cap]
-    if not usable:
-        return stop("request_too_short")
-    bounds: dict[str, tuple[int, int]] = {
-        d: (settings.drafter(d).k_min, min(settings.drafter(d).k_max, k_cap)) for d in usable
-    }
-    arms = [best_arm(estimates[d], estimates[d].means(), *bounds[d], costs) for d in usable]
+    make = _PlanMaker(settings, policy_version, request.segment, estimates, costs, lookup_k)
+    ruled = _ruled(settings, request, make)
+    if ruled is not None:
+        return ruled
+    bounds = _k_bounds(settings, request, estimates)
+    if isinstance(bounds, str):
+        return make.off(bounds)
+    arms = [best_arm(estimates[d], estimates[d].means(), *bounds[d], costs) for d in bounds]
     best = max(arms, key=lambda a: a.speedup)
-    choice = _with_hysteresis(best, arms, previous, settings)
-    if choice is not None and not repays_drafting(choice, request, settings, estimates[choice.drafter].cost_ratio):
-        # Worth running, but not over this request: fall back to an arm whose gain repays the draft model's
-        # prefill (prompt lookup has none); with none left, the request is too short.
-        paying = [
-            a
-            for a in arms
-            if a.speedup >= settings.min_speedup
-            and repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)
-        ]
-        if not paying:
-            return stop("request_too_short")
-        choice = max(paying, key=lambda a: a.speedup)
-
-    def plan_for(arm: Arm, reason: str, k: int, probe_rounds: int = 0) -> Plan:
-        conditional, proposal = estimates[arm.drafter].means()
-        s = settings.drafter(arm.drafter)
-        return Plan(
-            drafter=arm.drafter,
-            k=k,
-            reason=reason,
-            policy_version=policy_version,
-            exploration=probe_rounds > 0,
-            expected_speedup=arm.speedup,
-            segment=segment,
-            stop_threshold=s.stop_threshold if arm.drafter == "draft" else 0.0,
-            acceptance=tuple(conditional[:k]),
-            proposal=tuple(proposal[:k]),
-            prior_strength=settings.plan_prior_rounds,
-            cost_ratio=estimates[arm.drafter].cost_ratio,
-            verify_cost=costs.verify_table(k),
-            probe_rounds=probe_rounds,
-            counterfactual_k=lookup_k,
-        )
-
+    choice = _paying_choice(_with_hysteresis(best, arms, previous, settings), arms, request, settings, estimates)
+    if isinstance(choice, str):
+        return make.off(choice)
     if choice is None:
-        exploit = stop("low_expected_speedup", best.speedup)
+        exploit = make.off("low_expected_speedup", best.speedup)
     else:
         kept = previous is not None and choice != best and choice.drafter == previous.drafter
         ceiling = min(choice.k + settings.k_headroom, bounds[choice.drafter][1])
-        exploit = plan_for(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
+        exploit = make.plan(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
 
     # Prompt lookup replayed over every request is known for free: probing it would pay to learn what is seen.
+    usable = list(bounds)
     probeable = [d for d in usable if not (d == "prompt_lookup" and lookup_k > 0)]
     probe = _thompson(usable, probeable, estimates, bounds, costs, exploit, settings, rng)
     if probe is not None:
         mean_arm = next(a for a in arms if a.drafter == probe)  # report the point estimate, not the lucky draw
-        return plan_for(mean_arm, "exploration", bounds[probe][1], max(settings.probe_rounds, 1))
+        return make.plan(mean_arm, "exploration", bounds[probe][1], max(settings.probe_rounds, 1))
     return exploit
+
+
+@dataclass(frozen=True)
+class _PlanMaker:
+    """Builds the plans of one decision: off, or an arm with its K ceiling and what the worker adapts with."""
+
+    settings: Settings
+    policy_version: str
+    segment: str
+    estimates: Mapping[str, DrafterEstimate]
+    costs: BucketCosts
+    lookup_k: int
+
+    def off(self, reason: str, speedup: float = 1.0) -> Plan:
+        return replace(off(reason, self.policy_version, self.segment, speedup), counterfactual_k=self.lookup_k)
+
+    def plan(self, arm: Arm, reason: str, k: int, probe_rounds: int = 0) -> Plan:
+        estimate = self.estimates[arm.drafter]
+        conditional, proposal = estimate.means()
+        return Plan(
+            drafter=arm.drafter,
+            k=k,
+            reason=reason,
+            policy_version=self.policy_version,
+            exploration=probe_rounds > 0,
+            expected_speedup=arm.speedup,
+            segment=self.segment,
+            stop_threshold=self.settings.drafter(arm.drafter).stop_threshold if arm.drafter == "draft" else 0.0,
+            acceptance=tuple(conditional[:k]),
+            proposal=tuple(proposal[:k]),
+            prior_strength=self.settings.plan_prior_rounds,
+            cost_ratio=estimate.cost_ratio,
+            verify_cost=self.costs.verify_table(k),
+            probe_rounds=probe_rounds,
+            counterfactual_k=self.lookup_k,
+        )
+
+
+def _ruled(settings: Settings, request: Request, make: _PlanMaker) -> Plan | None:
+    """The rules before anything learned: the batch-size rule, then the policy's off or forced drafter."""
+    if not speculation_allowed(request.batch_size, settings.max_batch_size):
+        return make.off(BATCH_RULE_REASON)
+    if settings.force == "none":
+        return make.off("policy_off")
+    if settings.force is not None and settings.force in request.drafters:
+        forced = settings.drafter(settings.force)
+        k = min(settings.force_k or forced.k_max, max(request.max_new_tokens - 1, 0))
+        if k == 0:
+            return make.off("request_too_short")
+        threshold = forced.stop_threshold if settings.force == "draft" else 0.0
+        return Plan(settings.force, k, "policy_forced", make.policy_version, segment=make.segment,
+                    stop_threshold=threshold, counterfactual_k=make.lookup_k)  # fmt: skip
+    return None
+
+
+def _k_bounds(
+    settings: Settings, request: Request, estimates: Mapping[str, DrafterEstimate]
+) -> dict[str, tuple[int, int]] | str:
+    """Each drafter this request can run, with its K range (a round emits up to K + 1 tokens, so K stays under
+    max_new_tokens); or why none can (the reason of the plan that switches it off)."""
+    candidates = [
+        d for d in request.drafters if d in settings.drafters and settings.drafter(d).enabled and d in estimates
+    ]
+    if not candidates:
+        return "no_drafter_available"
+    if request.max_new_tokens < settings.min_new_tokens:
+        return "request_too_short"
+    k_cap = request.max_new_tokens - 1
+    bounds: dict[str, tuple[int, int]] = {}
+    for d in candidates:
+        bounds[d] = (settings.drafter(d).k_min, min(settings.drafter(d).k_max, k_cap))
+    usable = {d: b for d, b in bounds.items() if b[0] <= k_cap}
+    return usable or "request_too_short"
+
+
+def _paying_choice(
+    choice: Arm | None, arms: Sequence[Arm], request: Request, settings: Settings,
+    estimates: Mapping[str, DrafterEstimate],
+) -> Arm | str | None:  # fmt: skip
+    """``choice`` if its gain over this request repays the draft model's prefill; else the best arm that does
+    (prompt lookup has no prefill); else "request_too_short"."""
+    if choice is None or repays_drafting(choice, request, settings, estimates[choice.drafter].cost_ratio):
+        return choice
+    paying = [
+        a
+        for a in arms
+        if a.speedup >= settings.min_speedup and repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)
+    ]
+    return max(paying, key=lambda a: a.speedup) if paying else "request_too_short"
 
 
 def _counterfactual_k(settings: Settings, request: Request) -> int:
