@@ -11,6 +11,11 @@ one sequence computes exactly what transformers' sdpa forward computes (same log
 
 Only plain ``LlamaForCausalLM`` models take this path (no sliding window, no tensor-parallel split);
 everything else runs through transformers (decoder.kv_cache.CachedSequence).
+
+Shape comments, one notation across decoder/: ``b`` sequences in a pass, ``n`` one sequence's new tokens, ``w``
+the widest row of a ragged pass (the others padded), ``r`` its real tokens, ``end`` the positions attended to,
+``heads``/``kv``/``d`` the query heads, key-value heads and head size; ``t`` is a context's length (prompt plus
+emitted) and ``K`` a round's draft length.
 """
 
 from __future__ import annotations
@@ -173,22 +178,22 @@ class LlamaKVPool:
         model = self.lm.model.model
         device = self.lm.device
         b, width = len(slots), max(counts)
-        ids = torch.zeros(b, width, dtype=torch.long)  # [b, width], padded with token 0
+        ids = torch.zeros(b, width, dtype=torch.long)  # [b, w], padded with token 0
         for row, tokens in enumerate(inputs):
             ids[row, : counts[row]] = tokens
         ids = ids.to(device)
         start = torch.tensor(starts, device=device)  # [b]
-        offsets = torch.arange(width, device=device)  # [width]
-        positions = start[:, None] + offsets[None, :]  # [b, width]
-        real = offsets[None, :] < torch.tensor(counts, device=device)[:, None]  # [b, width] not padding
-        row_of, col_of = real.nonzero(as_tuple=True)  # [t] each: the real (row, column) pairs
-        slot_of = torch.tensor(slots, device=device)[row_of]  # [t]
-        pos_of = positions[row_of, col_of]  # [t]
+        offsets = torch.arange(width, device=device)  # [w]
+        positions = start[:, None] + offsets[None, :]  # [b, w]
+        real = offsets[None, :] < torch.tensor(counts, device=device)[:, None]  # [b, w] not padding
+        row_of, col_of = real.nonzero(as_tuple=True)  # [r] each: the real (row, column) pairs
+        slot_of = torch.tensor(slots, device=device)[row_of]  # [r]
+        pos_of = positions[row_of, col_of]  # [r]
         end = max(s + n for s, n in zip(starts, counts, strict=True))
         slot_index = torch.tensor(slots, device=device)  # [b]
         # Query j of row r sees cached positions <= start_r + j: its own prefix and the tokens before it.
-        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [b,1,w,end]
-        x = model.embed_tokens(ids)  # [b, width, hidden]
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [b, 1, w, end]
+        x = model.embed_tokens(ids)  # [b, w, hidden]
         cos, sin = model.rotary_emb(x, positions)
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
