@@ -114,7 +114,11 @@ class ControllerDaemon:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
         listen = self.config.listen
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.config.max_workers), interceptors=[self._in_flight]
+            futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
+            interceptors=[self._in_flight],
+            # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
+            # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
+            options=[("grpc.so_reuseport", 0)],
         )
         controller_pb2_grpc.add_ControllerServicer_to_server(servicer, self._server)
         self._health = health.HealthServicer()

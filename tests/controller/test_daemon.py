@@ -140,3 +140,33 @@ def test_refuses_a_bad_config_with_file_line_and_field(tmp_path):
     assert done.returncode != 0
     assert f"{config}:3: learning.half_life_seconds" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_second_controller_on_the_same_port_refuses_to_start(tmp_path, policy, embedded_redis_url):
+    """gRPC binds with SO_REUSEPORT unless told not to: the second daemon then started silently and the kernel
+    split the connections between the two."""
+    port = free_port()
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    first = start(write_config(first_dir, embedded_redis_url, policy, port), {})
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the first one serves
+            try:
+                policy_version(port)
+                break
+            except grpc.RpcError:
+                assert first.poll() is None and time.monotonic() < deadline, "the first controller did not start"
+                time.sleep(0.2)
+        second = start(write_config(second_dir, embedded_redis_url, policy, port), {})
+        try:
+            output, _ = second.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            pytest.fail("the second controller is running on the port the first one holds")
+        assert second.returncode != 0, output
+        assert f"cannot listen on 127.0.0.1:{port}" in output and "Traceback" not in output
+        assert first.poll() is None and policy_version(port)  # the first one is untouched
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
