@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck unit bench protos wheel clean
+.PHONY: setup demo test lint typecheck unit bench mutants protos wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ wheel: setup
 
 bench: setup
 	$(BIN)/python benchmarks/decode_loop.py
+
+# Plant the named bugs of benchmarks/mutations.py in a temporary copy and check that the tests catch each (~15 min).
+mutants: setup
+	$(BIN)/python benchmarks/mutations.py
 
 clean:
 	rm -rf $(VENV) .cache .mypy_cache .ruff_cache .pytest_cache *.egg-info build dist

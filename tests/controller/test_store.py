@@ -173,6 +173,15 @@ def test_same_report_id_counts_once(redis_client: redis.Redis, prefix: str) -> N
     assert redis_client.ttl(store.key("report", "r1")) > 0, "dedup markers expire"
 
 
+def test_a_dedup_marker_outlives_an_hour_long_outage(redis_client: redis.Redis, prefix: str) -> None:
+    # A worker retries an unacknowledged report with the same id for as long as it takes (a controller restart, a
+    # Redis outage), so the marker must outlive such an outage, or the retry after it counts twice.
+    store = make_store(redis_client, prefix, FakeClock())
+    store.ingest("r1", [four_rounds()])
+    ttl = redis_client.ttl(store.key("report", "r1"))
+    assert ttl >= 3600 - 5, f"the dedup marker expires after {ttl} s"
+
+
 @pytest.mark.parametrize(
     ("segment", "counted_as", "why"),
     [

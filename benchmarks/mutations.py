@@ -1,0 +1,272 @@
+"""The mutation check: plant named single-line bugs in core logic and see whether the tests notice.
+
+Each mutation replaces one exact line fragment in one file of a temporary copy of the repository, then runs the tests
+that guard that logic against the copy's code (``PYTHONPATH`` points at the copy, so the editable install of the
+checkout is not what gets imported). A mutation is *caught* when a test fails, *missed* when they all pass. A
+mutation whose original fragment is no longer found (or found twice) is *stale*: the code moved, and the list here
+must follow it. Before any mutation, the same tests run on the unmutated copy and must pass, or nothing could be
+told.
+
+    python benchmarks/mutations.py                 # every mutation
+    python benchmarks/mutations.py --only bonus-token-position --only residual
+    python benchmarks/mutations.py --list
+    python benchmarks/mutations.py --json out.json
+
+The last line of the output is ``mutations: N caught, M missed`` (and ``, S stale`` when any are). The exit status is
+0 when every mutation was caught, 1 when one was missed or stale, 2 when the baseline failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Big or machine-local paths the copy links to instead of copying (read-only for the tests).
+LINKED = ("models",)
+IGNORED = (".git", ".venv", ".cache", ".mypy_cache", ".ruff_cache", ".pytest_cache", "__pycache__", "*.egg-info",
+           "dist", "build", ".gpu", *LINKED)  # fmt: skip
+TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    original: str  # must occur exactly once in the file
+    mutant: str
+    tests: tuple[str, ...]  # pytest node ids or files, relative to the repository root
+    why: str  # the bug it stands for
+
+
+DISTRIBUTION = ("tests/decoder/test_distribution.py", "tests/decoder/test_batch_distribution.py")
+GREEDY = ("tests/decoder/test_exactness.py", "tests/decoder/test_independent_reference.py")
+COSTS = ("tests/controller/test_simulation.py", "tests/worker/test_costs.py", "tests/controller/test_decide.py")
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "residual",
+        "decoder/acceptance.py",
+        "residual = (p - q).clamp_min(0.0)",
+        "residual = p.clamp_min(0.0)",
+        DISTRIBUTION,
+        "after a rejection, sample from p instead of norm(max(0, p - q))",
+    ),
+    Mutation(
+        "bonus-token-position",
+        "decoder/acceptance.py",
+        "next_probs = target_probs[k]  #",
+        "next_probs = target_probs[k - 1]  #",
+        DISTRIBUTION,
+        "after a fully accepted round, the bonus token is drawn from p at position K-1 instead of K",
+    ),
+    Mutation(
+        "greedy-accepts-one-extra",
+        "decoder/acceptance.py",
+        "num_accepted = int(mismatch[0, 0]) if mismatch.numel() else k",
+        "num_accepted = min(int(mismatch[0, 0]) + 1, k) if mismatch.numel() else k",
+        GREEDY,
+        "greedy keeps the first mismatching draft token too",
+    ),
+    Mutation(
+        "draft-rollback-stale-token",
+        "decoder/drafters/draft_model.py",
+        "self.seq.truncate(keep)",
+        "self.seq.truncate(min(keep + 1, self.seq.length))",
+        ("tests/decoder/test_kv_rollback.py", *GREEDY),
+        "the draft's KV cache keeps the entry of one rejected token after a rollback (output stays exact; only a "
+        "test of the cache itself can see it)",
+    ),
+    Mutation(
+        "batch-threshold-strict",
+        "specd_api/plan.py",
+        "return batch_size <= max_batch_size",
+        "return batch_size < max_batch_size",
+        ("tests/specd_api/test_plan.py", "tests/controller/test_service.py"),
+        "speculation switched off at max_batch_size instead of above it",
+    ),
+    Mutation(
+        "dedup-off",
+        "controller/store.py",
+        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then",
+        "if false then",
+        ("tests/controller/test_store.py",),
+        "a retried report (same report_id) is counted again",
+    ),
+    Mutation(
+        "dedup-ttl-1s",
+        "controller/store.py",
+        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then",
+        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', 1) == false then",
+        ("tests/controller/test_store.py",),
+        "the dedup marker expires after 1 s, so a retry after a short outage counts twice",
+    ),
+    Mutation(
+        "learned-c-x2.5",
+        "controller/cost_model.py",
+        "c = costs.draft_s.get((d, b), 0.0) / drafted / t0",
+        "c = 2.5 * costs.draft_s.get((d, b), 0.0) / drafted / t0",
+        COSTS,
+        "the learned draft cost ratio c is 2.5 times what the worker measured",
+    ),
+    Mutation(
+        "verify-slope-ignored",
+        "controller/cost_model.py",
+        "points = {0: 1.0} | {n: t / t0 for n, t in seconds.items()}",
+        "points = {0: 1.0} | {n: 1.0 for n, t in seconds.items()}",
+        COSTS,
+        "v(n) is taken as 1 whatever verifying n drafts cost",
+    ),
+    Mutation(
+        "always-largest-k",
+        "controller/decide.py",
+        "k, value = best_k(curve, k_min)",
+        "k, value = k_max, curve[k_max - 1]",
+        COSTS,
+        "the controller always plans the largest K allowed",
+    ),
+    Mutation(
+        "counterfactual-off-by-one",
+        "decoder/counterfactual.py",
+        "if token != generated[done + i]:",
+        "if token != generated[done + i - 1]:",
+        ("tests/decoder/test_counterfactual.py",),
+        "prompt lookup's replayed proposal is scored against the previous emitted token",
+    ),
+)
+
+
+@dataclass
+class Outcome:
+    name: str
+    verdict: str  # caught | missed | stale
+    seconds: float
+    detail: str  # the first failing test, or why stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], metavar="NAME", help="run only these (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the outcomes as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:28} {m.path:34} {m.why}")
+        return 0
+    unknown = set(args.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutation(s): {', '.join(sorted(unknown))}; see --list")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+
+    work = Path(tempfile.mkdtemp(prefix="specd-mutants-"))
+    try:
+        copy = make_copy(work)
+        check_imports_come_from(copy)
+        tests = sorted({t for m in chosen for t in m.tests if (copy / t.split("::")[0]).exists()})
+        print(f"baseline: {len(tests)} test files on the unmutated copy in {copy} …", flush=True)
+        ok, seconds, detail = run_tests(copy, tests)
+        if not ok:
+            print(f"baseline FAILED in {seconds:.0f} s: {detail}\nno mutation can be judged", flush=True)
+            return 2
+        print(f"baseline passed in {seconds:.0f} s", flush=True)
+        outcomes = [mutate_and_test(copy, m) for m in chosen]
+    finally:
+        if args.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    if args.json:
+        args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2) + "\n")
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("caught", "missed", "stale")}
+    line = f"mutations: {counts['caught']} caught, {counts['missed']} missed"
+    print(line + (f", {counts['stale']} stale" if counts["stale"] else ""))
+    return 0 if counts["caught"] == len(outcomes) else 1
+
+
+def make_copy(work: Path) -> Path:
+    """The repository's working tree (as it is, uncommitted changes included) under ``work/main``, with
+    ``../shared`` beside it when the checkout has one."""
+    copy = work / "main"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(*IGNORED), symlinks=True)
+    for name in LINKED:
+        if (REPO / name).exists():
+            (copy / name).symlink_to(REPO / name)
+    shared = REPO.parent / "shared"
+    if shared.is_dir():
+        (work / "shared").symlink_to(shared)
+    return copy
+
+
+def environment(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports_come_from(copy: Path) -> None:
+    """The editable install points at the checkout: make sure the copy's packages shadow it."""
+    probe = "import controller, decoder, specd_api; print(controller.__file__, decoder.__file__, specd_api.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=copy, env=environment(copy), capture_output=True,
+                         text=True, check=True).stdout.split()  # fmt: skip
+    strays = [f for f in out if not Path(f).resolve().is_relative_to(copy.resolve())]
+    if strays:
+        raise SystemExit(f"mutations: the copy's code is not what gets imported: {strays}")
+
+
+def run_tests(copy: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
+    """(all passed, seconds, the first failure or the tail of the output)."""
+    started = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", "--no-header", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=copy, env=environment(copy), capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, time.monotonic() - started, f"timed out after {TIMEOUT_S} s"
+    seconds = time.monotonic() - started
+    if proc.returncode == 0:
+        return True, seconds, ""
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.MULTILINE)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+    return False, seconds, failed[0] if failed else tail[0]
+
+
+def mutate_and_test(copy: Path, mutation: Mutation) -> Outcome:
+    path = copy / mutation.path
+    source = path.read_text()
+    found = source.count(mutation.original)
+    if found != 1:
+        outcome = Outcome(mutation.name, "stale", 0.0, f"{mutation.path}: the original occurs {found} times")
+        print(f"stale   {mutation.name:28} {outcome.detail}", flush=True)
+        return outcome
+    tests = [t for t in mutation.tests if (copy / t.split("::")[0]).exists()]
+    if not tests:
+        outcome = Outcome(mutation.name, "stale", 0.0, f"none of its tests exist: {', '.join(mutation.tests)}")
+        print(f"stale   {mutation.name:28} {outcome.detail}", flush=True)
+        return outcome
+    path.write_text(source.replace(mutation.original, mutation.mutant))
+    try:
+        passed, seconds, detail = run_tests(copy, tests)
+    finally:
+        path.write_text(source)
+    verdict = "missed" if passed else "caught"
+    outcome = Outcome(mutation.name, verdict, round(seconds, 1), detail or f"{len(tests)} test files passed")
+    print(f"{verdict:7} {mutation.name:28} {seconds:6.0f} s  {outcome.detail}", flush=True)
+    return outcome
+
+
+if __name__ == "__main__":
+    sys.exit(main())
