@@ -1,79 +1,71 @@
 """Contract 1 with sampling: speculative sampling's output is distributed exactly as the target's.
 
-On a tiny-vocabulary model the exact joint distribution of the first generated tokens can be computed
-by enumeration, and the empirical distribution of speculative samples is tested against it. The same
-test run with a wrong residual (sampling from p instead of max(0, p - q) after a rejection) must fail,
-which shows the test has the power to catch the classic bug.
+On a tiny-vocabulary model the exact joint distribution of the first generated tokens can be computed by
+enumeration (tests/decoder/distribution.py), and the empirical distribution of speculative samples is tested
+against it. Two views:
+
+* the first two tokens of a K=3 round, with drafts that are often rejected: the residual path;
+* every token of a K=2 round, the bonus token after full acceptance included, with a draft that agrees with the
+  target often: the bonus path.
+
+Each view is also run with a bug planted (tests/decoder/distribution.py): a wrong residual in the first, the bonus
+token drawn from the previous position in the second. It must fail then, which shows the test has the power to catch
+that bug. (The rejected draft token kept by an off-by-one is test_batch_distribution.py's to catch.)
 """
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-import decoder.acceptance
 from decoder.drafters import DraftModelDrafter
 from decoder.engine import SpeculativeDecoder
-from decoder.models import from_objects
+from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams, logits_to_probs
 from decoder.stopping import StopRules
-from decoder.tiny import build_model
 from specd_api.plan import Plan
+from tests.conftest import perturbed_copy
+from tests.decoder.distribution import (
+    PROMPT,
+    REJECT_BELOW,
+    Outcome,
+    chi_square_pvalue,
+    exact_distribution,
+    plant,
+    small_vocab_lm,
+    small_vocab_tokenizer,
+)
 
-VOCAB = 6
-PROMPT = [1, 4, 2, 5, 3]
 NUM_TOKENS = 2  # joint distribution of the first two generated tokens: 36 cells
 SAMPLES = 2000
+ROUND_K = 2  # a whole round: K = 2 drafts and the bonus token, 216 cells
+ROUND_SAMPLES = 400
+PLAIN_SAMPLES = 300
 
 
 @pytest.fixture(scope="module")
-def small_vocab_pair():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
-    target = from_objects(build_model("llama", VOCAB, seed=0).double(), tokenizer, "target")
-    draft = from_objects(build_model("llama", VOCAB, seed=1, hidden=32, layers=1).double(), tokenizer, "draft")
-    return target, draft
+def small_vocab_pair() -> tuple[LoadedModel, LoadedModel]:
+    tokenizer = small_vocab_tokenizer()
+    return small_vocab_lm(tokenizer, 0, "target"), small_vocab_lm(tokenizer, 1, "draft", hidden=32, layers=1)
 
 
-def exact_joint(target, params: SamplingParams) -> np.ndarray:
-    """P(x1, x2 | PROMPT) under the target, by enumeration."""
-    prefixes = torch.tensor([[*PROMPT, x1] for x1 in range(VOCAB)])  # [VOCAB, len + 1]
-    with torch.no_grad():
-        logits = target.model(prefixes).logits.float()  # [VOCAB, len + 1, vocab]
-    p1 = logits_to_probs(logits[0, -2:-1], params)[0]  # [vocab]  after the prompt
-    p2 = logits_to_probs(logits[:, -1], params)  # [vocab(x1), vocab(x2)]
-    return (p1[:, None] * p2).numpy().ravel()
+@pytest.fixture(scope="module")
+def near_draft(small_vocab_pair) -> LoadedModel:
+    """The target with noise on its weights: about two first rounds of K=2 in three are fully accepted."""
+    return perturbed_copy(small_vocab_pair[0], scale=0.3, seed=3)
 
 
-def sampled_joint(decoder: SpeculativeDecoder, drafter: str, params: SamplingParams) -> np.ndarray:
-    counts = np.zeros(VOCAB**NUM_TOKENS)
+def sampled_joint(decoder: SpeculativeDecoder, drafter: str, params: SamplingParams) -> list[Outcome]:
     rules = StopRules(max_new_tokens=NUM_TOKENS + 2)  # K = 3 in the first round: the residual path matters
+    samples = []
     for seed in range(SAMPLES):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        tokens = decoder.generate(PROMPT, drafter, 3, p, rules).token_ids[:NUM_TOKENS]
-        counts[tokens[0] * VOCAB + tokens[1]] += 1
-    return counts
+        samples.append(tuple(decoder.generate(list(PROMPT), drafter, 3, p, rules).token_ids[:NUM_TOKENS]))
+    return samples
 
 
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    probs = probs.astype(np.float64) / probs.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0  # a token the target can never produce was sampled
-    expected = probs * counts.sum()
-    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
-    observed, expected = counts[keep], expected[keep]
-    if probs[~keep].sum() > 0:
-        observed = np.append(observed, counts[~keep].sum())
-        expected = np.append(expected, probs[~keep].sum() * counts.sum())
-    expected *= observed.sum() / expected.sum()  # float rounding only; chisquare checks the totals agree
-    return float(chisquare(observed, expected).pvalue)
+def exact_joint(target: LoadedModel, params: SamplingParams, num_tokens: int = NUM_TOKENS) -> dict[Outcome, float]:
+    return exact_distribution(target, PROMPT, params, num_tokens)
 
 
 CASES = [
@@ -87,18 +79,66 @@ CASES = [
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, drafter, params):
     target, draft = small_vocab_pair
     decoder = SpeculativeDecoder(target, draft)
-    counts = sampled_joint(decoder, drafter, params)
-    pvalue = chi_square_pvalue(counts, exact_joint(target, params))
-    assert pvalue > 1e-3, f"samples do not follow the target distribution (chi-square p = {pvalue:.2e})"
+    pvalue = chi_square_pvalue(sampled_joint(decoder, drafter, params), exact_joint(target, params))
+    assert pvalue > REJECT_BELOW, f"samples do not follow the target distribution (chi-square p = {pvalue:.2e})"
 
 
 def test_a_wrong_residual_is_detected(small_vocab_pair, monkeypatch):
     target, draft = small_vocab_pair
-    monkeypatch.setattr(decoder.acceptance, "residual_distribution", lambda p, q, draft_token: p)
+    plant(monkeypatch, "residual-is-p")
     params = SamplingParams(temperature=1.0)
-    counts = sampled_joint(SpeculativeDecoder(target, draft), "draft", params)
-    pvalue = chi_square_pvalue(counts, exact_joint(target, params))
-    assert pvalue < 1e-3, f"the test cannot tell a wrong residual from the right one (p = {pvalue:.2e})"
+    samples = sampled_joint(SpeculativeDecoder(target, draft), "draft", params)
+    pvalue = chi_square_pvalue(samples, exact_joint(target, params))
+    assert pvalue < REJECT_BELOW, f"the test cannot tell a wrong residual from the right one (p = {pvalue:.2e})"
+
+
+# -- every token of a round, the bonus token included ------------------------------------------------------------
+
+
+def sampled_rounds(decoder: SpeculativeDecoder) -> tuple[list[Outcome], float]:
+    """The K + 1 tokens of the first round of ROUND_SAMPLES seeded requests, and the share of those rounds that
+    were fully accepted (so ended with a bonus token drawn from p_K)."""
+    rules = StopRules(max_new_tokens=ROUND_K + 1)  # the first round runs at K = 2 and can emit all 3 tokens
+    samples, full = [], 0
+    for seed in range(ROUND_SAMPLES):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        result = decoder.generate(list(PROMPT), "draft", ROUND_K, params, rules)
+        first = result.stats.rounds[0]
+        assert first.k == first.num_drafted == ROUND_K, first
+        full += first.num_accepted == first.num_drafted
+        samples.append(tuple(result.token_ids))
+    return samples, full / ROUND_SAMPLES
+
+
+def test_every_token_of_a_round_matches_target_distribution(small_vocab_pair, near_draft):
+    target = small_vocab_pair[0]
+    samples, full_share = sampled_rounds(SpeculativeDecoder(target, near_draft))
+    pvalue = chi_square_pvalue(samples, exact_joint(target, SamplingParams(temperature=1.0), ROUND_K + 1))
+    assert pvalue > REJECT_BELOW, f"a round's tokens do not follow the target's distribution (p = {pvalue:.2e})"
+    # Both ends of a round are exercised: the bonus token after full acceptance, and the residual after a rejection.
+    assert 0.5 <= full_share <= 0.9, f"{full_share:.0%} of the rounds were fully accepted"
+
+
+def test_a_bonus_token_from_the_wrong_position_is_detected(small_vocab_pair, near_draft, monkeypatch):
+    target = small_vocab_pair[0]
+    plant(monkeypatch, "bonus-from-position-k-1")
+    samples, _ = sampled_rounds(SpeculativeDecoder(target, near_draft))
+    pvalue = chi_square_pvalue(samples, exact_joint(target, SamplingParams(temperature=1.0), ROUND_K + 1))
+    assert pvalue < REJECT_BELOW, f"the round test cannot tell the bonus token's position (p = {pvalue:.2e})"
+
+
+def test_plain_sampling_matches_the_enumeration(small_vocab_pair):
+    # The reference checked against itself: the target alone (no drafter) samples what the enumeration says, so a
+    # wrong position in the enumeration cannot pass for a speculative bug, nor hide one.
+    target = small_vocab_pair[0]
+    decoder = SpeculativeDecoder(target)
+    rules = StopRules(max_new_tokens=ROUND_K + 1)
+    samples = [
+        tuple(decoder.generate(list(PROMPT), "none", 0, SamplingParams(temperature=1.0, seed=s), rules).token_ids)
+        for s in range(PLAIN_SAMPLES)
+    ]
+    pvalue = chi_square_pvalue(samples, exact_joint(target, SamplingParams(temperature=1.0), ROUND_K + 1))
+    assert pvalue > REJECT_BELOW, f"the target's own samples disagree with the enumeration (p = {pvalue:.2e})"
 
 
 def test_seeded_runs_are_reproducible(small_vocab_pair):
@@ -106,16 +146,14 @@ def test_seeded_runs_are_reproducible(small_vocab_pair):
     decoder = SpeculativeDecoder(target, draft)
     rules = StopRules(max_new_tokens=12)
     runs = [
-        decoder.generate(PROMPT, "draft", 4, SamplingParams(temperature=1.0, seed=s), rules).token_ids
+        decoder.generate(list(PROMPT), "draft", 4, SamplingParams(temperature=1.0, seed=s), rules).token_ids
         for s in (42, 42, 43)
     ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
 
 
-def test_the_enumeration_is_a_distribution(small_vocab_pair):
-    joint = exact_joint(small_vocab_pair[0], SamplingParams(temperature=1.0))
-    assert joint.sum() == pytest.approx(1.0) and len(list(itertools.product(range(VOCAB), repeat=2))) == joint.size
+# -- draft rounds stopped by the draft's confidence ------------------------------------------------------------------
 
 
 def stopping_pair(small_vocab_pair, threshold: float) -> SpeculativeDecoder:
@@ -134,12 +172,11 @@ def test_a_draft_stopped_by_its_confidence_stays_exact(small_vocab_pair, thresho
     # it samples, so shorter drafts keep the target's distribution.
     decoder = stopping_pair(small_vocab_pair, threshold)
     params = SamplingParams(temperature=1.0)
-    counts = sampled_joint(decoder, "draft", params)
-    pvalue = chi_square_pvalue(counts, exact_joint(small_vocab_pair[0], params))
-    assert pvalue > 1e-3, f"a stopped draft changed the distribution (chi-square p = {pvalue:.2e})"
+    pvalue = chi_square_pvalue(sampled_joint(decoder, "draft", params), exact_joint(small_vocab_pair[0], params))
+    assert pvalue > REJECT_BELOW, f"a stopped draft changed the distribution (chi-square p = {pvalue:.2e})"
     # and the rule really stopped rounds short (else this test proves nothing)
     rules = StopRules(max_new_tokens=NUM_TOKENS + 2)
-    stats = [decoder.generate(PROMPT, "draft", 3, SamplingParams(1.0, seed=s), rules).stats for s in range(50)]
+    stats = [decoder.generate(list(PROMPT), "draft", 3, SamplingParams(1.0, seed=s), rules).stats for s in range(50)]
     assert any(r.num_drafted < r.k for st in stats for r in st.rounds)
 
 
@@ -157,4 +194,4 @@ def test_stopping_on_the_sampled_tokens_own_probability_is_detected(small_vocab_
     decoder = stopping_pair(small_vocab_pair, 0.3)
     params = SamplingParams(temperature=1.0)
     pvalue = chi_square_pvalue(sampled_joint(decoder, "draft", params), exact_joint(small_vocab_pair[0], params))
-    assert pvalue < 1e-3, f"the test cannot tell the biased stop rule from the exact one (p = {pvalue:.2e})"
+    assert pvalue < REJECT_BELOW, f"the test cannot tell the biased stop rule from the exact one (p = {pvalue:.2e})"
