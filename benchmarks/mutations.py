@@ -51,7 +51,9 @@ class Mutation:
 
 DISTRIBUTION = ("tests/decoder/test_distribution.py", "tests/decoder/test_batch_distribution.py")
 GREEDY = ("tests/decoder/test_exactness.py", "tests/decoder/test_independent_reference.py")
-COSTS = ("tests/controller/test_simulation.py", "tests/worker/test_costs.py", "tests/controller/test_decide.py")
+# tests/worker/test_costs.py guards the cost path too, but it times real passes: it belongs on a quiet machine, and
+# this check must give the same verdicts on a busy one.
+COSTS = ("tests/controller/test_simulation.py", "tests/controller/test_decide.py")
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -98,7 +100,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "dedup-off",
         "controller/store.py",
-        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then",
+        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then",
         "if false then",
         ("tests/controller/test_store.py",),
         "a retried report (same report_id) is counted again",
@@ -106,7 +108,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "dedup-ttl-1s",
         "controller/store.py",
-        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then",
+        "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then",
         "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', 1) == false then",
         ("tests/controller/test_store.py",),
         "the dedup marker expires after 1 s, so a retry after a short outage counts twice",

@@ -1,4 +1,7 @@
-"""`specd controller`, `specd alpha`, `specd segments`, `specd policy`: the daemon and its clients."""
+"""`specd controller`, `specd alpha`, `specd segments`, `specd costs`, `specd policy`: the daemon and its clients.
+
+The client commands reach the controller at ``--address`` (else $SPECD_CONTROLLER, else 127.0.0.1:50061), over TLS
+and with a bearer token when asked to, by flags or by the environment (``CREDENTIAL_ENV``), flags first."""
 
 from __future__ import annotations
 
@@ -12,9 +15,21 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from specd_api.errors import SpecdError
+from specd_api.errors import SpecdError, UsageError
+from specd_api.security import ControllerCredentials, controller_channel
+from specd_api.targets import parse_target
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
+# flag -> the environment variable it defaults to
+CREDENTIAL_ENV = {
+    "tls": "SPECD_CONTROLLER_TLS",
+    "ca_file": "SPECD_CONTROLLER_CA",
+    "cert_file": "SPECD_CONTROLLER_CERT",
+    "key_file": "SPECD_CONTROLLER_KEY",
+    "server_name": "SPECD_CONTROLLER_SERVER_NAME",
+    "token_file": "SPECD_CONTROLLER_TOKEN_FILE",
+}
+TOKEN_ENV = "SPECD_CONTROLLER_TOKEN"  # the token itself, when there is no token file
 
 
 class ControllerUnreachable(SpecdError):
@@ -27,21 +42,20 @@ def add_parsers(commands: Any) -> None:
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(handler=run_daemon)
 
-    address_help = f"controller address (default: $SPECD_CONTROLLER or {DEFAULT_ADDRESS})"
     p = commands.add_parser("alpha", help="per-segment acceptance rates learned by the controller")
     p.add_argument("segment", nargs="?", help="one segment (default: all)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--address", help=address_help)
+    add_connection_args(p)
     p.set_defaults(handler=run_alpha)
 
     p = commands.add_parser("costs", help="the costs the controller learned: target step, c and v(n) per batch bucket")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--address", help=address_help)
+    add_connection_args(p)
     p.set_defaults(handler=run_costs)
 
     p = commands.add_parser("segments", help="the segments the controller knows, with their decisions")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--address", help=address_help)
+    add_connection_args(p)
     p.set_defaults(handler=run_segments)
 
     p = commands.add_parser("policy", help="check, show or reload the policy")
@@ -51,8 +65,48 @@ def add_parsers(commands: Any) -> None:
     check.add_argument("files", nargs="+", metavar="FILE")
     for name, text in (("show", "print the policy in force"), ("reload", "make the daemon re-read its policy")):
         sub = actions.add_parser(name, help=text)
-        sub.add_argument("--address", help=address_help)
+        add_connection_args(sub)
     p.set_defaults(handler=run_policy)
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help=f"controller address (default: $SPECD_CONTROLLER or {DEFAULT_ADDRESS})")
+    group = p.add_argument_group("controller credentials (each flag defaults to the environment variable named)")
+    env = CREDENTIAL_ENV
+    tls_help = f"TLS, trusting the system's roots (${env['tls']}=1); the flags below imply it"
+    group.add_argument("--tls", action="store_true", default=None, help=tls_help)
+    group.add_argument("--ca-file", help=f"PEM: the CA the controller's certificate must chain to (${env['ca_file']})")
+    group.add_argument("--cert-file", help=f"PEM: this client's certificate, for mutual TLS (${env['cert_file']})")
+    group.add_argument("--key-file", help=f"PEM: its private key (${env['key_file']})")
+    group.add_argument("--server-name", help=f"check the certificate for this name (${env['server_name']})")
+    group.add_argument("--token-file", help=f"a file holding the bearer token (${env['token_file']}; else the "
+                                            f"token itself in ${TOKEN_ENV})")  # fmt: skip
+
+
+def credentials(args: argparse.Namespace) -> ControllerCredentials | None:
+    """The TLS settings and token the flags or the environment give; None: plaintext, no token. A bad file fails
+    here, in one line that names the flag (or variable) and the file."""
+    from pydantic import ValidationError
+
+    flags = {name: getattr(args, name, None) for name in CREDENTIAL_ENV}
+    given = {name: flags[name] or os.environ.get(variable) for name, variable in CREDENTIAL_ENV.items()}
+    tls = {key: given[key] for key in ("ca_file", "cert_file", "key_file", "server_name") if given[key]}
+    use_tls = bool(tls) or str(given["tls"] or "").lower() in ("1", "true", "yes")
+    token: dict[str, str] | None = None
+    if given["token_file"]:
+        token = {"file": given["token_file"]}
+    elif os.environ.get(TOKEN_ENV):
+        token = {"env": TOKEN_ENV}
+    if not use_tls and token is None:
+        return None
+    try:
+        return ControllerCredentials.model_validate({"tls": tls if use_tls else None, "token": token})
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        name = {"token": "token_file", "tls": "cert_file"}.get(str(first["loc"][-1]), str(first["loc"][-1]))
+        from_flag = flags.get(name) or name not in CREDENTIAL_ENV
+        where = f"--{name.replace('_', '-')}" if from_flag else f"${CREDENTIAL_ENV[name]}"
+        raise UsageError(f"{where}: {str(first['msg']).removeprefix('Value error, ')}") from None
 
 
 def run_daemon(args: argparse.Namespace) -> int:
@@ -63,30 +117,48 @@ def run_daemon(args: argparse.Namespace) -> int:
     return ControllerDaemon(load_config(args.config)).run()
 
 
-def _stub(address: str | None) -> Any:
+def _call(args: argparse.Namespace, method: str, request: Any) -> Any:
     from specd_api.v1 import controller_pb2_grpc
 
-    channel = grpc.insecure_channel(address or os.environ.get("SPECD_CONTROLLER") or DEFAULT_ADDRESS)
-    return controller_pb2_grpc.ControllerStub(channel)
-
-
-def _call(address: str | None, method: str, request: Any) -> Any:
+    where = args.address or os.environ.get("SPECD_CONTROLLER") or DEFAULT_ADDRESS
     try:
-        return getattr(_stub(address), method)(request, timeout=10)
-    except grpc.RpcError as e:
-        where = address or os.environ.get("SPECD_CONTROLLER") or DEFAULT_ADDRESS
-        if e.code() == grpc.StatusCode.UNAVAILABLE:
-            raise ControllerUnreachable(f"no controller answers at {where} ({e.details()})") from None
-        raise SpecdError(f"{method} failed: {e.code().name}: {e.details()}") from None
+        parse_target(where, "--address" if args.address else "$SPECD_CONTROLLER")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    creds = credentials(args)
+    with controller_channel(where, creds) as channel:
+        try:
+            return getattr(controller_pb2_grpc.ControllerStub(channel), method)(request, timeout=10)
+        except grpc.RpcError as e:
+            raise call_error(e, method, where, creds) from None
+
+
+def call_error(e: grpc.RpcError, method: str, where: str, creds: ControllerCredentials | None) -> SpecdError:
+    """One line for a failed call, saying what to check."""
+    code, details = (e.code(), e.details()) if isinstance(e, grpc.Call) else (None, str(e))
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake" in (details or "").lower():
+        return ControllerUnreachable(f"the TLS handshake with {where} failed ({details}): check --ca-file, "
+                                     "--cert-file/--key-file, and whether the controller speaks TLS")  # fmt: skip
+    no_client_certificate = creds is not None and creds.tls is not None and creds.tls.cert_file is None
+    if code == grpc.StatusCode.UNAVAILABLE and no_client_certificate:
+        hint = "one that asks for client certificates closes connections without: --cert-file, --key-file"
+        return ControllerUnreachable(f"no controller answers at {where} over TLS ({details}); {hint}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ControllerUnreachable(f"no controller answers at {where} ({details})")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return SpecdError(f"the controller at {where} refused {method}: {details} (--token-file or ${TOKEN_ENV})")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return SpecdError(f"the controller at {where} refused {method}: {details}")
+    return SpecdError(f"{method} failed: {code.name if code else 'error'}: {details}")
 
 
 def run_alpha(args: argparse.Namespace) -> int:
     from specd_api.v1 import controller_pb2 as pb
 
     if args.segment:
-        segments = [_call(args.address, "GetSegmentStats", pb.GetSegmentStatsRequest(segment=args.segment))]
+        segments = [_call(args, "GetSegmentStats", pb.GetSegmentStatsRequest(segment=args.segment))]
     else:
-        segments = list(_call(args.address, "ListSegments", pb.ListSegmentsRequest()).segments)
+        segments = list(_call(args, "ListSegments", pb.ListSegmentsRequest()).segments)
     if args.json:
         print(json.dumps([segment_summary(s) for s in segments], indent=2))
         return 0
@@ -136,7 +208,7 @@ def describe_drift(alarm: Any) -> str:
 def run_costs(args: argparse.Namespace) -> int:
     from specd_api.v1 import controller_pb2 as pb
 
-    model = _call(args.address, "GetCosts", pb.GetCostsRequest())
+    model = _call(args, "GetCosts", pb.GetCostsRequest())
     if args.json:
         print(json.dumps(MessageToDict(model, preserving_proto_field_name=True), indent=2))
         return 0
@@ -155,7 +227,7 @@ def run_costs(args: argparse.Namespace) -> int:
 def run_segments(args: argparse.Namespace) -> int:
     from specd_api.v1 import controller_pb2 as pb
 
-    segments = list(_call(args.address, "ListSegments", pb.ListSegmentsRequest()).segments)
+    segments = list(_call(args, "ListSegments", pb.ListSegmentsRequest()).segments)
     if args.json:
         print(json.dumps([segment_summary(s) for s in segments], indent=2))
         return 0
@@ -174,11 +246,11 @@ def run_policy(args: argparse.Namespace) -> int:
     if args.action == "check":
         return check_policies(args.files)
     if args.action == "show":
-        info = _call(args.address, "GetPolicy", pb.GetPolicyRequest())
+        info = _call(args, "GetPolicy", pb.GetPolicyRequest())
         print(f"# version {info.version} from {info.path}")
         print(info.text, end="" if info.text.endswith("\n") else "\n")
         return 0
-    info = _call(args.address, "ReloadPolicy", pb.ReloadPolicyRequest())
+    info = _call(args, "ReloadPolicy", pb.ReloadPolicyRequest())
     print(f"policy reloaded: version {info.version} from {info.path}")
     return 0
 

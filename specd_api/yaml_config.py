@@ -85,10 +85,16 @@ class ConfigError(SpecdError):
         super().__init__("\n".join(str(issue) for issue in self.issues))
 
 
+# The validation context's key for the folder of the file being read: a validator that resolves a relative path (a
+# certificate, a token file) resolves it there, as every path in a config file is meant.
+CONFIG_DIR = "config_dir"
+
+
 def load_yaml_model(path: str | Path, model: type[M], limits: YamlLimits = DEFAULT_LIMITS) -> tuple[M, str]:
     """Read, parse and validate `path` as `model`. Returns (instance, text). Raises ConfigError."""
     text = read_yaml_text(path, limits)
-    return parse_yaml_model(text, model, str(path), limits), text
+    context = {CONFIG_DIR: Path(path).resolve().parent}
+    return parse_yaml_model(text, model, str(path), limits, context), text
 
 
 def read_yaml_text(path: str | Path, limits: YamlLimits = DEFAULT_LIMITS) -> str:
@@ -141,8 +147,11 @@ def _decode(data: bytes, source: str) -> str:
         raise ConfigError([ConfigIssue(source, line, "", message)]) from None
 
 
-def parse_yaml_model(text: str, model: type[M], source: str, limits: YamlLimits = DEFAULT_LIMITS) -> M:
-    """Parse and validate YAML `text` as `model`; `source` names the text in messages. Raises ConfigError."""
+def parse_yaml_model(
+    text: str, model: type[M], source: str, limits: YamlLimits = DEFAULT_LIMITS, context: dict[str, Any] | None = None
+) -> M:
+    """Parse and validate YAML `text` as `model`; `source` names the text in messages, `context` is pydantic's
+    validation context (`CONFIG_DIR`: the folder relative paths are taken from). Raises ConfigError."""
     if len(text) > limits.max_bytes or len(text.encode("utf-8", "surrogatepass")) > limits.max_bytes:
         message = f"the text is larger than {limits.max_bytes} bytes (the limit)"
         raise ConfigError([ConfigIssue(source, None, "", message)])
@@ -161,7 +170,7 @@ def parse_yaml_model(text: str, model: type[M], source: str, limits: YamlLimits 
         issues.append(ConfigIssue(source, _line(root), "", message))
         raise ConfigError(issues)
     try:
-        instance = model.model_validate(data)
+        instance = model.model_validate(data, context=context)
     except ValidationError as exc:
         issues.extend(_validation_issues(exc, root, source))
         raise ConfigError(sorted(issues, key=_issue_order)) from exc

@@ -25,6 +25,7 @@ from controller.client.fallback import DecisionMemory, fallback_cause
 from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregates
 from specd_api.checks import check_aggregate
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
+from specd_api.security import controller_channel
 from specd_api.spans import plan_attributes
 from specd_api.tracing import metadata_with_context
 from specd_api.v1 import controller_pb2 as pb
@@ -33,7 +34,10 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 log = logging.getLogger("specd.controller.client")
 DECIDE_SPAN = "specd.controller.decide"
 # A report the controller refused as invalid is refused again on every retry: give it up (and count it).
-NOT_RETRIED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
+NOT_RETRIED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
+# The controller refused this client's credentials: a setting to fix on one side or the other, after which the same
+# report is accepted. Decisions fall back, reports stay buffered (bounded) and are retried; logged once, not per call.
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 NOT_CONNECTED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 MAX_GRPC_MS = 2**31 - 1
 
@@ -107,7 +111,8 @@ class ControllerClient:
         self._decisions = 0
         self._fallbacks: Counter[str] = Counter()
         self._reports_invalid = 0
-        self._reachable = True  # for logging the changes only
+        self._decide_state = "answered"  # "answered" | "refused" | "fallback": logged when it changes, not per call
+        self._reports_refused = False  # likewise
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -115,7 +120,7 @@ class ControllerClient:
         """Open the channel and start connecting (without waiting), and start the background reporter."""
         if self._channel is not None:
             raise RuntimeError("ControllerClient.start() was called twice")
-        self._channel = grpc.insecure_channel(self.config.address, options=channel_options(self.config))
+        self._channel = controller_channel(self.config.address, self.config.credentials, channel_options(self.config))
         self._stub = pb_grpc.ControllerStub(self._channel)
         # Any call makes an idle channel connect; this one's answer is not needed. (Not channel.subscribe: its
         # polling thread raises when the channel is closed soon after.)
@@ -221,20 +226,27 @@ class ControllerClient:
                 self._count_decision(None, "")
                 return plan
         cause = fallback_cause(code)
-        self._count_decision(cause, detail)
+        self._count_decision(cause, detail, code)
         return fallback_plan(
             self._memory.recall(segment), self._default, drafters, batch_size, self.config.fallback_max_batch_size,
             cause, time.perf_counter() - start,
         )  # fmt: skip
 
-    def _count_decision(self, cause: Fallback | None, detail: str) -> None:
+    def _count_decision(self, cause: Fallback | None, detail: str, code: grpc.StatusCode | None = None) -> None:
         with self._lock:
             self._decisions += 1
             if cause is not None:
                 self._fallbacks[cause] += 1
-            changed = self._reachable != (cause is None)
-            self._reachable = cause is None
-        if changed and cause is not None:
+            state = "answered" if cause is None else "refused" if code in REFUSED else "fallback"
+            changed, self._decide_state = self._decide_state != state, state
+        if changed and state == "refused":
+            assert code is not None
+            log.error(
+                "controller at %s refused this worker's credentials for Decide (%s: %s): deciding locally until it "
+                "accepts them; check the token and TLS settings (%s)",
+                self.config.address, code.name, detail, self._credentials(),
+            )  # fmt: skip
+        elif changed and cause is not None:
             log.warning("controller at %s did not answer (%s: %s): using fallbacks", self.config.address, cause, detail)
         elif changed:
             log.info("controller at %s answers again", self.config.address)
@@ -319,11 +331,32 @@ class ControllerClient:
                 log.error("controller refused report %s (%s): dropped", pending.report_id, e)
                 self._buffer.rejected(pending)
                 return True
+            if code in REFUSED:
+                self._note_reports_refused(code, e.details() if isinstance(e, grpc.Call) else str(e))
             self._buffer.failed()
             log.debug("report %s not delivered (%s): will retry", pending.report_id, code)
             return False
         self._buffer.acknowledged(pending)
+        self._note_reports_refused(None, "")
         return True
+
+    def _note_reports_refused(self, code: grpc.StatusCode | None, detail: str) -> None:
+        """Log when the controller starts or stops refusing this client's reports for its credentials."""
+        with self._lock:
+            changed = self._reports_refused != (code is not None)
+            self._reports_refused = code is not None
+        if changed and code is not None:
+            log.error(
+                "controller at %s refused this worker's credentials for ReportRounds (%s: %s): reports stay buffered "
+                "(up to %d aggregates) and are retried; check the token and TLS settings (%s)",
+                self.config.address, code.name, detail, self._buffer.capacity, self._credentials(),
+            )  # fmt: skip
+        elif changed:
+            log.info("controller at %s accepts this worker's reports again", self.config.address)
+
+    def _credentials(self) -> str:
+        credentials = self.config.credentials
+        return credentials.describe() if credentials is not None else "plaintext, no token"
 
     # --- counters -----------------------------------------------------------------------------------
 

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 from specd_api.checks import MAX_AGGREGATES, MAX_K
 from specd_api.plan import DRAFTER_NAMES
+from specd_api.security import ControllerCredentials
+from specd_api.targets import check_address
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    address: str  # "127.0.0.1:50061"
+    address: str  # "127.0.0.1:50061"; replicas: "10.0.0.1:50061,10.0.0.2:50061" (round_robin, specd_api/targets.py)
     worker_id: str
     decide_deadline_ms: float = 5.0  # the gRPC deadline of Decide
     default_drafter: str = "none"  # local default plan when no plan was ever seen for a segment
@@ -25,10 +27,11 @@ class ClientConfig:
     report_timeout_s: float = 2.0
     retry_backoff_s: tuple[float, float] = (0.1, 5.0)  # exponential backoff min/max between failed sends
     reconnect_backoff_s: tuple[float, float] = (0.1, 1.0)  # gRPC reconnect backoff: how soon a restart is seen
+    credentials: ControllerCredentials | None = None  # TLS and a token (files checked when made); None: plaintext
 
     def __post_init__(self) -> None:
-        if not self.address:
-            raise ValueError("address must be host:port, got an empty string")
+        tls = self.credentials.tls if self.credentials is not None else None
+        check_address(self.address, "address", tls.server_name if tls is not None else None, tls is not None)
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
         _positive("decide_deadline_ms", self.decide_deadline_ms)

@@ -17,6 +17,7 @@ from opentelemetry import propagate
 from starlette.exceptions import HTTPException
 
 from decoder.sampling import SamplingParams
+from decoder.worker.auth import ApiKeyCheck
 from decoder.worker.config import SEGMENT_PATTERN
 from decoder.worker.limits import BodyLimit, clip, quote
 from decoder.worker.openai_api import (
@@ -62,6 +63,10 @@ def build_app(service: WorkerService) -> FastAPI:
         BodyLimit, max_bytes=limits.max_request_bytes,
         error=lambda message: error(413, message, "invalid_request_error"),
     )  # fmt: skip
+    if cfg.auth.api_key is not None:  # added last, so it runs first: no key, no body read
+        open_paths = [path for path, access in (("/health", cfg.auth.health), ("/metrics", cfg.auth.metrics))
+                      if access == "open"]  # fmt: skip
+        app.add_middleware(ApiKeyCheck, key=cfg.auth.api_key.reveal(), open_paths=open_paths)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,6 +1,7 @@
 """The worker's configuration (configs/worker.yaml), parsed once at start-up.
 
-Relative paths (models, the file exporter's endpoint) are resolved against the file's own folder.
+Relative paths (models, the file exporter's endpoint, certificates and token files) are resolved against the file's
+own folder. Certificate, key and token files are checked, and the tokens read, when the file is loaded.
 """
 
 from __future__ import annotations
@@ -8,27 +9,66 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from specd_api.config_base import Strict, TelemetryConfig
+from specd_api.security import ClientTls, ControllerCredentials, Secret
+from specd_api.targets import check_address, parse_target
 from specd_api.yaml_config import load_yaml_model
 
 SEGMENT_PATTERN = r"^[A-Za-z0-9_.:/-]{1,128}$"
 
 
 class ControllerLink(Strict):
-    address: str | None = Field("127.0.0.1:50061", description="the controller's host:port; null: no controller")
+    address: str | None = Field(
+        "127.0.0.1:50061",
+        description="the controller's host:port, or replicas as IP:port,IP:port (round_robin); null: no controller",
+    )
     decide_deadline_ms: float = Field(5.0, gt=0, le=10_000)
     default_drafter: Literal["draft", "prompt_lookup", "none"] = "none"
     default_num_draft_tokens: int = Field(0, ge=0, le=32)
     report_interval_seconds: float = Field(0.5, gt=0)
     max_buffered_aggregates: int = Field(10_000, ge=1)
+    tls: ClientTls | None = Field(None, description="null: plaintext; set: TLS (with cert_file/key_file: mutual TLS)")
+    token: Secret | None = Field(None, description="sent as 'authorization: Bearer'; the controller's write token "
+                                                   "(a worker reports rounds)")  # fmt: skip
+
+    def credentials(self) -> ControllerCredentials | None:
+        if self.tls is None and self.token is None:
+            return None
+        return ControllerCredentials(tls=self.tls, token=self.token)
+
+    @field_validator("address")
+    @classmethod
+    def _address_is_a_target(cls, address: str | None) -> str | None:
+        if address is not None:
+            parse_target(address, "")
+        return address
+
+    @model_validator(mode="after")
+    def _address_dialable_with_tls(self) -> ControllerLink:
+        if self.address is not None:
+            server_name = self.tls.server_name if self.tls is not None else None
+            check_address(self.address, "address", server_name, self.tls is not None)
+        return self
 
     @model_validator(mode="after")
     def _default_k_fits_drafter(self) -> ControllerLink:
         if (self.default_drafter == "none") != (self.default_num_draft_tokens == 0):
             raise ValueError("default_num_draft_tokens must be 0 exactly when default_drafter is none")
         return self
+
+
+Access = Literal["open", "protected"]
+
+
+class ApiAuth(Strict):
+    """An API key for the HTTP API, OpenAI style (``Authorization: Bearer <key>``); none: every route is open.
+    With a key, every route needs it but /health and /metrics, which are each ``open`` or ``protected``."""
+
+    api_key: Secret | None = Field(None, description="a file or an environment variable holding the key")
+    health: Access = Field("open", description="/health: open by default, for load balancers and probes")
+    metrics: Access = Field("protected", description="/metrics: Prometheus sends the key with `authorization:`")
 
 
 class WorkerTelemetry(TelemetryConfig):
@@ -87,6 +127,7 @@ class WorkerConfig(Strict):
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
     metrics: MetricsSettings = Field(default_factory=lambda: MetricsSettings())
     controller: ControllerLink = Field(default_factory=lambda: ControllerLink())
+    auth: ApiAuth = Field(default_factory=lambda: ApiAuth())
     telemetry: WorkerTelemetry = Field(default_factory=lambda: WorkerTelemetry())
 
     def resolve(self, base: Path) -> WorkerConfig:

@@ -129,6 +129,7 @@ class WorkerService:
                     fallback_max_batch_size=cfg.speculation_max_batch,
                     report_interval_s=link.report_interval_seconds,
                     max_buffered_aggregates=link.max_buffered_aggregates,
+                    credentials=link.credentials(),
                 ),
                 tracer=self.tracer if exporter is not None else None,
             )

@@ -311,6 +311,8 @@ BAD_CONFIGS = [
     pytest.param({"max_aggregates_per_report": 10_001}, "max_aggregates_per_report", id="report-too-big"),
     pytest.param({"retry_backoff_s": (1.0, 0.5)}, "retry_backoff_s", id="backoff-max-below-min"),
     pytest.param({"worker_id": ""}, "worker_id", id="no-worker-id"),
+    # replicas are listed as IP:port (test_targets.py has the rest of the rules)
+    pytest.param({"address": "127.0.0.1:1,"}, "address", id="stray-comma-in-replicas"),
 ]
 
 

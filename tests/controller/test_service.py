@@ -686,7 +686,7 @@ def test_stored_data_never_breaks_a_decision(fresh, embedded_redis_url, poison):
     stub.ReportRounds(report(draft_aggregate("poisoned")), timeout=RPC_TIMEOUT)
     wait_for_stats(stub, "poisoned", lambda s: s.rounds >= 10)
     client = make_client(embedded_redis_url, 2.0)
-    [key] = list(client.scan_iter("*:seg:poisoned:*"))
+    [key] = list(client.scan_iter("*:seg:{poisoned}:*"))  # the segment's hash tag (controller/store.py)
     client.hset(key, mapping=poison)
     for k in client.scan_iter("*:cost:*"):
         # zero seconds for 9 rounds (a step of 0 s), negative drafting time (numbers, so later reports still add)

@@ -78,7 +78,7 @@ def small(segment: str = "chat", k: int = 2, rounds: int = 1, accepted: int = 1)
 
 def raw_bucket(client: redis.Redis, store: TelemetryStore, segment: str, now: float = T0) -> dict[str, float]:
     """The segment's hash in the current bucket, straight from Redis (no parsing by the code under test)."""
-    raw = client.hgetall(store.key("seg", segment, store.bucket(now)))
+    raw = client.hgetall(store.segment_key(segment, store.bucket(now)))
     return {name: float(value) for name, value in raw.items() if name != "updated"}
 
 
@@ -90,7 +90,7 @@ def test_ingest_writes_the_documented_fields(redis_client: redis.Redis, prefix: 
     result = store.ingest("r1", [four_rounds()])
     assert (result.rounds, result.duplicate) == (4, False)
     bucket = int(T0 // 60)
-    assert redis_client.exists(f"{prefix}:v1:seg:chat:{bucket}"), "key schema P:v1:seg:{segment}:{bucket}"
+    assert redis_client.exists(f"{prefix}:v1:seg:{{chat}}:{bucket}"), "key schema P:v1:seg:{S}:{bucket}, S hash tag"
     assert raw_bucket(redis_client, store, "chat") == {
         "k|draft|3|rounds": 4,
         "k|draft|3|proposed": 11,
@@ -109,7 +109,7 @@ def test_ingest_writes_the_documented_fields(redis_client: redis.Redis, prefix: 
         "p|draft|1|accepted": 2,
         "p|draft|2|accepted": 1,
     }
-    assert float(redis_client.hget(f"{prefix}:v1:seg:chat:{bucket}", "updated")) == T0
+    assert float(redis_client.hget(f"{prefix}:v1:seg:{{chat}}:{bucket}", "updated")) == T0
 
 
 def test_snapshot_reads_back_exact_counts(redis_client: redis.Redis, prefix: str) -> None:
@@ -170,7 +170,8 @@ def test_same_report_id_counts_once(redis_client: redis.Redis, prefix: str) -> N
     assert (again.rounds, other_payload.rounds) == (0, 0)
     assert raw_bucket(redis_client, store, "chat")["k|draft|3|rounds"] == 4
     assert "k|draft|2|rounds" not in raw_bucket(redis_client, store, "chat")
-    assert redis_client.ttl(store.key("report", "r1")) > 0, "dedup markers expire"
+    assert redis_client.ttl(store.report_key("r1")) > 0, "dedup markers expire (the global part's)"
+    assert redis_client.ttl(store.report_key("r1", "chat")) > 0, "dedup markers expire (the segment part's)"
 
 
 def test_a_dedup_marker_outlives_an_hour_long_outage(redis_client: redis.Redis, prefix: str) -> None:
@@ -178,8 +179,9 @@ def test_a_dedup_marker_outlives_an_hour_long_outage(redis_client: redis.Redis, 
     # Redis outage), so the marker must outlive such an outage, or the retry after it counts twice.
     store = make_store(redis_client, prefix, FakeClock())
     store.ingest("r1", [four_rounds()])
-    ttl = redis_client.ttl(store.key("report", "r1"))
-    assert ttl >= 3600 - 5, f"the dedup marker expires after {ttl} s"
+    for marker in (store.report_key("r1"), store.report_key("r1", "chat")):  # global part, segment part
+        ttl = redis_client.ttl(marker)
+        assert ttl >= 3600 - 5, f"the dedup marker {marker} expires after {ttl} s"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,183 @@
+"""Who may call what on the controller's gRPC port.
+
+Transport: ``server_credentials`` turns the ``tls:`` settings into gRPC's TLS credentials, with client certificates
+required when a client CA is set (mutual TLS). Calls: with tokens configured, ``TokenCheck`` (a server interceptor)
+lets a call through only with ``authorization: Bearer <token>`` in its metadata, by role:
+
+| role | RPCs | tokens that open them |
+|---|---|---|
+| open | grpc.health.v1.Health (Check, Watch): probes need no secret | none needed |
+| read | Decide, GetSegmentStats, ListSegments, GetPolicy, GetCosts, server reflection | the read or the write token |
+| write | ReportRounds, ReloadPolicy, and any method this table does not name | the write token |
+
+No token, or a token that matches neither: UNAUTHENTICATED. The read token on a write RPC: PERMISSION_DENIED. Tokens
+are compared in constant time (``hmac.compare_digest``) and never logged; refusals are logged at most every
+``LOG_EVERY_S`` seconds, with how many there were in between.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+from grpc_health.v1 import health
+from grpc_reflection.v1alpha import reflection
+
+from controller.config import TokenAuth
+from specd_api.security import AUTHORIZATION, ServerTls, bearer_token
+from specd_api.v1 import controller_pb2
+
+log = logging.getLogger("specd.controller.auth")
+Role = Literal["read", "write"]
+CONTROLLER = controller_pb2.DESCRIPTOR.services_by_name["Controller"]
+WRITE_RPCS = frozenset({"ReportRounds", "ReloadPolicy"})  # they change what the controller knows or does
+READ_METHODS = frozenset(f"/{CONTROLLER.full_name}/{m.name}" for m in CONTROLLER.methods if m.name not in WRITE_RPCS)
+OPEN_PREFIX = f"/{health.SERVICE_NAME}/"
+READ_PREFIX = f"/{reflection.SERVICE_NAME}/"
+LOG_EVERY_S = 10.0
+
+
+def required_role(method: str) -> Role | None:
+    """The role ``method`` (``/package.Service/Method``) needs; None: open to all."""
+    if method.startswith(OPEN_PREFIX):
+        return None
+    if method in READ_METHODS or method.startswith(READ_PREFIX):
+        return "read"
+    return "write"  # ReportRounds, ReloadPolicy, and whatever is added later until this table says otherwise
+
+
+def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
+    """TLS with the configured certificate; with a client CA, a client must present a certificate it signed."""
+    client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file is not None else None
+    return grpc.ssl_server_credentials(
+        [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The accepted tokens, as bytes; never in a repr."""
+
+    write: bytes = field(repr=False)
+    read: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, auth: TokenAuth) -> Tokens | None:
+        if auth.write_token is None:
+            return None
+        read = auth.read_token.reveal().encode() if auth.read_token is not None else None
+        return cls(auth.write_token.reveal().encode(), read)
+
+    def role_of(self, token: str) -> Role | None:
+        """The role ``token`` opens; None when it matches no token. Both comparisons run, in constant time."""
+        presented = token.encode("utf-8", "surrogateescape")
+        is_write = hmac.compare_digest(presented, self.write)
+        is_read = self.read is not None and hmac.compare_digest(presented, self.read)
+        return "write" if is_write else "read" if is_read else None
+
+
+def refusal(tokens: Tokens, method: str, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
+    """Why a call to ``method`` with ``metadata`` is refused (status and message), or None when it may go on."""
+    needed = required_role(method)
+    if needed is None:
+        return None
+    values = [value for key, value in metadata or () if key == AUTHORIZATION]
+    token = bearer_token(values[0]) if len(values) == 1 else None
+    if token is None:
+        return grpc.StatusCode.UNAUTHENTICATED, "a token is needed: metadata 'authorization: Bearer <token>'"
+    role = tokens.role_of(token)
+    if role is None:
+        return grpc.StatusCode.UNAUTHENTICATED, "the token is not valid here"
+    if needed == "write" and role == "read":
+        name = method.rpartition("/")[2]
+        return grpc.StatusCode.PERMISSION_DENIED, f"{name} needs the write token; this is the read token"
+    return None
+
+
+class RefusalLog:
+    """One warning line per ``every_s`` at most, however many calls are refused (a scan must not flood the log)."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._unlogged = 0
+
+    def note(self, method: str, peer: str, code: grpc.StatusCode, reason: str) -> None:
+        with self._lock:
+            self._unlogged += 1
+            now = self.clock()
+            if now - self._last < self.every_s:
+                return
+            self._last, before = now, self._unlogged - 1
+            self._unlogged = 0
+        more = f" ({before} more refused in the last {self.every_s:g} s)" if before else ""
+        log.warning("refused %s from %s: %s: %s%s", method, peer, code.name, reason, more)
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """The token check in front of every handler (see the module's table)."""
+
+    def __init__(self, tokens: Tokens, refusals: RefusalLog | None = None) -> None:
+        self.tokens = tokens
+        self.refusals = refusals or RefusalLog()
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        why = refusal(self.tokens, details.method, details.invocation_metadata)
+        handler = continuation(details)
+        if why is None or handler is None:
+            return handler
+        return refusing_handler(handler, details.method, *why, self.refusals)
+
+
+def refusing_handler(
+    handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, reason: str, refusals: RefusalLog
+) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that refuses the call without reading its request (no deserializer: the bytes
+    of a caller not yet trusted are never parsed)."""
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        refusals.note(method, context.peer(), code, reason)
+        context.abort(code, reason)
+
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+def is_loopback(listen: str) -> bool:
+    """Does ``listen`` (host:port, [v6]:port or unix:path) accept connections from this host only?"""
+    if listen.startswith(("unix:", "unix-abstract:")):
+        return True
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def exposure_warnings(listen: str, tls: ServerTls | None, auth: TokenAuth) -> list[str]:
+    """What an operator should know about a listen address reachable from other hosts."""
+    if is_loopback(listen):
+        return []
+    if tls is None and auth.write_token is None:
+        return [f"listening on {listen} with neither TLS nor tokens: anyone who reaches this port can report "
+                "telemetry and reload the policy (see ops/README.md, Security)"]  # fmt: skip
+    if tls is None:
+        return [f"listening on {listen} without TLS: tokens and telemetry cross the network in plaintext"]
+    return []

@@ -1,0 +1,56 @@
+"""The worker's API key, OpenAI style: ``Authorization: Bearer <key>`` on every request, else 401 with an OpenAI
+error body. ``ApiKeyCheck`` is ASGI middleware in front of everything else (the body limit included), so a caller
+without the key is refused before a byte of its body is read; /health and /metrics can each be left open. The key is
+compared in constant time and never appears in a response or a log line."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+
+from starlette.responses import JSONResponse
+
+from decoder.worker.limits import ASGIApp, Receive, Scope, Send
+from decoder.worker.openai_api import error_body
+from specd_api.security import AUTHORIZATION, bearer_token
+
+MISSING_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer auth "
+    "(i.e. Authorization: Bearer YOUR_KEY)."
+)
+WRONG_KEY = "Incorrect API key provided."
+_HEADER = AUTHORIZATION.encode()
+
+
+def unauthorized(message: str, code: str | None) -> JSONResponse:
+    body = error_body(message, "invalid_request_error", None, code)
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ApiKeyCheck:
+    """ASGI middleware: an HTTP request to a path outside ``open_paths`` needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, key: str, open_paths: Iterable[str] = ()) -> None:
+        self.app = app
+        self._key = key.encode()
+        self.open_paths = frozenset(open_paths)
+
+    def __repr__(self) -> str:
+        return f"ApiKeyCheck(open_paths={sorted(self.open_paths)})"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> JSONResponse | None:
+        values = [value for name, value in scope.get("headers", ()) if name == _HEADER]
+        token = bearer_token(values[0]) if len(values) == 1 else None
+        if token is None:
+            return unauthorized(MISSING_KEY, None)
+        if not hmac.compare_digest(token.encode("latin-1"), self._key):  # the header's own bytes back
+            return unauthorized(WRONG_KEY, "invalid_api_key")
+        return None
