@@ -37,7 +37,7 @@ from tests.decoder.distribution import (
 )
 
 NUM_TOKENS = 2  # joint distribution of the first two generated tokens: 36 cells
-SAMPLES = 2000
+SAMPLES = 1000
 ROUND_K = 2  # a whole round: K = 2 drafts and the bonus token, 216 cells
 ROUND_SAMPLES = 400
 PLAIN_SAMPLES = 300
