@@ -241,7 +241,7 @@ def run_tests(copy: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
     seconds = time.monotonic() - started
     if proc.returncode == 0:
         return True, seconds, ""
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.MULTILINE)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", proc.stdout, flags=re.MULTILINE)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
     return False, seconds, failed[0] if failed else tail[0]
 
