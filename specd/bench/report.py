@@ -146,7 +146,9 @@ def render(d: dict[str, Any]) -> str:
     if d["drift"]:
         dr = d["drift"]
         lines += ["", "## Drift", "",
-                  f"Segment `drift`: structured then adversarial prompts (both greedy). Before the switch the "
+                  f"Segment `drift`: structured prompts (greedy), then adversarial ones at "
+                  f"T = {dr['timeline'][-1].get('temperature', 0.0):g}, where the first phase's drafter stops paying. "
+                  f"Before the switch the "
                   f"controller chose `{dr['before']}`; requests after the switch until it stopped choosing it for "
                   f"good: {dr['requests_to_switch']} ({fmt(dr['seconds_to_switch'])} s; learning half-life "
                   f"{dr['half_life_seconds']:.0f} s). Alarms: "

@@ -230,30 +230,37 @@ def at_once(prompts: list[Prompt], call: Callable[[Prompt], Sample]) -> list[Sam
 
 
 DRIFT_PROMPTS = 24  # per phase
+# The second phase's traffic, by the drafter the controller chose in the first: the adversarial prompts, at the
+# temperature where that drafter stops paying. Prompt lookup proposes one token, accepted with the target's own
+# probability of it, which sampled hot is small; greedy, the target loops and lookup thrives. The draft model is
+# the opposite: sampled hot its flat distribution agrees with the target's (draft K = 4 runs 1.0-1.1x), greedy its
+# first-position acceptance is about 0.5 and every K is slower than no speculation.
+LOW_TEMPERATURE = {"prompt_lookup": 1.0, "draft": 0.0}
 
 
 def drift_scenario(client: httpx.Client, url: str, controller: str, prompts: dict[str, list[Prompt]],
                    options: BenchOptions, done: Callable[[Sample], None]) -> dict[str, Any]:  # fmt: skip
-    """One segment ("drift") whose traffic switches halfway from what the draft model drafts well (structured
-    records, greedy: the draft's first-position acceptance about 0.8) to what it does not (the adversarial prompts,
-    greedy: about 0.5, and every K of the draft slower than no speculation): the adaptive arm's plan per request,
-    how many requests after the switch the controller kept using the first phase's drafter, and the drift alarm.
-    (Sampled hot, the adversarial prompts are no low-acceptance traffic for the distilled draft: flat
-    distributions agree, and draft K = 4 runs 1.0-1.1x there.)"""
-    high = list(prompts.get("structured") or next(iter(prompts.values())))
-    low = [replace(p, temperature=0.0) for p in prompts.get("adversarial") or next(iter(prompts.values()))]
-    sequence = [high[i % len(high)] for i in range(DRIFT_PROMPTS)] + [low[i % len(low)] for i in range(DRIFT_PROMPTS)]
+    """One segment ("drift") whose traffic switches halfway from high to low acceptance for the drafter in use:
+    structured records, greedy (where both drafters pay), then the adversarial prompts at the temperature where the
+    first phase's drafter does not (``LOW_TEMPERATURE``). It returns the adaptive arm's plan per request, how many
+    requests after the switch the controller kept using the first phase's drafter, and the drift alarm."""
+    high = [replace(p, temperature=0.0) for p in prompts.get("structured") or next(iter(prompts.values()))]
+    adversarial = list(prompts.get("adversarial") or next(iter(prompts.values())))
     timeline: list[dict[str, Any]] = []
     switched_at = time.monotonic()
-    for i, prompt in enumerate(sequence):
+    low: list[Prompt] = []
+    for i in range(2 * DRIFT_PROMPTS):
+        late = i >= DRIFT_PROMPTS
         if i == DRIFT_PROMPTS:
+            first = switch_point(timeline)["before"]
+            low = [replace(p, temperature=LOW_TEMPERATURE.get(first, 0.0)) for p in adversarial]
             switched_at = time.monotonic()
+        prompt = low[i % len(low)] if late else high[i % len(high)]
         sample = send(client, url, prompt, ADAPTIVE, options, i, segment="drift")
         done(Sample(**{**asdict(sample), "arm": "drift"}))
-        late = i >= DRIFT_PROMPTS
         timeline.append({
             "request": i, "phase": "low" if late else "high", "drafter": sample.drafter, "k": sample.k,
-            "exploration": sample.exploration, "mean_k": sample.mean_k,
+            "exploration": sample.exploration, "mean_k": sample.mean_k, "temperature": prompt.temperature,
             "seconds_since_switch": time.monotonic() - switched_at if late else 0.0,
         })  # fmt: skip
     alarms = fetch_drift(controller, "drift")
