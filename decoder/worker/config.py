@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.security import ClientTls, ControllerCredentials, Secret
@@ -26,7 +26,10 @@ class ControllerLink(Strict):
     )
     decide_deadline_ms: float = Field(5.0, gt=0, le=10_000)
     default_drafter: Literal["draft", "prompt_lookup", "none"] = "none"
-    default_num_draft_tokens: int = Field(0, ge=0, le=32)
+    default_k: int = Field(
+        0, ge=0, le=32, validation_alias=AliasChoices("default_k", "default_num_draft_tokens"),
+        description="the local plan's K ceiling ('default_num_draft_tokens', its old name, is still read)",
+    )  # fmt: skip
     report_interval_seconds: float = Field(0.5, gt=0)
     max_buffered_aggregates: int = Field(10_000, ge=1)
     tls: ClientTls | None = Field(None, description="null: plaintext; set: TLS (with cert_file/key_file: mutual TLS)")
@@ -54,8 +57,8 @@ class ControllerLink(Strict):
 
     @model_validator(mode="after")
     def _default_k_fits_drafter(self) -> ControllerLink:
-        if (self.default_drafter == "none") != (self.default_num_draft_tokens == 0):
-            raise ValueError("default_num_draft_tokens must be 0 exactly when default_drafter is none")
+        if (self.default_drafter == "none") != (self.default_k == 0):
+            raise ValueError("default_k must be 0 exactly when default_drafter is none")
         return self
 
 

@@ -125,7 +125,7 @@ class WorkerService:
                     worker_id=cfg.worker_id or worker_id or socket.gethostname(),
                     decide_deadline_ms=link.decide_deadline_ms,
                     default_drafter=link.default_drafter,
-                    default_k=link.default_num_draft_tokens,
+                    default_k=link.default_k,
                     fallback_max_batch_size=cfg.speculation_max_batch,
                     report_interval_s=link.report_interval_seconds,
                     max_buffered_aggregates=link.max_buffered_aggregates,
@@ -299,7 +299,7 @@ class WorkerService:
         elif self.client is None:
             link = self.cfg.controller
             plan = local_plan(
-                link.default_drafter, link.default_num_draft_tokens, offered, batch_size,
+                link.default_drafter, link.default_k, offered, batch_size,
                 self.cfg.speculation_max_batch, fallback=None,
             )  # fmt: skip
         else:

@@ -89,7 +89,7 @@ def worker_config(paths: DemoPaths, service: str, target: Path, draft: Path | No
             "address": None,  # --controller ADDRESS|none on the command line
             "decide_deadline_ms": 5,
             "default_drafter": "none",  # no speculation unless the controller says otherwise
-            "default_num_draft_tokens": 0,
+            "default_k": 0,
             "report_interval_seconds": 0.5,
             "max_buffered_aggregates": 10000,
         },

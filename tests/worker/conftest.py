@@ -230,7 +230,7 @@ def draft_worker(launcher) -> Worker:
     """Draft model (the near draft), K=3, batches of up to 8, heuristic segments."""
     return launcher.start(
         "draft", segment_classifier="heuristic",
-        controller={"default_drafter": "draft", "default_num_draft_tokens": 3},
+        controller={"default_drafter": "draft", "default_k": 3},
     )  # fmt: skip
 
 
@@ -239,7 +239,7 @@ def lookup_worker(launcher) -> Worker:
     """Prompt lookup, K=4, batches of up to 8, no segment classifier (every unnamed request is "tenant-a")."""
     return launcher.start(
         "lookup", segment_classifier="none", default_segment="tenant-a",
-        controller={"default_drafter": "prompt_lookup", "default_num_draft_tokens": 4},
+        controller={"default_drafter": "prompt_lookup", "default_k": 4},
     )  # fmt: skip
 
 

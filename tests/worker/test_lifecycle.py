@@ -26,7 +26,7 @@ LONG = {"prompt": "The quick brown fox", "max_tokens": 480, "temperature": 0}  #
 
 def slow_worker(launcher: WorkerLauncher, name: str, **overrides: Any) -> Worker:
     """Draft K=3 with tiny-pair's own draft (almost never accepted)."""
-    drafting = {"default_drafter": "draft", "default_num_draft_tokens": 3}
+    drafting = {"default_drafter": "draft", "default_k": 3}
     return launcher.start(name, draft=str(launcher.pair.draft), controller=drafting, **overrides)
 
 
@@ -163,7 +163,7 @@ def _lines(*lines: str) -> str:
         (_lines("dtype: float8"), 1, "dtype", "Input should be 'float32'"),
         (_lines("controller:", "  address: null", "  adress: x"), 3, "controller.adress", "Extra inputs"),
         (_lines("controller:", "  default_drafter: draft"), 1, "controller",
-         "default_num_draft_tokens must be 0 exactly when default_drafter is none"),
+         "default_k must be 0 exactly when default_drafter is none"),
         (_lines("prompt_lookup: {min_ngram: 4, max_ngram: 2}"), 1, "prompt_lookup", "must be <= max_ngram"),
         (_lines("request_timeout_seconds: -1"), 1, "request_timeout_seconds", "greater than 0"),
     ],
@@ -176,6 +176,13 @@ def test_a_bad_config_names_file_line_and_field(tmp_path: Path, text: str, line:
     message = str(caught.value)
     assert message.startswith(f"{path}:{line}: {field}: "), message
     assert reason in message and "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["default_k", "default_num_draft_tokens"])
+def test_the_local_plans_k_is_read_under_its_name_and_its_old_one(tmp_path: Path, key: str):
+    path = tmp_path / "worker.yaml"
+    path.write_text(_lines("controller:", "  default_drafter: draft", f"  {key}: 3"))
+    assert load_worker_config(path).controller.default_k == 3
 
 
 def test_specd_worker_exits_2_on_a_bad_config_in_one_line(tmp_path: Path, tiny_pair: TinyPair):

@@ -91,7 +91,7 @@ def slow_worker_args(launcher: WorkerLauncher, name: str, grace: float) -> list[
     """One sequence at a time, tiny-pair's own draft at K=3 (almost never accepted): ~2 ms a token."""
     path = launcher.config(
         name, draft=str(launcher.pair.draft), max_batch=1, max_tokens_limit=5000, shutdown_grace_seconds=grace,
-        controller={"default_drafter": "draft", "default_num_draft_tokens": 3},
+        controller={"default_drafter": "draft", "default_k": 3},
     )  # fmt: skip
     return ["worker", "--config", str(path), "--log-level", "INFO"]
 
