@@ -2,8 +2,9 @@
 
 Relative paths in the file (the file exporter's endpoint among them) are resolved against the file's own
 folder. ``SPECD_REDIS_URL`` in the environment overrides ``redis_url`` (so a password can live in a systemd
-EnvironmentFile). ``tls:`` and ``auth:`` lock the gRPC port down (controller/auth.py); their files are checked, and
-the tokens read, when the file is loaded.
+EnvironmentFile); ``redis_tls`` holds the CA (and client certificate) for a ``rediss://`` URL. ``tls:`` and ``auth:``
+lock the gRPC port down (controller/auth.py). Every certificate and token file is checked, and the tokens read, when
+the file is loaded.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from controller.redis_conn import RedisTls, uses_tls
 from controller.store import StoreConfig
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.security import Secret, ServerTls
@@ -64,6 +66,8 @@ class TokenAuth(Strict):
 class ControllerConfig(Strict):
     listen: str = Field("127.0.0.1:50061", description="host:port for gRPC (port 0 picks a free one)")
     redis_url: str | None = Field(None, description="redis://, rediss:// or unix://; none starts an embedded server")
+    redis_tls: RedisTls | None = Field(None, description="for a rediss:// URL: the CA its certificate chains to, and "
+                                                          "a client certificate if it asks for one")  # fmt: skip
     redis_timeout_seconds: float = Field(0.5, gt=0)
     policy_path: Path = Path("../policies/default.yaml")
     state_dir: Path = Path("../.specd/controller")
@@ -77,6 +81,16 @@ class ControllerConfig(Strict):
     telemetry: TelemetryConfig = Field(default_factory=lambda: TelemetryConfig())
     tls: ServerTls | None = Field(None, description="null: plaintext; set: TLS (with client_ca_file: mutual TLS)")
     auth: TokenAuth = Field(default_factory=lambda: TokenAuth())
+
+    @field_validator("redis_tls")
+    @classmethod
+    def _redis_tls_needs_tls(cls, value: RedisTls | None, info: ValidationInfo) -> RedisTls | None:
+        # A null redis_url may still become a rediss:// one from SPECD_REDIS_URL: connect() checks that case.
+        url = info.data.get("redis_url")
+        if value is not None and url is not None and not uses_tls(url):
+            raise ValueError(f"redis_url's scheme is {url.split('://', 1)[0]}://, not rediss:// (or "
+                             "rediss+cluster://): these certificates would never be used")  # fmt: skip
+        return value
 
     @field_validator("redis_restart_backoff_seconds")
     @classmethod

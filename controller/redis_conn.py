@@ -3,6 +3,17 @@
 ``redis_url`` accepts what redis-py accepts: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS),
 and ``unix:///path/to/socket?db=0`` (with ``user``/``password`` in the URL as well). ``redis+cluster://host:port``
 (or ``rediss+cluster://``) connects to a Redis Cluster through that seed node (redis.cluster.RedisCluster).
+With a TLS scheme, ``redis_tls`` (``RedisTls``) names the CA the server's certificate must chain to (added to the
+system's roots) and, when the server asks for one (``tls-auth-clients yes``), this client's certificate and key; the
+server's name is always checked against the URL's host.
+
+At start-up a Redis that does not answer is not fatal (contract 3: the controller serves from memory and journals
+until it comes); one that answers but refuses the credentials (a wrong password, a disabled user), or a TLS
+handshake that fails (a certificate from another CA, no client certificate where one is required) is: those are
+settings to fix, not an outage to wait out, so the daemon refuses to start and says which. (rediss:// to a plaintext
+port is not told apart: the server waits for a command, the client for the handshake, and it times out.) The same
+refusals later, from a running daemon (a password rotated under it), are treated as an outage: stale decisions,
+journaled reports, ``specd.redis`` NOT_SERVING.
 
 An embedded server is supervised (``Supervisor``): when its process dies it is started again on the same socket (or
 port) and data dir, so the client's URL stays valid and the append-only file brings back what it had stored.
@@ -14,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -23,9 +35,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException
 
 from specd_api.errors import SpecdError
+from specd_api.security import TlsClientFiles
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +75,39 @@ class RedisHandle:
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+TLS_SCHEMES = ("rediss", "rediss+cluster")
 
 
-def make_client(url: str, timeout_seconds: float) -> redis.Redis:
+class RedisTls(TlsClientFiles):
+    """TLS to Redis (``redis_tls``; the URL's scheme must be ``rediss://`` or ``rediss+cluster://``). Each file is
+    checked when the configuration is read. ``ca_file`` is trusted besides the system's roots; null: those alone."""
+
+    def client_options(self) -> dict[str, Any]:
+        """redis-py's keyword arguments for these files (the server's certificate and name always checked)."""
+        options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+        if self.ca_file is not None:
+            options["ssl_ca_certs"] = str(self.ca_file)
+        if self.cert_file is not None and self.key_file is not None:
+            options["ssl_certfile"], options["ssl_keyfile"] = str(self.cert_file), str(self.key_file)
+        return options
+
+
+def uses_tls(url: str) -> bool:
+    return url.split("://", 1)[0] in TLS_SCHEMES
+
+
+def _tls_options(url: str, tls: RedisTls | None) -> dict[str, Any]:
+    if tls is None:
+        return {}
+    if not uses_tls(url):
+        raise RedisSetupError(
+            f"redis_tls is set but redis_url {redact(url)!r} is not TLS: use rediss:// (or rediss+cluster://), or "
+            "remove redis_tls"
+        )
+    return tls.client_options()
+
+
+def make_client(url: str, timeout_seconds: float, tls: RedisTls | None = None) -> redis.Redis:
     try:
         return redis.Redis.from_url(
             url,
@@ -72,12 +115,14 @@ def make_client(url: str, timeout_seconds: float) -> redis.Redis:
             socket_timeout=timeout_seconds,
             socket_connect_timeout=timeout_seconds,
             health_check_interval=30,
+            driver_info=None,  # no CLIENT SETINFO: a command fewer for the ACL user (Redis < 7.2 has none)
+            **_tls_options(url, tls),
         )
     except ValueError as e:
         raise RedisSetupError(f"redis_url {redact(url)!r} is not usable: {e}") from None
 
 
-def make_cluster_client(url: str, timeout_seconds: float) -> RedisCluster:
+def make_cluster_client(url: str, timeout_seconds: float, tls: RedisTls | None = None) -> RedisCluster:
     """A Redis Cluster client from ``redis+cluster://host:port``; it asks the seed node for the slot map now, so the
     cluster must answer at start-up."""
     scheme, rest = url.split("://", 1)
@@ -88,6 +133,8 @@ def make_cluster_client(url: str, timeout_seconds: float) -> RedisCluster:
             socket_timeout=timeout_seconds,
             socket_connect_timeout=timeout_seconds,
             health_check_interval=30,
+            driver_info=None,  # no CLIENT SETINFO: a command fewer for the ACL user (Redis < 7.2 has none)
+            **_tls_options(url, tls),
         )
     except (ValueError, redis.RedisError, RedisClusterException) as e:  # the last is not a RedisError
         raise RedisSetupError(f"redis_url {redact(url)!r}: no usable cluster: {e}") from None
@@ -232,23 +279,54 @@ class Supervisor:
                 break
 
 
-def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5) -> RedisHandle:
-    """Connect to ``url``, or start the embedded server when no URL is configured."""
+def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5, tls: RedisTls | None = None) -> RedisHandle:
+    """Connect to ``url``, or start the embedded server when no URL is configured. Raises RedisSetupError when the
+    server refuses the credentials or the TLS handshake fails (module docstring); a server that does not answer is
+    only logged."""
+    if url is None and tls is not None:
+        raise RedisSetupError("redis_tls is set but redis_url is not: the embedded server speaks no TLS; set "
+                              "redis_url (or SPECD_REDIS_URL) to a rediss:// URL, or remove redis_tls")  # fmt: skip
     embedded = None
     if url is None:
         embedded, url = start_embedded(state_dir / "redis")
     cluster = url.split("://", 1)[0] in CLUSTER_SCHEMES
-    client = make_cluster_client(url, timeout_seconds) if cluster else make_client(url, timeout_seconds)
+    client = make_cluster_client(url, timeout_seconds, tls) if cluster else make_client(url, timeout_seconds, tls)
     try:
         client.ping()
     except redis.RedisError as e:
         if embedded is not None:
             embedded.stop()
             raise RedisSetupError(f"embedded Redis at {url} does not answer: {e}") from None
+        refusal = refused(e)
+        if refusal is not None:
+            client.close()
+            raise RedisSetupError(f"Redis at {redact(url)} {refusal}; not starting") from None
         # A configured Redis that is down at start-up is not fatal: the controller serves from memory
         # and journals telemetry until it comes back (contract 3).
         log.warning("Redis at %s is unreachable at start-up (%s); serving from memory", redact(url), e)
     return RedisHandle(client, url, embedded)
+
+
+def refused(error: redis.RedisError) -> str | None:
+    """What a server that answered refused, as the rest of a sentence; None for an error that may pass by itself (no
+    answer, a timeout, a connection reset)."""
+    if isinstance(error, AuthenticationError):  # WRONGPASS, NOAUTH: a wrong password, a disabled user
+        return (f"refused the credentials ({error}): check the user and password in redis_url or SPECD_REDIS_URL, "
+                "and that the ACL user is on")  # fmt: skip
+    if isinstance(error, NoPermissionError):  # NOPERM: the ACL user may not even PING
+        return f"refused a command to this user ({error}): grant it the ACL in ops/README.md (Security)"
+    cause: BaseException | None = error
+    while cause is not None:  # redis-py wraps the ssl module's error in its ConnectionError (as the context)
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return (f"presented a certificate this controller does not trust ({cause.verify_message}): check "
+                    "redis_tls.ca_file, and that the certificate names the URL's host")  # fmt: skip
+        if isinstance(cause, ssl.SSLError):
+            return (
+                f"failed the TLS handshake ({cause.reason or cause}): check the URL's scheme (rediss:// for a "
+                "TLS port) and redis_tls (the server may require a client certificate: cert_file, key_file)"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def redact(url: str) -> str:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controller.auth import TokenCheck, Tokens, exposure_warnings, server_credentials
 from controller.config import ControllerConfig
+from controller.decoding import RefuseUndecodable
 from controller.journal import Journal
 from controller.learner import Learner
 from controller.policy import PolicyStore, load_policy
@@ -106,7 +107,7 @@ class ControllerDaemon:
     def _open_learning(self) -> Learner:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self._redis = connect(cfg.redis_url, cfg.state_dir, cfg.redis_timeout_seconds)
+        self._redis = connect(cfg.redis_url, cfg.state_dir, cfg.redis_timeout_seconds, cfg.redis_tls)
         if self._redis.embedded is not None:
             self._redis.supervise(cfg.redis_restart_backoff_seconds)
         store = TelemetryStore(self._redis.client, cfg.learning.store_config(), self.clock)
@@ -131,7 +132,8 @@ class ControllerDaemon:
         listen = self.config.listen
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
-            interceptors=[*self._token_check(), self._in_flight],  # refused calls are never counted in flight
+            # refused calls are never counted in flight; bytes that do not parse are INVALID_ARGUMENT, not INTERNAL
+            interceptors=[*self._token_check(), self._in_flight, RefuseUndecodable()],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
             # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
             options=[("grpc.so_reuseport", 0)],

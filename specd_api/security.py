@@ -5,7 +5,8 @@ when a configuration is loaded, and the channel a client opens with them.
   is not part of the model's fields: no repr, dump or log line carries it; ``reveal()`` hands it to the one place
   that sends or compares it.
 - ``ServerTls``: the controller's certificate and key, and the CA whose client certificates it requires (mutual TLS).
-- ``ClientTls``: the CA a client trusts (none: the system's roots), and its own certificate and key for mutual TLS.
+- ``ClientTls``: the CA a client trusts (none: the system's roots), and its own certificate and key for mutual TLS;
+  its files part, ``TlsClientFiles``, also serves the controller's TLS connection to Redis (``redis_tls``).
 - ``ControllerCredentials``: what a client presents, TLS and a token; ``controller_channel`` opens a channel with them.
 
 Every file is checked when the configuration is read: it exists, can be read, and holds PEM of the right kind (or
@@ -97,8 +98,8 @@ def check_key_pair(cert: Path, key: Path) -> None:
     try:
         context.load_cert_chain(cert, key, password=_refuse_password)
     except _Encrypted:
-        raise ValueError(f"{key}: the key is encrypted; gRPC needs it unencrypted, in a file only the service can "
-                         "read (openssl pkey -in KEY -out PLAIN)") from None  # fmt: skip
+        raise ValueError(f"{key}: the key is encrypted; TLS here needs it unencrypted, in a file only the service "
+                         "can read (openssl pkey -in KEY -out PLAIN)") from None  # fmt: skip
     except ssl.SSLError as e:
         raise ValueError(f"{key} is not the private key of {cert} ({e.reason or e})") from None
 
@@ -180,20 +181,17 @@ class ServerTls(Strict):
         return self.client_ca_file is not None
 
 
-class ClientTls(Strict):
-    """The client side of TLS: whom to trust, and (mutual TLS) who this client is."""
+class TlsClientFiles(Strict):
+    """The files of a TLS client: whom it trusts and (mutual TLS) who it is. Shared by the controller's clients
+    (``ClientTls``) and the controller's own connection to Redis (controller/redis_conn.py: ``RedisTls``)."""
 
     ca_file: CertificateFile | None = Field(None, description="PEM: the CA(s) the server's certificate must chain to; "
                                                    "null: the system's trust roots")  # fmt: skip
     cert_file: CertificateFile | None = Field(None, description="PEM: this client's certificate, for mutual TLS")
     key_file: KeyFile | None = Field(None, description="PEM: its private key")
-    server_name: str | None = Field(
-        None, min_length=1, max_length=253,
-        description="the name to check the server's certificate for, when the address is not one of its names",
-    )  # fmt: skip
 
     @model_validator(mode="after")
-    def _pair(self) -> ClientTls:
+    def _pair(self) -> TlsClientFiles:
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("cert_file and key_file go together (the client certificate and its key), or neither")
         if self.cert_file is not None and self.key_file is not None:
@@ -201,6 +199,15 @@ class ClientTls(Strict):
         if self.ca_file is not None:
             check_ca(self.ca_file)
         return self
+
+
+class ClientTls(TlsClientFiles):
+    """The client side of TLS to the controller: whom to trust, who this client is, and the name to check."""
+
+    server_name: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="the name to check the server's certificate for, when the address is not one of its names",
+    )  # fmt: skip
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

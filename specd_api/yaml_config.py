@@ -224,7 +224,10 @@ def _limit_error(problem: str, event: yaml.Event) -> yaml.composer.ComposerError
 
 def _compose(text: str, source: str, limits: YamlLimits) -> yaml.Node | None:
     """The node tree of the single document in `text` (None when it is empty); syntax errors raise."""
-    loader = _BoundedLoader(text, limits)
+    try:
+        loader = _BoundedLoader(text, limits)  # the reader refuses characters YAML does not allow (NUL) right here
+    except yaml.YAMLError as exc:
+        raise ConfigError([_yaml_error_issue(exc, text, source)]) from exc
     try:
         root: yaml.Node | None = loader.get_single_node()
         return root
@@ -271,12 +274,28 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
+class _SafeConstructor(yaml.constructor.SafeConstructor):
+    """PyYAML's safe constructor, refusing a scalar its explicit tag cannot read (`!!int 0.6`, `!!bool maybe`,
+    `!!timestamp soon`) with a ConstructorError at the scalar's line, as it refuses an unknown tag; PyYAML itself
+    raises ValueError, KeyError or AttributeError from its conversion there."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            value = quote(node.value) if isinstance(node, yaml.ScalarNode) else _NODE_KINDS.get(type(node), "a node")
+            problem = f"{value} is not a valid {quote(tag)} value"
+            raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from exc
+
+
 def _construct(root: yaml.Node | None, text: str, source: str, issues: list[ConfigIssue]) -> Any:
-    """Plain Python data for `root` (safe tags only); an unknown tag raises along with earlier `issues`."""
+    """Plain Python data for `root` (safe tags only); an unknown tag or a value its tag cannot read raises along
+    with earlier `issues`."""
     if root is None:
         return None
     try:
-        return yaml.constructor.SafeConstructor().construct_document(root)
+        return _SafeConstructor().construct_document(root)
     except yaml.YAMLError as exc:
         raise ConfigError([*issues, _yaml_error_issue(exc, text, source)]) from exc
 
@@ -339,7 +358,10 @@ def _scalar_key(key_node: yaml.Node) -> Hashable | None:
     """The Python value of a plain scalar key (`yes` and `true` are the same key); None for others."""
     if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
         return None
-    value = yaml.constructor.SafeConstructor().construct_object(key_node)
+    try:
+        value = _SafeConstructor().construct_object(key_node)
+    except yaml.YAMLError:
+        return None  # a key its tag cannot read (`!!int x: 1`): construction reports it, at its line
     return value if isinstance(value, Hashable) else None
 
 
@@ -398,7 +420,9 @@ def _render_path(loc: tuple[Any, ...]) -> str:
     """`("segments", 2, "k_max")` → `"segments[2].k_max"`; pydantic's `"[key]"` parts attach without a dot."""
     out = ""
     for part in loc:
-        text = str(part) if len(str(part)) <= QUOTE_CHARS else quote(str(part))  # a key is the file's own text
+        text = str(part)
+        if len(text) > QUOTE_CHARS or not text.isprintable():  # a key is the file's own text: a control character
+            text = quote(text)  # or a newline in it would break the one-line message (and a terminal, a log)
         if isinstance(part, int) and not isinstance(part, bool):
             out += f"[{part}]"
         elif text.startswith("[") or not out:

@@ -1,0 +1,49 @@
+"""Request bytes that do not parse as their message are the caller's fault: INVALID_ARGUMENT, not INTERNAL.
+
+gRPC answers a request deserializer that raises with INTERNAL ("Exception deserializing request!"), which says the
+server failed; yet any client can send such bytes (a string field that is not UTF-8, a field cut short). This
+interceptor parses the bytes itself and refuses the ones that do not parse, naming the message type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from specd_api.checks import quoted
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the deserializer hands on in place of a message it could not parse."""
+
+    reason: str
+
+
+class RefuseUndecodable(grpc.ServerInterceptor):
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler  # streams (health Watch, reflection) and handlers that read no bytes keep gRPC's behaviour
+        parse, behavior = handler.request_deserializer, handler.unary_unary
+        method = details.method
+
+        def decode(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except DecodeError as e:
+                return Undecodable(quoted(str(e), 160))  # protobuf's words ("String field had bad UTF-8")
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, Undecodable):
+                reason = f"{method}: the request does not parse: {request.reason}"
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+            return behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            checked, request_deserializer=decode, response_serializer=handler.response_serializer
+        )
