@@ -38,6 +38,12 @@ class Request:
     self_repetition: float = 0.0
 
 
+# Pseudo-counts past which a posterior is a point: its draw is its mean (the spread is below 1e-6). Near the float
+# limit random.betavariate never returns (gammavariate's 2 * alpha overflows): a policy's prior_strength of 1e308 hung
+# every Decide that explored (found by tests/controller/test_fuzz_grpc.py).
+POINT_MASS_WEIGHT = 1e12
+
+
 @dataclass(frozen=True)
 class Beta:
     """Posterior of a rate: prior pseudo-counts plus observed successes and failures."""
@@ -52,6 +58,8 @@ class Beta:
 
     def sample(self, rng: random.Random) -> float:
         if self.failures <= 0 or self.successes <= 0:  # a certain rate (a draft model always proposes)
+            return self.mean
+        if not self.successes + self.failures <= POINT_MASS_WEIGHT:  # written so that NaN weights take the mean too
             return self.mean
         return rng.betavariate(self.successes, self.failures)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from specd_api.config_base import Strict
 from specd_api.yaml_config import (
@@ -33,7 +33,15 @@ DrafterName = Literal["draft", "prompt_lookup"]
 DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup")  # specd_api.plan.DRAFTERS, typed for pydantic
 
 
-class DrafterSettings(Strict):
+class PolicyModel(Strict):
+    """A part of the policy file: strict, and every number in it finite. An infinite value would be accepted by the
+    bounds below (``ge=``, ``gt=``) and then break decisions: ``prior_strength: .inf`` made Thompson sampling's
+    ``random.betavariate`` loop forever, hanging every Decide (found by tests/controller/test_fuzz_grpc.py)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class DrafterSettings(PolicyModel):
     enabled: bool = True
     k_min: int = Field(1, ge=1, le=64)
     k_max: int = Field(8, ge=1, le=64)
@@ -53,7 +61,7 @@ class DrafterSettings(Strict):
         return self
 
 
-class DrafterOverride(Strict):
+class DrafterOverride(PolicyModel):
     enabled: bool | None = None
     k_min: int | None = Field(None, ge=1, le=64)
     k_max: int | None = Field(None, ge=1, le=64)
@@ -70,7 +78,7 @@ def _default_drafters() -> dict[DrafterName, DrafterSettings]:
     }
 
 
-class Settings(Strict):
+class Settings(PolicyModel):
     """Everything a decision depends on, for one segment."""
 
     max_batch_size: int = Field(8, ge=0, description="speculation is off above this batch size")
@@ -114,7 +122,7 @@ class Settings(Strict):
         return self.drafters[cast(DrafterName, name)]
 
 
-class SettingsOverride(Strict):
+class SettingsOverride(PolicyModel):
     max_batch_size: int | None = Field(None, ge=0)
     min_speedup: float | None = Field(None, ge=1.0)
     exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
@@ -136,7 +144,7 @@ class SegmentRule(SettingsOverride):
     match: str = Field(min_length=1, description="a segment name, or a glob such as 'tenant-*'")
 
 
-class PolicyDocument(Strict):
+class PolicyDocument(PolicyModel):
     """The YAML file's shape."""
 
     defaults: Settings = Field(default_factory=lambda: Settings())

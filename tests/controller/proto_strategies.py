@@ -7,7 +7,7 @@ write (strings that are not UTF-8, truncated and wrongly typed fields)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
@@ -38,7 +38,7 @@ def integers(bits: int, signed: bool) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(low, high), st.integers(-3, 70).filter(lambda v: low <= v))
 
 
-def floats(width: int) -> st.SearchStrategy[float]:
+def floats(width: Literal[16, 32, 64]) -> st.SearchStrategy[float]:
     return st.one_of(st.sampled_from(FLOAT_EDGES), st.floats(width=width), st.floats(0, 1, width=width))
 
 
@@ -66,6 +66,28 @@ def scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if t == FieldDescriptor.TYPE_ENUM:
         return st.one_of(st.sampled_from([v.number for v in field.enum_type.values]), integers(32, True))
     raise NotImplementedError(f"no strategy for {field.full_name} (type {t})")
+
+
+def field_values(descriptor: Descriptor) -> dict[str, st.SearchStrategy[Any]]:
+    """A strategy per field of ``descriptor``: its hostile values (a list for a repeated field, a dict for a map)."""
+    return {f.name: _field_values(f, 0) for f in descriptor.fields}
+
+
+def with_field(base: Any, name: str, value: Any) -> Any:
+    """A copy of message ``base`` with field ``name`` set to ``value`` (as ``field_values`` draws it)."""
+    message = type(base)()
+    message.CopyFrom(base)
+    message.ClearField(name)
+    field = base.DESCRIPTOR.fields_by_name[name]
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        getattr(message, name).update(value)
+    elif _is_repeated(field):
+        getattr(message, name).extend(value)
+    elif field.message_type is not None:
+        getattr(message, name).CopyFrom(value)
+    else:
+        setattr(message, name, value)
+    return message
 
 
 def _field_values(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
@@ -139,10 +161,9 @@ def wire(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[bytes]:
 
     @st.composite
     def one_record(draw: st.DrawFn) -> bytes:
-        if numbers and draw(st.integers(0, 4)):
+        field = None
+        if numbers and draw(st.integers(0, 4)) > 0:  # mostly a known field
             field = descriptor.fields_by_number[draw(st.sampled_from(numbers))]
-        else:
-            field = None
         number = field.number if field is not None else draw(st.integers(1, (1 << 29) - 1))
         wire_type = draw(st.sampled_from([WIRE_VARINT, WIRE_I64, WIRE_LEN, WIRE_I32, 3, 4, 6, 7]))
         if field is not None and draw(st.booleans()):  # the field's own wire type, with a payload that may not parse

@@ -8,7 +8,7 @@ import pytest
 
 from controller.cost_model import BucketCosts
 from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import Request, decide, estimate_drafter
+from controller.decide import Beta, Request, decide, estimate_drafter
 from controller.policy import Settings, SettingsOverride, apply_override
 from specd_api.plan import Plan
 from specd_api.speedup import speedup_curve
@@ -221,3 +221,21 @@ def test_prior_decides_for_an_unseen_segment():
     # no data at all: prior α 0.5 per position, c 0.05 -> a short draft still pays
     plan = run(SegmentCounts(), drafters=("draft",))
     assert plan.drafter == "draft" and plan.reason == "best_expected_speedup"
+
+
+@pytest.mark.parametrize(
+    ("successes", "failures", "why"),
+    [
+        (
+            6e307,
+            9.5e307,
+            "random.betavariate never returns here (2 * alpha overflows): a prior_strength of 1e308 hung Decide",
+        ),
+        (1e13, 1e13, "past POINT_MASS_WEIGHT: the mean, the spread being below 1e-6"),
+        (float("nan"), 1.0, "not a number: the mean, never a draw that cannot end"),
+    ],
+)
+def test_a_beta_draw_always_returns(successes: float, failures: float, why: str):
+    beta = Beta(successes, failures)
+    drawn = beta.sample(random.Random(0))
+    assert drawn == beta.mean or (drawn != drawn and beta.mean != beta.mean), why

@@ -93,3 +93,21 @@ def test_random_documents(policy_path: Path, data: bytes):
 @fuzz_settings(60)
 def test_anchors_aliases_and_merge_keys(policy_path: Path, data: bytes):
     check_load(policy_path, data)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "field"),
+    [
+        ("defaults:\n  prior_strength: .inf\n", 2, "defaults.prior_strength"),  # hung every Decide (betavariate)
+        ("defaults:\n  min_speedup: .inf\n", 2, "defaults.min_speedup"),
+        ("defaults:\n  hysteresis: .nan\n", 2, "defaults.hysteresis"),
+        ("segments:\n  - match: x\n    drafters: {draft: {cost_ratio: .inf}}\n", 3, "segments[0].drafters.draft"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused(policy_path: Path, text: str, line: int, field: str):
+    """Found by the daemon's fuzzing (test_fuzz_grpc.py): the bounds let infinity through, and decisions hung on it."""
+    policy_path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_policy(policy_path)
+    assert str(caught.value).startswith(f"{policy_path}:{line}: {field}"), str(caught.value)
+    assert str(caught.value).endswith(": Input should be a finite number"), str(caught.value)

@@ -31,9 +31,7 @@ MAX_TOKENS = [32, 80, 48, 72, 40, 64, 76, 56]
 @pytest.fixture(scope="module")
 def narrow_worker(launcher: WorkerLauncher) -> Iterator[Worker]:
     """Speculation only while at most 2 sequences share the batch."""
-    worker = launcher.start(
-        "narrow", speculation_max_batch=2, controller={"default_drafter": "draft", "default_k": 3}
-    )
+    worker = launcher.start("narrow", speculation_max_batch=2, controller={"default_drafter": "draft", "default_k": 3})
     yield worker
     launcher.stop(worker)
 
