@@ -7,6 +7,7 @@ extra to install, in one line."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -56,18 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     controller_cli.add_parsers(commands)
     distill_cli.add_parser(commands)
     worker_cli.add_parser(commands)
-    add_demo_parser(commands)
-    add_bench_parser(commands)
+    add_extra_parser(commands, "demo", "the demo")
+    add_extra_parser(commands, "bench", "the benchmark")
     tiny_parser = commands.add_parser("tiny-pair", help="write a tiny random target/draft pair (for trying things)")
     tiny.add_arguments(tiny_parser)
     tiny_parser.set_defaults(handler=tiny.run)
     return parser
 
 
-def add_bench_parser(commands: Any) -> None:
-    """`specd bench` (needs the demo extra: rich, matplotlib, httpx; and the worker's)."""
+def add_extra_parser(commands: Any, name: str, what: str) -> None:
+    """`specd demo` / `specd bench` (they need the demo extra: rich, matplotlib, httpx; and the worker's), or,
+    without it, a stand-in that says which extra to install."""
     try:
-        from specd.bench import cli as bench_cli
+        module = importlib.import_module(f"specd.{name}.cli")
     except ModuleNotFoundError as e:
         if extra_for(e) is None:
             raise
@@ -76,28 +78,10 @@ def add_bench_parser(commands: Any) -> None:
         def explain(args: argparse.Namespace) -> int:
             raise UsageError(needs_extra(missing))
 
-        stand_in = commands.add_parser("bench", help="the benchmark (needs the demo extra)", add_help=False)
-        stand_in.set_defaults(handler=explain, any_arguments=True)
-        return
-    bench_cli.add_parser(commands)
-
-
-def add_demo_parser(commands: Any) -> None:
-    """`specd demo`, or, without the demo extra, a stand-in that says which extra to install."""
-    try:
-        from specd.demo import cli as demo_cli
-    except ModuleNotFoundError as e:
-        if extra_for(e) is None:
-            raise
-        missing = e
-
-        def explain(args: argparse.Namespace) -> int:
-            raise UsageError(needs_extra(missing))
-
-        stand_in = commands.add_parser("demo", help="the demo (needs the demo extra)", add_help=False)
+        stand_in = commands.add_parser(name, help=f"{what} (needs the demo extra)", add_help=False)
         stand_in.set_defaults(handler=explain, any_arguments=True)  # the real parser's are unknown here
         return
-    demo_cli.add_parser(commands)
+    module.add_parser(commands)
 
 
 def main(argv: list[str] | None = None) -> int:
