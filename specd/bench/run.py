@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from controller.redis_conn import PID_FILE, stop_orphan
 from specd.bench.measure import ADAPTIVE, ADAPTIVE_WARM, NONE, STATIC_ARMS, WARM_BASELINE, Sample, parse_arm
 from specd.demo.configs import DemoPaths, controller_config, worker_config, write_config
+from specd.demo.run import prepare_run_folder
 from specd.launch import LaunchError, Service, start
 from specd_api.errors import SpecdError
 from workloads import Prompt, load_workload
@@ -132,7 +132,7 @@ def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: Benc
 def run_bench(options: BenchOptions, console: Console) -> int:
     prompts = load_prompts(options.workloads, options.prompts_per_segment, options.seed)
     paths = DemoPaths(options.out)
-    prepare(paths)
+    prepare_run_folder(paths, "bench", BenchError, MARKER)
     run = Run()
     started = time.monotonic()
     services: dict[str, Service] = {}
@@ -333,17 +333,6 @@ def progress_bar(console: Console, total: int) -> Iterator[Callable[[], None]]:
 
 
 # -- services -------------------------------------------------------------------------------------------------
-
-
-def prepare(paths: DemoPaths) -> None:
-    run = paths.run
-    if run.exists():
-        if any(run.iterdir()) and not (run / MARKER).exists():
-            raise BenchError(f"{run} is not empty and is not a bench run folder; refusing to wipe it (use --out)")
-        stop_orphan(run / "controller-state" / "redis" / PID_FILE)
-        shutil.rmtree(run)
-    paths.logs.mkdir(parents=True)
-    (run / MARKER).write_text("specd bench run folder: wiped at the start of every run\n")
 
 
 def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, Service], console: Console) -> None:

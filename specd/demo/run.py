@@ -153,17 +153,21 @@ def default_workloads() -> Path:
 # -- the run folder -------------------------------------------------------------------------------------------
 
 
-def prepare_run_folder(paths: DemoPaths) -> None:
-    """Wipe the previous run (learning starts fresh) and mark the folder as the demo's."""
+def prepare_run_folder(
+    paths: DemoPaths, kind: str = "demo", error: type[SpecdError] = DemoError, marker: str | None = None
+) -> None:
+    """Wipe the previous run (learning starts fresh) and mark the folder as ``kind``'s (the demo's, the bench's:
+    each wipes only a folder holding its own ``marker`` file)."""
+    marker = marker or MARKER
     run = paths.run
     if run.exists():
-        if any(run.iterdir()) and not (run / MARKER).exists():
-            raise DemoError(f"{run} is not empty and is not a demo run folder; refusing to wipe it (use --out)")
+        if any(run.iterdir()) and not (run / marker).exists():
+            raise error(f"{run} is not empty and is not a {kind} run folder; refusing to wipe it (use --out)")
         # A previous run killed with SIGKILL may have left its controller's embedded Redis behind.
         stop_orphan(run / "controller-state" / "redis" / PID_FILE)
         shutil.rmtree(run)
     paths.logs.mkdir(parents=True)
-    (run / MARKER).write_text("specd demo run folder: wiped at the start of every run\n")
+    (run / marker).write_text(f"specd {kind} run folder: wiped at the start of every run\n")
 
 
 # -- services -------------------------------------------------------------------------------------------------
