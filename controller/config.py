@@ -71,7 +71,12 @@ class ControllerConfig(Strict):
     redis_timeout_seconds: float = Field(0.5, gt=0)
     policy_path: Path = Path("../policies/default.yaml")
     state_dir: Path = Path("../.specd/controller")
-    max_workers: int = Field(16, ge=1, le=1024)
+    max_workers: int = Field(16, ge=1, le=1024, description="threads answering unary RPCs (Decide, ReportRounds, ...)")
+    max_watchers: int = Field(
+        256, ge=0, le=4096,
+        description="WatchDecisions streams served at once (each holds a thread of its own); more are refused with "
+        "RESOURCE_EXHAUSTED, and those workers ask Decide",
+    )  # fmt: skip
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     policy_watch_seconds: float = Field(2.0, gt=0, description="how often the policy file is checked")
     redis_restart_backoff_seconds: tuple[float, float] = Field(

@@ -24,7 +24,7 @@ from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
 from controller.policy import Settings
 from specd_api.plan import BATCH_RULE_REASON, Plan, off, speculation_allowed
-from specd_api.speedup import best_k, speedup_curve
+from specd_api.speedup import best_k, repays_prefill, speedup_curve
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,10 @@ def best_arm(
 
 def repays_drafting(arm: Arm, request: Request, settings: Settings, cost_ratio: float) -> bool:
     """Does the expected saving over max_new_tokens exceed the draft model's extra prefill?"""
-    saved_steps = request.max_new_tokens * (1.0 - 1.0 / arm.speedup) if arm.speedup > 0 else 0.0
-    prefill_steps = (
-        cost_ratio * request.prompt_tokens * settings.prefill_cost_per_token if arm.drafter == "draft" else 0.0
-    )
-    return saved_steps > prefill_steps
+    return repays_prefill(
+        arm.drafter, arm.speedup, request.max_new_tokens, request.prompt_tokens, cost_ratio,
+        settings.prefill_cost_per_token,
+    )  # fmt: skip
 
 
 def decide(

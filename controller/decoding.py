@@ -27,9 +27,15 @@ class Undecodable:
 class RefuseUndecodable(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
-            return handler  # streams (health Watch, reflection) and handlers that read no bytes keep gRPC's behaviour
-        parse, behavior = handler.request_deserializer, handler.unary_unary
+        if handler is None or handler.request_deserializer is None:
+            return handler  # handlers that read no bytes
+        if handler.unary_unary is not None:
+            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+        elif handler.unary_stream is not None:  # WatchDecisions (and health Watch): one request, then a stream
+            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        else:
+            return handler  # client streams (reflection) keep gRPC's behaviour
+        parse = handler.request_deserializer
         method = details.method
 
         def decode(data: bytes) -> Any:
@@ -44,6 +50,4 @@ class RefuseUndecodable(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
             return behavior(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            checked, request_deserializer=decode, response_serializer=handler.response_serializer
-        )
+        return make(checked, request_deserializer=decode, response_serializer=handler.response_serializer)

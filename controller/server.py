@@ -29,6 +29,7 @@ from controller.redis_conn import RedisHandle, connect, redact
 from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore, upgrade_keys
 from controller.systemd import Notifier, WatchdogPinger
+from controller.tables import DecisionPublisher
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, serve
 from specd_api.tracing import make_exporter, make_provider, no_tracer
@@ -55,6 +56,7 @@ class ControllerDaemon:
         self.notifier = Notifier.from_environment()
         self.port: int | None = None
         self.controller: Controller | None = None
+        self.publisher: DecisionPublisher | None = None
         self._in_flight = InFlight()
         self._redis: RedisHandle | None = None
         self._server: grpc.Server | None = None
@@ -78,8 +80,11 @@ class ControllerDaemon:
         policies = self._load_policy()
         learner = self._open_learning()
         self.controller = Controller(learner, policies, max_remembered=self.config.learning.max_segments * 2)
-        self._serve(ControllerServicer(self.controller, self._tracer()))
-        self._start_loop("refresh", self.config.learning.refresh_seconds, self._refresh, first_wait=0.0)
+        refresh = self.config.learning.refresh_seconds
+        self.publisher = DecisionPublisher(self.controller, refresh, self.config.max_watchers, self.clock)
+        self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher))
+        self._start_loop("refresh", refresh, self._refresh, first_wait=0.0)
+        self._start_loop("decision-tables", refresh, self.publisher.rebuild)
         self._start_loop("prior", self.config.learning.refresh_seconds, learner.refit_prior)
         self._start_loop("policy-watch", self.config.policy_watch_seconds, self._reload_if_file_changed)
         interval = self.notifier.watchdog_interval()
@@ -131,7 +136,8 @@ class ControllerDaemon:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
         listen = self.config.listen
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
+            # every WatchDecisions stream holds a thread for its life: they must not starve Decide
+            futures.ThreadPoolExecutor(max_workers=self.config.max_workers + self.config.max_watchers),
             # refused calls are never counted in flight; bytes that do not parse are INVALID_ARGUMENT, not INTERNAL
             interceptors=[*self._token_check(), self._in_flight, RefuseUndecodable()],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
@@ -180,6 +186,8 @@ class ControllerDaemon:
         Redis, flush spans, close. Copes with a start-up that failed half way."""
         self.lifecycle.request_exit()  # ends the background loops (and main_loop, when called directly)
         self.notifier.stopping("draining")
+        if self.publisher is not None:
+            self.publisher.close()  # streams end now (workers keep their tables and reconnect elsewhere)
         in_flight, cancelled = self._stop_serving()
         for thread in self._threads:
             thread.join(timeout=5)

@@ -20,6 +20,7 @@ from controller.decide import DrafterEstimate, Request, decide, estimate_drafter
 from controller.journal import JournalFull
 from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
+from controller.tables import DecisionPublisher, TooManyWatchers
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan
 from specd_api.spans import plan_attributes
@@ -102,6 +103,27 @@ class Controller:
         if self.learner.stale:
             plan = replace(plan, stale=True)
         return plan
+
+    def table_decisions(self, request: Request, draws: int) -> tuple[Plan, list[tuple[Plan, float]]]:
+        """For a decision table: the plan Decide gives ``request`` when it does not probe, and the probes it sends
+        instead, each with its share of such requests (the share of ``draws`` decisions that probed it). The plan
+        updates the hysteresis memory as a Decide's does."""
+        policy = self.policies.current
+        settings = policy.for_segment(request.segment)
+        counts = self.learner.segment_counts(request.segment)
+        costs = self.learner.cost_model.at(request.batch_size)
+        estimates = self.estimates(settings, counts, request, costs)
+        previous = self._previous.recall(request.segment)
+        exploit = settings.model_copy(update={"exploration_rate": 0.0})
+        plan = decide(exploit, policy.version, request, estimates, costs, previous, self.rng())
+        if plan.reason in LEARNED_REASONS:
+            self._previous.remember(request.segment, plan)
+        probed: dict[str, tuple[Plan, int]] = {}
+        for _ in range(draws if settings.exploration_rate > 0 else 0):
+            drawn = decide(settings, policy.version, request, estimates, costs, previous, self.rng())
+            if drawn.exploration:
+                probed[drawn.drafter] = (drawn, probed.get(drawn.drafter, (drawn, 0))[1] + 1)
+        return plan, [(probe, n / draws) for probe, n in probed.values()]
 
     def new_drift_alarms(self, segment: str) -> list[DriftAlarm]:
         """The segment's drift alarms not yet announced on a Decide span (each is announced once)."""
@@ -202,9 +224,12 @@ def position_stats(i: int, pos: PositionCounts) -> pb.PositionStats:
 class ControllerServicer(pb_grpc.ControllerServicer):
     """gRPC glue: validation errors become INVALID_ARGUMENT; every RPC is a span joined to the caller's trace."""
 
-    def __init__(self, controller: Controller, tracer: trace.Tracer) -> None:
+    def __init__(
+        self, controller: Controller, tracer: trace.Tracer, publisher: DecisionPublisher | None = None
+    ) -> None:
         self.controller = controller
         self.tracer = tracer
+        self.publisher = publisher  # None: WatchDecisions is not served (UNIMPLEMENTED)
 
     @contextmanager
     def _span(self, name: str, context: grpc.ServicerContext) -> Iterator[trace.Span]:
@@ -236,6 +261,25 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                      "specd.drift.alpha_since": alarm.alpha_since},
                 )  # fmt: skip
             return plan.to_proto()
+
+    def WatchDecisions(
+        self, request: pb.WatchDecisionsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.DecisionTables]:
+        with self._span("WatchDecisions", context) as span:
+            try:
+                drafters = validation.watched_drafters(request)
+            except ValueError as e:
+                self._invalid(span, context, e)
+            span.set_attributes({"specd.worker_id": request.worker_id, "specd.drafters": list(drafters)})
+            publisher = self.publisher
+            if publisher is None:
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, "this controller does not serve WatchDecisions")
+                return
+            context.add_callback(publisher.wake)  # a stream the worker closed ends now, not at the next refresh
+        try:
+            yield from publisher.watch(drafters, context.is_active)
+        except TooManyWatchers as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     def ReportRounds(self, request: pb.ReportRoundsRequest, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
         with self._span("ReportRounds", context) as span:

@@ -41,6 +41,16 @@ def request_from_proto(msg: pb.DecideRequest) -> Request:
     )
 
 
+def watched_drafters(msg: pb.WatchDecisionsRequest) -> tuple[str, ...]:
+    """The drafters a WatchDecisions stream's tables are made for (sorted, without "none"); the worker id is only
+    logged, so it is checked like a report id."""
+    if msg.worker_id and not _REPORT_ID_RE.fullmatch(msg.worker_id):
+        raise ValueError("worker_id must be 1..128 characters of [A-Za-z0-9_.:-]")
+    for i, d in enumerate(msg.drafters):
+        drafter_name(d, f"drafters[{i}]")
+    return tuple(sorted({d for d in msg.drafters if d != "none"}))
+
+
 def report(msg: pb.ReportRoundsRequest) -> tuple[str, list[Aggregate]]:
     if not _REPORT_ID_RE.fullmatch(msg.report_id):
         raise ValueError("report_id must be 1..128 characters of [A-Za-z0-9_.:-]")

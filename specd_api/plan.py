@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 DRAFTERS = ("draft", "prompt_lookup")  # what can speculate; "none" is always possible
 DRAFTER_NAMES = (*DRAFTERS, "none")
-Source = Literal["controller", "last_decision", "local_default", "request"]
+Source = Literal["controller", "table", "last_decision", "local_default", "request"]
 Fallback = Literal["timeout", "unavailable", "error"]
 
 # Reasons a plan can carry (the controller's learned ones, and the rules).
@@ -50,7 +50,8 @@ class Plan:
     verify_cost: tuple[float, ...] = ()  # v(n), n = 0..k, at the request's batch size
     probe_rounds: int = 0  # rounds run at k before adapting (a probe observes every position)
     counterfactual_k: int = 0  # prompt lookup's would-be proposals scored per round (0: off)
-    # Where the worker got it: "controller", or a fallback when the controller did not answer in time.
+    # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
+    # controller did not answer in time.
     source: Source = "controller"
     fallback: Fallback | None = None
     latency_s: float = 0.0
@@ -166,7 +167,7 @@ def fallback_plan(
 
 def worth_remembering(plan: Plan) -> bool:
     """A plan about the segment, not about one request: the controller's, not a probe, not the batch rule."""
-    return plan.source == "controller" and not plan.exploration and plan.reason != BATCH_RULE_REASON
+    return plan.source in ("controller", "table") and not plan.exploration and plan.reason != BATCH_RULE_REASON
 
 
 @dataclass

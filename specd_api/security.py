@@ -277,8 +277,9 @@ class _CallDetails(grpc.ClientCallDetails):
     compression: grpc.Compression | None
 
 
-class BearerToken(grpc.UnaryUnaryClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every unary call's metadata (the controller's RPCs are unary)."""
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call's metadata (the controller's RPCs are unary, but for
+    WatchDecisions, whose answer is a stream)."""
 
     def __init__(self, token: str) -> None:
         self._header = (AUTHORIZATION, bearer(token))
@@ -293,3 +294,6 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor):
                          details.compression),
             request,
         )  # fmt: skip
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return self.intercept_unary_unary(continuation, details, request)

@@ -99,3 +99,15 @@ def ratio(numerator: float, denominator: float, default: float = 0.0) -> float:
 def _rate(values: Sequence[float], i: int) -> float:
     value = float(values[i]) if i < len(values) else 0.0
     return min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0
+
+
+def repays_prefill(
+    drafter: str, speedup: float, max_new_tokens: int, prompt_tokens: int, cost_ratio: float,
+    prefill_cost_per_token: float,
+) -> bool:  # fmt: skip
+    """Does running ``drafter`` at ``speedup`` save more target steps over ``max_new_tokens`` than it costs up front?
+    Only a draft model pays up front: its own prefill of the prompt, ``cost_ratio * prompt_tokens *
+    prefill_cost_per_token`` target steps."""
+    saved_steps = max_new_tokens * (1.0 - 1.0 / speedup) if speedup > 0 else 0.0
+    prefill_steps = cost_ratio * prompt_tokens * prefill_cost_per_token if drafter == "draft" else 0.0
+    return saved_steps > prefill_steps

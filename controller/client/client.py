@@ -23,10 +23,12 @@ from controller.client.buffer import PendingReport, ReportBuffer
 from controller.client.config import ClientConfig, ClientStats
 from controller.client.fallback import DecisionMemory, fallback_cause
 from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregates
+from controller.client.tables import TableWatcher
 from specd_api.checks import check_aggregate
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
 from specd_api.security import controller_channel
 from specd_api.spans import plan_attributes
+from specd_api.table import as_local
 from specd_api.tracing import metadata_with_context
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -104,11 +106,13 @@ class ControllerClient:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ControllerStub | None = None
         self._thread: threading.Thread | None = None
+        self._tables: TableWatcher | None = None  # the pushed decision tables (config.watch_decisions)
         self._wake = threading.Event()  # the reporter should send now
         self._closing = threading.Event()
         self._flush_deadline = 0.0
         self._lock = threading.Lock()  # the counters below
         self._decisions = 0
+        self._local_decisions = 0
         self._fallbacks: Counter[str] = Counter()
         self._reports_invalid = 0
         self._decide_state = "answered"  # "answered" | "refused" | "fallback": logged when it changes, not per call
@@ -127,6 +131,12 @@ class ControllerClient:
         self._stub.GetPolicy.future(pb.GetPolicyRequest(), timeout=self.config.report_timeout_s)
         self._thread = threading.Thread(target=self._report_loop, name="specd-client-reporter", daemon=True)
         self._thread.start()
+        if self.config.watch_decisions:
+            backoff = Backoff(*self.config.reconnect_backoff_s)
+            self._tables = TableWatcher(
+                self._stub, self.config.worker_id, self.config.watch_decisions, backoff.next, backoff.reset
+            )
+            self._tables.start()
 
     def wait_until_ready(self, timeout_s: float) -> bool:
         """Wait until the controller answers (GetPolicy); False after ``timeout_s``. Optional: decide() never
@@ -142,6 +152,9 @@ class ControllerClient:
     def close(self, flush_timeout_s: float = 2.0) -> None:
         """Send what can be sent within ``flush_timeout_s``, stop the reporter, close the channel. Whatever is
         still unsent is counted as dropped."""
+        if self._tables is not None:
+            self._tables.close()
+            self._tables = None
         if self._thread is not None:
             self._flush_deadline = time.monotonic() + flush_timeout_s
             self._closing.set()
@@ -190,12 +203,39 @@ class ControllerClient:
                 self_repetition,
             )  # fmt: skip
 
+        def answer() -> Plan:
+            local = self._local(segment, drafters, batch_size, max_new_tokens, prompt_tokens)
+            return local if local is not None else self._decide(segment, batch_size, drafters, make_request)
+
         if self._tracer is None:
-            return self._decide(segment, batch_size, drafters, make_request)
+            return answer()
         with self._tracer.start_as_current_span(DECIDE_SPAN, kind=SpanKind.CLIENT) as span:
-            outcome = self._decide(segment, batch_size, drafters, make_request)
+            outcome = answer()
             span.set_attributes(plan_attributes(outcome, segment))
             return outcome
+
+    def _local(
+        self, segment: str, drafters: Sequence[str], batch_size: int, max_new_tokens: int, prompt_tokens: int
+    ) -> Plan | None:
+        """The plan from the pushed decision tables, or None (ask Decide)."""
+        tables = self._tables
+        if tables is None:
+            return None
+        start = time.perf_counter()
+        try:
+            found = tables.lookup(segment, drafters, batch_size, max_new_tokens, prompt_tokens)
+        except Exception:  # a bad argument, or a bug: Decide (and its fallbacks) still answer
+            log.exception("decision table lookup failed for segment %r", segment[:128])
+            return None
+        if found is None:
+            return None
+        plan = as_local(found[0], found[1], time.perf_counter() - start)
+        if worth_remembering(plan):
+            self._memory.remember(segment, plan)
+        with self._lock:
+            self._decisions += 1
+            self._local_decisions += 1
+        return plan
 
     def _decide(
         self, segment: str, batch_size: int, drafters: Sequence[str], make_request: Callable[[], pb.DecideRequest]
@@ -365,6 +405,7 @@ class ControllerClient:
         with self._lock:
             return ClientStats(
                 decisions=self._decisions,
+                local_decisions=self._local_decisions,
                 fallbacks=dict(self._fallbacks),
                 reports_sent=counts.reports_sent,
                 aggregates_sent=counts.aggregates_sent,

@@ -28,6 +28,9 @@ class ClientConfig:
     retry_backoff_s: tuple[float, float] = (0.1, 5.0)  # exponential backoff min/max between failed sends
     reconnect_backoff_s: tuple[float, float] = (0.1, 1.0)  # gRPC reconnect backoff: how soon a restart is seen
     credentials: ControllerCredentials | None = None  # TLS and a token (files checked when made); None: plaintext
+    # The drafters this worker runs: watch the controller's decision tables for them (WatchDecisions) and decide
+    # locally where a table holds (controller/client/tables.py). Empty: every decision is a Decide call.
+    watch_decisions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         tls = self.credentials.tls if self.credentials is not None else None
@@ -55,6 +58,10 @@ class ClientConfig:
                 f"max_aggregates_per_report must be <= {MAX_AGGREGATES} (the controller's limit), "
                 f"got {self.max_aggregates_per_report}"
             )
+        for i, drafter in enumerate(self.watch_decisions):
+            if drafter not in DRAFTER_NAMES:
+                known = ", ".join(DRAFTER_NAMES)
+                raise ValueError(f"watch_decisions[{i}] must be one of {known}, got {drafter[:40]!r}")
         _backoff("retry_backoff_s", self.retry_backoff_s)
         _backoff("reconnect_backoff_s", self.reconnect_backoff_s)
 
@@ -66,6 +73,7 @@ class ClientConfig:
 @dataclass(frozen=True)
 class ClientStats:
     decisions: int  # decide() calls
+    local_decisions: int  # the part of them answered from the pushed decision tables
     fallbacks: Mapping[str, int]  # decide() calls the controller did not answer, by cause
     reports_sent: int  # ReportRounds calls acknowledged
     aggregates_sent: int

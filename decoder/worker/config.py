@@ -31,6 +31,10 @@ class ControllerLink(Strict):
         description="the local plan's K ceiling ('default_num_draft_tokens', its old name, is still read)",
     )  # fmt: skip
     report_interval_seconds: float = Field(0.5, gt=0)
+    watch_decisions: bool = Field(
+        False, description="keep the controller's decision tables (WatchDecisions) and decide locally where they "
+        "hold; Decide only for segments they lack (docs/SCALING.md)",
+    )  # fmt: skip
     max_buffered_aggregates: int = Field(10_000, ge=1)
     tls: ClientTls | None = Field(None, description="null: plaintext; set: TLS (with cert_file/key_file: mutual TLS)")
     token: Secret | None = Field(None, description="sent as 'authorization: Bearer'; the controller's write token "

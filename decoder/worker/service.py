@@ -130,10 +130,15 @@ class WorkerService:
                     report_interval_s=link.report_interval_seconds,
                     max_buffered_aggregates=link.max_buffered_aggregates,
                     credentials=link.credentials(),
+                    watch_decisions=self._watched_drafters() if link.watch_decisions else (),
                 ),
                 tracer=self.tracer if exporter is not None else None,
             )
             self.client.start()
+
+    def _watched_drafters(self) -> tuple[str, ...]:
+        assert self.engine is not None
+        return tuple(d for d in self.engine.drafters if d != "none")
 
     def _load_engine(self) -> BatchEngine:
         cfg = self.cfg

@@ -302,3 +302,63 @@ class PolicyInfo(_message.Message):
     text: str
     loaded_unix: float
     def __init__(self, version: _Optional[str] = ..., path: _Optional[str] = ..., text: _Optional[str] = ..., loaded_unix: _Optional[float] = ...) -> None: ...
+
+class WatchDecisionsRequest(_message.Message):
+    __slots__ = ("worker_id", "drafters")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TableProbe(_message.Message):
+    __slots__ = ("plan", "probability")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    plan: Decision
+    probability: float
+    def __init__(self, plan: _Optional[_Union[Decision, _Mapping]] = ..., probability: _Optional[float] = ...) -> None: ...
+
+class BucketDecision(_message.Message):
+    __slots__ = ("batch_bucket", "plan", "probes")
+    BATCH_BUCKET_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
+    batch_bucket: int
+    plan: Decision
+    probes: _containers.RepeatedCompositeFieldContainer[TableProbe]
+    def __init__(self, batch_bucket: _Optional[int] = ..., plan: _Optional[_Union[Decision, _Mapping]] = ..., probes: _Optional[_Iterable[_Union[TableProbe, _Mapping]]] = ...) -> None: ...
+
+class SegmentTable(_message.Message):
+    __slots__ = ("segment", "max_batch_size", "min_new_tokens", "prefill_cost_per_token", "buckets", "above_max_batch_size")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COST_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    ABOVE_MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    max_batch_size: int
+    min_new_tokens: int
+    prefill_cost_per_token: float
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketDecision]
+    above_max_batch_size: Decision
+    def __init__(self, segment: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., prefill_cost_per_token: _Optional[float] = ..., buckets: _Optional[_Iterable[_Union[BucketDecision, _Mapping]]] = ..., above_max_batch_size: _Optional[_Union[Decision, _Mapping]] = ...) -> None: ...
+
+class DecisionTables(_message.Message):
+    __slots__ = ("full", "segments", "removed", "policy_version", "stale", "refresh_seconds", "built_unix")
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUILT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    full: bool
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentTable]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    policy_version: str
+    stale: bool
+    refresh_seconds: float
+    built_unix: float
+    def __init__(self, full: _Optional[bool] = ..., segments: _Optional[_Iterable[_Union[SegmentTable, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ..., policy_version: _Optional[str] = ..., stale: _Optional[bool] = ..., refresh_seconds: _Optional[float] = ..., built_unix: _Optional[float] = ...) -> None: ...

@@ -69,6 +69,11 @@ class ControllerStub:
                 request_serializer=specd__api_dot_v1_dot_controller__pb2.GetCostsRequest.SerializeToString,
                 response_deserializer=specd__api_dot_v1_dot_controller__pb2.CostModel.FromString,
                 _registered_method=True)
+        self.WatchDecisions = channel.unary_stream(
+                '/specd.v1.Controller/WatchDecisions',
+                request_serializer=specd__api_dot_v1_dot_controller__pb2.WatchDecisionsRequest.SerializeToString,
+                response_deserializer=specd__api_dot_v1_dot_controller__pb2.DecisionTables.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -122,6 +127,16 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchDecisions(self, request, context):
+        """The decision tables, pushed: the first message holds every segment the controller has learned enough about
+        (full = true); later ones, one per refresh, hold the segments whose table changed and those removed (an empty
+        message is a heartbeat). A worker decides locally from them and calls Decide only for a segment it has no
+        table for. The stream ends when the controller stops; the worker opens it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +174,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetCosts,
                     request_deserializer=specd__api_dot_v1_dot_controller__pb2.GetCostsRequest.FromString,
                     response_serializer=specd__api_dot_v1_dot_controller__pb2.CostModel.SerializeToString,
+            ),
+            'WatchDecisions': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchDecisions,
+                    request_deserializer=specd__api_dot_v1_dot_controller__pb2.WatchDecisionsRequest.FromString,
+                    response_serializer=specd__api_dot_v1_dot_controller__pb2.DecisionTables.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +370,33 @@ class Controller:
             '/specd.v1.Controller/GetCosts',
             specd__api_dot_v1_dot_controller__pb2.GetCostsRequest.SerializeToString,
             specd__api_dot_v1_dot_controller__pb2.CostModel.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchDecisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specd.v1.Controller/WatchDecisions',
+            specd__api_dot_v1_dot_controller__pb2.WatchDecisionsRequest.SerializeToString,
+            specd__api_dot_v1_dot_controller__pb2.DecisionTables.FromString,
             options,
             channel_credentials,
             insecure,

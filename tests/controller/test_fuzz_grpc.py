@@ -93,9 +93,14 @@ def call(channel: grpc.Channel, method: str, request: bytes, record: bool = True
 def call_with_details(
     channel: grpc.Channel, method: str, request: bytes, record: bool = True
 ) -> tuple[grpc.StatusCode, str]:
-    rpc = channel.unary_unary(f"/{SERVICE.full_name}/{method}")  # no serializers: bytes in, bytes out
+    path = f"/{SERVICE.full_name}/{method}"  # no serializers: bytes in, bytes out
     try:
-        rpc(request, timeout=RPC_TIMEOUT)
+        if METHODS[method].server_streaming:  # WatchDecisions: its first message (all the tables) or its refusal
+            stream = channel.unary_stream(path)(request, timeout=RPC_TIMEOUT)
+            next(stream)
+            stream.cancel()
+        else:
+            channel.unary_unary(path)(request, timeout=RPC_TIMEOUT)
         code, details = grpc.StatusCode.OK, ""
     except grpc.RpcError as e:
         code, details = e.code(), e.details() or ""
