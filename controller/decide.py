@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from controller.cost_model import BucketCosts
@@ -152,34 +152,78 @@ def decide(
 ) -> Plan:
     """The plan for one request. ``previous`` is the segment's last learned (non-probe) plan. The steps: the rules
     (batch size, policy), the arms the request can run, the learned choice, then perhaps a probe instead."""
+    return deliberate(settings, policy_version, request, estimates, costs, previous).draw(rng)
+
+
+@dataclass(frozen=True)
+class Deliberation:
+    """A decision before its random part: the plan when the request does not probe (``exploit``), and what a
+    Thompson draw needs to say whether it probes instead (nothing, for a plan made by a rule)."""
+
+    exploit: Plan
+    settings: Settings
+    make: _PlanMaker | None = None
+    arms: tuple[Arm, ...] = ()
+    bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    probeable: tuple[str, ...] = ()
+
+    @property
+    def may_probe(self) -> bool:
+        """Can any draw probe? (A decision table draws only then: most segments, once learned, cannot.)"""
+        rate = self.settings.exploration_rate
+        if rate <= 0 or not self.probeable or self.make is None:
+            return False
+        others = any(d != self.exploit.drafter for d in self.probeable)
+        return others or (not self.exploit.speculates and min(self.settings.min_exploration_rate, rate) > 0)
+
+    def draw(self, rng: random.Random) -> Plan:
+        """The plan for one request: ``exploit``, or a probe when the request's posterior draw says so."""
+        if self.make is None:
+            return self.exploit
+        make = self.make
+        probe = _thompson(
+            list(self.bounds), self.probeable, make.estimates, self.bounds, make.costs, self.exploit, self.settings,
+            rng,
+        )  # fmt: skip
+        if probe is None:
+            return self.exploit
+        mean_arm = next(a for a in self.arms if a.drafter == probe)  # report the point estimate, not the lucky draw
+        return make.plan(mean_arm, "exploration", self.bounds[probe][1], max(self.settings.probe_rounds, 1))
+
+
+def deliberate(
+    settings: Settings,
+    policy_version: str,
+    request: Request,
+    estimates: Mapping[str, DrafterEstimate],
+    costs: BucketCosts,
+    previous: Plan | None,
+) -> Deliberation:
+    """Everything of ``decide`` but the draw: the rules, the arms, the learned choice."""
     lookup_k = _counterfactual_k(settings, request)
     make = _PlanMaker(settings, policy_version, request.segment, estimates, costs, lookup_k)
     ruled = _ruled(settings, request, make)
     if ruled is not None:
-        return ruled
+        return Deliberation(ruled, settings)
     bounds = _k_bounds(settings, request, estimates)
     if isinstance(bounds, str):
-        return make.off(bounds)
-    arms = [best_arm(estimates[d], estimates[d].means(), *bounds[d], costs) for d in bounds]
+        return Deliberation(make.off(bounds), settings)
+    arms = tuple(best_arm(estimates[d], estimates[d].means(), *bounds[d], costs) for d in bounds)
     best = max(arms, key=lambda a: a.speedup)
-    choice = _paying_choice(_with_hysteresis(best, arms, previous, settings), arms, request, settings, estimates)
+    choice = _paying_choice(
+        _with_hysteresis(best, list(arms), previous, settings), arms, request, settings, estimates
+    )  # fmt: skip
     if isinstance(choice, str):
-        return make.off(choice)
+        return Deliberation(make.off(choice), settings)
     if choice is None:
         exploit = make.off("low_expected_speedup", best.speedup)
     else:
         kept = previous is not None and choice != best and choice.drafter == previous.drafter
         ceiling = min(choice.k + settings.k_headroom, bounds[choice.drafter][1])
         exploit = make.plan(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
-
     # Prompt lookup replayed over every request is known for free: probing it would pay to learn what is seen.
-    usable = list(bounds)
-    probeable = [d for d in usable if not (d == "prompt_lookup" and lookup_k > 0)]
-    probe = _thompson(usable, probeable, estimates, bounds, costs, exploit, settings, rng)
-    if probe is not None:
-        mean_arm = next(a for a in arms if a.drafter == probe)  # report the point estimate, not the lucky draw
-        return make.plan(mean_arm, "exploration", bounds[probe][1], max(settings.probe_rounds, 1))
-    return exploit
+    probeable = tuple(d for d in bounds if not (d == "prompt_lookup" and lookup_k > 0))
+    return Deliberation(exploit, settings, make, arms, bounds, probeable)
 
 
 @dataclass(frozen=True)

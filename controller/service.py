@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from controller import validation
 from controller.cost_model import BucketCosts
 from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import DrafterEstimate, Request, decide, estimate_drafter
+from controller.decide import DrafterEstimate, Request, decide, deliberate, estimate_drafter
 from controller.journal import JournalFull
 from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
@@ -114,13 +114,13 @@ class Controller:
         costs = self.learner.cost_model.at(request.batch_size)
         estimates = self.estimates(settings, counts, request, costs)
         previous = self._previous.recall(request.segment)
-        exploit = settings.model_copy(update={"exploration_rate": 0.0})
-        plan = decide(exploit, policy.version, request, estimates, costs, previous, self.rng())
+        deliberation = deliberate(settings, policy.version, request, estimates, costs, previous)
+        plan = deliberation.exploit
         if plan.reason in LEARNED_REASONS:
             self._previous.remember(request.segment, plan)
         probed: dict[str, tuple[Plan, int]] = {}
-        for _ in range(draws if settings.exploration_rate > 0 else 0):
-            drawn = decide(settings, policy.version, request, estimates, costs, previous, self.rng())
+        for _ in range(draws if deliberation.may_probe else 0):
+            drawn = deliberation.draw(self.rng())
             if drawn.exploration:
                 probed[drawn.drafter] = (drawn, probed.get(drawn.drafter, (drawn, 0))[1] + 1)
         return plan, [(probe, n / draws) for probe, n in probed.values()]

@@ -138,6 +138,12 @@ class ControllerClient:
             )
             self._tables.start()
 
+    @property
+    def table_segments(self) -> int:
+        """Segments in the pushed decision tables this client holds now (0 when it does not watch them)."""
+        tables = self._tables
+        return tables.segments if tables is not None and tables.fresh else 0
+
     def wait_until_ready(self, timeout_s: float) -> bool:
         """Wait until the controller answers (GetPolicy); False after ``timeout_s``. Optional: decide() never
         needs it, but the first decision then does not pay for connecting."""

@@ -205,6 +205,18 @@ def test_health_checks_need_no_token(secured, pki):
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_watch_decisions_stream_carries_the_token_and_a_wrong_one_is_refused(secured, pki, tokens):
+    """The decision tables stream is a read RPC: the client's token interceptor covers streams too."""
+    request = pb.WatchDecisionsRequest(worker_id="w", drafters=["draft"])
+    with stub(secured, credentials(pki, token=tokens.read)) as s:
+        assert next(s.WatchDecisions(request, timeout=TIMEOUT)).full
+    for token in (tokens.wrong, None):
+        with stub(secured, credentials(pki, token=token)) as s:
+            with pytest.raises(grpc.RpcError) as refused:
+                next(s.WatchDecisions(request, timeout=TIMEOUT))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_no_log_line_carries_a_token(tmp_path, embedded_redis_url, pki, tokens, caplog):
     """From start-up to a refusal (its own daemon: refusal lines are rate-limited per daemon)."""
     caplog.set_level(logging.INFO, logger="specd")
@@ -227,6 +239,7 @@ def test_no_log_line_carries_a_token(tmp_path, embedded_redis_url, pki, tokens, 
         pytest.param(CONTROLLER + "ListSegments", "read", id="ListSegments"),
         pytest.param(CONTROLLER + "GetPolicy", "read", id="GetPolicy"),
         pytest.param(CONTROLLER + "GetCosts", "read", id="GetCosts"),
+        pytest.param(CONTROLLER + "WatchDecisions", "read", id="WatchDecisions"),
         pytest.param(CONTROLLER + "ReportRounds", "write", id="ReportRounds-changes-learning"),
         pytest.param(CONTROLLER + "ReloadPolicy", "write", id="ReloadPolicy-changes-decisions"),
         pytest.param(CONTROLLER + "DeleteEverything", "write", id="unknown-method-fails-closed"),

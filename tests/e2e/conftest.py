@@ -62,6 +62,7 @@ class Stack:
         controller: str | None,
         decide_deadline_ms: float = 5.0,
         telemetry: dict[str, Any] | None = None,
+        watch_decisions: bool = False,
     ) -> Service:
         """The worker on the reference pair (float32 on the CPU); ``controller`` None runs it without one."""
         config = {
@@ -75,6 +76,7 @@ class Stack:
                 "address": controller,
                 "decide_deadline_ms": decide_deadline_ms,
                 "report_interval_seconds": 0.2,
+                "watch_decisions": watch_decisions,
             },
             "telemetry": telemetry or {"exporter": "none"},
         }

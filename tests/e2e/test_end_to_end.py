@@ -156,3 +156,26 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
     later = [decision(r) for r in second if r in answered and r.segment == UNRULED]
     assert later and all(d[0] != "draft" for d in later), later
     assert by_segment[UNRULED]["decision"]["drafter"] != "draft", by_segment[UNRULED]["decision"]
+
+
+def test_a_worker_watching_the_decision_tables_decides_locally_once_a_segment_is_learned(stack: Stack) -> None:
+    """`controller.watch_decisions: true`: the first requests of a segment are decided by Decide (the tables hold
+    only segments with data); once its reports weigh as much as the prior, its requests are decided locally from
+    the pushed table (decision_source "table"), and the controller still counts every round the worker ran."""
+    controller = stack.start_controller()
+    worker = stack.start_worker(controller.address, decide_deadline_ms=100, watch_decisions=True)
+    prompts = [p for p in mixed_workload(8) if p.segment == "code"]
+    with httpx.Client(base_url=worker.url, timeout=120) as http:
+        replies = [complete(http, prompts[0], MAX_TOKENS)]
+        metrics = wait_for_reports(controller.address, http)
+        for prompt in prompts[1:]:
+            replies.append(complete(http, prompt, MAX_TOKENS))
+            metrics = wait_for_reports(controller.address, http)
+    print_timeline(replies)
+    assert all(r.status == 200 for r in replies), [(r.status, r.body) for r in replies]
+    sources = [r.specd["decision_source"] for r in replies]
+    assert sources[0] == "controller", sources  # nothing learned yet: not in the tables
+    assert "table" in sources[2:], sources
+    assert "last_decision" not in sources and "local_default" not in sources, sources
+    summary = specd_cli("alpha", "--json", "--address", controller.address)
+    assert as_counts(alpha_json_counts(summary)) == as_counts(worker_counts(metrics))
