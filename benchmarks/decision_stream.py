@@ -225,7 +225,8 @@ def run(address: str, pid: int, args: argparse.Namespace) -> dict:
         print(f"   {mode:<7} controller {r['controller_cpu_percent']:>6.1f}% CPU  {r['decisions_per_second']:>6.0f} "
               f"decisions/s  local {r['local_share']:.0%}  fallbacks {r['fallbacks']}  p50 {r['p50_us']:>7.1f} µs  "
               f"p99 {r['p99_us']:>8.1f} µs  workers {r['worker_cpu_percent']:.0f}% CPU")  # fmt: skip
-    saved = fleet_results["decide"]["controller_cpu_percent"] / max(fleet_results["stream"]["controller_cpu_percent"], 0.1)
+    cpu = {mode: r["controller_cpu_percent"] for mode, r in fleet_results.items()}
+    saved = cpu["decide"] / max(cpu["stream"], 0.1)
     print(f"   controller CPU, Decide per request / stream: {saved:.1f}x")
     sys.stdout.flush()
     return {"workers": args.workers, "rate_per_worker": args.rate, "seconds": args.seconds,
