@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -95,7 +96,7 @@ def one_worker(address: str, watch: bool, seconds: float) -> dict[str, float]:
 
 def simulated_workers(
     address: str, watch: bool, workers: int, rate: float, start_at: float, seconds: float, seed: int
-) -> dict[str, float | list[float]]:
+) -> dict[str, Any]:
     """``workers`` clients in this process, each on a thread deciding ``rate`` times a second from ``start_at``
     (wall clock) for ``seconds``."""
     logging.getLogger("specd").setLevel(logging.ERROR)  # fallbacks are counted, not logged per client
