@@ -123,10 +123,11 @@ def simulated_workers(
             counts["decisions"] += len(mine)
             counts["local"] += local
 
-    cpu_before = time.process_time()
     threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(clients)]
     for t in threads:
         t.start()
+    time.sleep(max(start_at - time.time(), 0.0))
+    cpu_before = time.process_time()  # this process's CPU while its workers decide (all its threads)
     for t in threads:
         t.join()
     cpu = time.process_time() - cpu_before
