@@ -28,6 +28,10 @@ from decoder.sampling import SamplingParams, make_generator
 from decoder.stopping import StopRules
 from specd_api.plan import Plan
 
+WARM_UP_MAX_K = 8  # the K ceilings the default policy lets the draft model run
+WARM_UP_BATCH_SIZES = (1, 2, 4)
+WARM_UP_PROMPT_TOKENS = 64
+
 
 class BatchEngine(SpeculativeDecoder):
     """A SpeculativeDecoder with KV slots for ``max_batch`` sequences decoded together (``open``/``step``)."""
@@ -94,6 +98,29 @@ class BatchEngine(SpeculativeDecoder):
             s.finish_round(k, d, out, seconds, verify_share, len(sessions))
             for s, k, d, out, seconds in zip(sessions, ks, drafts, logits, draft_seconds, strict=True)
         ]
+
+    def warm_up(self, max_k: int = WARM_UP_MAX_K, batch_sizes: Sequence[int] = WARM_UP_BATCH_SIZES) -> int:
+        """Decode a few rounds of every drafter at every K up to ``max_k`` and at each batch size, before serving.
+        The first pass of each shape pays one-off costs (kernel selection, buffers): served, those rounds ran up to
+        25 % slower, and the controller learned them as costs. Nothing here is reported. Returns the rounds run."""
+        span = max(min(97, self.target.vocab_size - 3), 1)
+        prompt = [(i * 7) % span + 3 for i in range(WARM_UP_PROMPT_TOKENS // 2)] * 2  # repeats: lookup finds n-grams
+        rules = StopRules(max_new_tokens=2 * max_k * (max_k + 1) + 8)
+        rounds = 0
+        for drafter in self.drafters:
+            for batch in sorted({min(b, self.free_slots) for b in batch_sizes if b >= 1}):
+                sessions = [self.open(prompt, drafter, SamplingParams(), rules) for _ in range(batch)]
+                try:
+                    for k in [0] if drafter == "none" else range(1, max_k + 1):
+                        for _ in range(2):
+                            live = [s for s in sessions if s.finish_reason is None]
+                            if live:
+                                self.step(live, [k] * len(live))
+                                rounds += 1
+                finally:
+                    for session in sessions:
+                        self.close(session)
+        return rounds
 
     def _draft(self, sessions: Sequence[DecodeSession], ks: Sequence[int], seconds: list[float]) -> list[Draft]:
         """Every session's draft; adds each one's share of the drafting time to ``seconds[i]``."""

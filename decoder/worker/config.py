@@ -120,6 +120,10 @@ class WorkerConfig(Strict):
     dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
     threads: int | None = Field(None, ge=1, description="torch threads; null: torch's default")
     max_batch: int = Field(16, ge=1, le=256, description="sequences decoded together")
+    warm_up: bool = Field(
+        True, description="before serving, decode a few rounds of every drafter, K and batch size 1/2/4 (not "
+        "reported): first passes run slower, and the controller would learn that as cost",
+    )  # fmt: skip
     speculation_max_batch: int = Field(8, ge=0, description="above this batch size, decode without speculation")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
     request_timeout_seconds: float = Field(300.0, gt=0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import socket
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -38,6 +39,8 @@ from decoder.worker.text_stream import TextStream
 from specd_api.plan import REQUEST_REASON, Plan, local_plan
 from specd_api.spans import plan_attributes
 from specd_api.tracing import make_exporter, make_provider, no_tracer
+
+log = logging.getLogger("specd.worker")
 
 __all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "Speculation", "WorkerService"]
 
@@ -148,7 +151,13 @@ class WorkerService:
         target = load_model(cfg.target, device, dtype)
         draft = load_model(cfg.draft, device, dtype) if cfg.draft is not None else None
         lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
-        return BatchEngine(target, draft, lookup, max_batch=cfg.max_batch)
+        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch)
+        if cfg.warm_up:
+            started = time.perf_counter()
+            rounds = engine.warm_up()
+            log.info("warm-up: %d rounds of %s in %.1fs", rounds, "/".join(engine.drafters),
+                     time.perf_counter() - started)  # fmt: skip
+        return engine
 
     def shutdown(self) -> None:
         """Finish admitted requests (up to the grace period), flush telemetry and spans, stop."""
