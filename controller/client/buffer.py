@@ -27,6 +27,7 @@ class PendingReport:
 class BufferCounts:
     reports_sent: int
     aggregates_sent: int
+    rounds_acknowledged: int  # served rounds (not counterfactual ones) in the acknowledged reports
     aggregates_dropped: int  # lost: overflow, refused by the controller, or unsent at close
     aggregates_rejected: int  # the part of aggregates_dropped the controller refused (INVALID_ARGUMENT)
     send_failures: int
@@ -43,7 +44,7 @@ class ReportBuffer:
         self._lock = threading.Lock()
         self._waiting: deque[pb.RoundsAggregate] = deque()
         self._pending: PendingReport | None = None
-        self._sent_reports = self._sent = self._dropped = self._rejected = self._failures = 0
+        self._sent_reports = self._sent = self._dropped = self._rejected = self._failures = self._rounds = 0
 
     def add(self, aggregates: Iterable[pb.RoundsAggregate]) -> tuple[bool, int]:
         """Append; return (a full report is waiting, how many were dropped to make room)."""
@@ -72,6 +73,7 @@ class ReportBuffer:
             self._pending = None
             self._sent_reports += 1
             self._sent += len(report.aggregates)
+            self._rounds += sum(a.rounds for a in report.aggregates if not a.counterfactual)
 
     def rejected(self, report: PendingReport) -> None:
         with self._lock:
@@ -99,6 +101,7 @@ class ReportBuffer:
             return BufferCounts(
                 reports_sent=self._sent_reports,
                 aggregates_sent=self._sent,
+                rounds_acknowledged=self._rounds,
                 aggregates_dropped=self._dropped,
                 aggregates_rejected=self._rejected,
                 send_failures=self._failures,

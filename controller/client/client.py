@@ -415,6 +415,7 @@ class ControllerClient:
                 fallbacks=dict(self._fallbacks),
                 reports_sent=counts.reports_sent,
                 aggregates_sent=counts.aggregates_sent,
+                rounds_acknowledged=counts.rounds_acknowledged,
                 aggregates_dropped=counts.aggregates_dropped,
                 aggregates_rejected=counts.aggregates_rejected,
                 reports_invalid=self._reports_invalid,

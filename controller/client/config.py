@@ -77,6 +77,7 @@ class ClientStats:
     fallbacks: Mapping[str, int]  # decide() calls the controller did not answer, by cause
     reports_sent: int  # ReportRounds calls acknowledged
     aggregates_sent: int
+    rounds_acknowledged: int  # served rounds the controller acknowledged (stored in Redis or its journal)
     aggregates_dropped: int  # lost: buffer overflow, refused by the controller, or unsent at close
     aggregates_rejected: int  # the part of aggregates_dropped the controller refused (INVALID_ARGUMENT)
     reports_invalid: int  # report() calls whose rounds were impossible (nothing enqueued)

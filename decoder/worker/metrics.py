@@ -10,12 +10,15 @@ labels always keep theirs).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
+from controller.client import ClientStats
 from decoder.telemetry import RequestStats
 from decoder.worker.scheduler import StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
@@ -110,6 +113,10 @@ class WorkerMetrics:
         )  # fmt: skip
         self.by_segment: dict[str, SegmentCounters] = {}
 
+    def watch_client(self, stats: Callable[[], ClientStats]) -> None:
+        """Export the controller client's telemetry counters (read at each scrape)."""
+        self.registry.register(ClientCollector(stats))
+
     def observe_step(self, step: StepObservation) -> None:
         self.batch_size.set(step.batch_size)
         self.step_batch.observe(step.batch_size)
@@ -146,3 +153,33 @@ class WorkerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ClientCollector(Collector):
+    """The controller client's counters at scrape time: what the controller acknowledged, what is waiting, what was
+    lost. Rounds decoded (``specd_rounds_total``) minus rounds acknowledged minus those waiting is what a crash of
+    this worker would lose."""
+
+    def __init__(self, stats: Callable[[], ClientStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield CounterMetricFamily("specd_telemetry_reports", "Reports the controller acknowledged", s.reports_sent)
+        yield CounterMetricFamily(
+            "specd_telemetry_aggregates_acknowledged", "Aggregates the controller acknowledged", s.aggregates_sent
+        )
+        yield CounterMetricFamily(
+            "specd_telemetry_rounds_acknowledged", "Served rounds the controller acknowledged (stored in Redis or its "
+            "journal)", s.rounds_acknowledged,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "specd_telemetry_aggregates_dropped", "Aggregates lost: buffer overflow, refused, or unsent at close",
+            s.aggregates_dropped,
+        )  # fmt: skip
+        yield CounterMetricFamily("specd_telemetry_send_failures", "ReportRounds attempts that failed (retried)",
+                                  s.send_failures)  # fmt: skip
+        yield GaugeMetricFamily("specd_telemetry_buffered_aggregates", "Aggregates waiting to be sent", s.buffered)
+        yield CounterMetricFamily(
+            "specd_local_decisions", "Decisions answered from the pushed decision tables", s.local_decisions
+        )

@@ -138,6 +138,7 @@ class WorkerService:
                 tracer=self.tracer if exporter is not None else None,
             )
             self.client.start()
+            self.metrics.watch_client(self.client.stats)
 
     def _watched_drafters(self) -> tuple[str, ...]:
         assert self.engine is not None
