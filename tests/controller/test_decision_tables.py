@@ -169,6 +169,7 @@ def test_local_decisions_equal_decide_and_follow_new_segments(embedded_redis_url
     with running(daemon_config(embedded_redis_url, tmp_path, prefix)) as daemon:
         with started(client_config(daemon.address, watch=())) as reporter:
             teach(reporter, "tab-code")
+            teach(reporter, "tab-young", requests=1)  # 4 rounds: its own data weighs less than the prior (20)
             wait_for(lambda: reporter.stats().buffered == 0 and reporter.stats().aggregates_sent > 0, "the report")
         with started(client_config(daemon.address)) as client:
             wait_for(lambda: client.decide(segment="tab-code", **decide_args(1)).source == "table", "the tables")
@@ -181,6 +182,7 @@ def test_local_decisions_equal_decide_and_follow_new_segments(embedded_redis_url
 
             # what the table cannot say goes to Decide
             assert client.decide(segment="tab-unseen", **decide_args(1)).source == "controller"
+            assert client.decide(segment="tab-young", **decide_args(1)).source == "controller"
             short = client.decide(segment="tab-code", **decide_args(1, max_new_tokens=8))
             assert short.source == "controller" and short.k <= 7
             other = client.decide(segment="tab-code", **decide_args(1, drafters=["prompt_lookup"]))
