@@ -22,19 +22,17 @@ import logging
 import multiprocessing
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from benchmarks.controller_latency import SEGMENTS, aggregate, free_port, percentile
+from benchmarks.controller_latency import SEGMENTS, aggregate, percentile
+from benchmarks.faults import Controller
 from controller.client import ClientConfig, ControllerClient
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -183,24 +181,14 @@ def main() -> None:
     args = parser.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="specd-bench-stream-"))
-    address = f"127.0.0.1:{free_port()}"
-    config = state / "controller.yaml"
-    config.write_text(
-        f"listen: {address}\nredis_url: {args.redis_url or 'null'}\n"
-        f"policy_path: {REPO / 'policies' / 'default.yaml'}\nstate_dir: {state / 'state'}\n"
-        f"max_workers: 16\nmax_watchers: {args.workers + 8}\n"
-        f"learning: {{prefix: bench{uuid.uuid4().hex[:8]}, refresh_seconds: 1.0}}\n"
-    )
-    server = subprocess.Popen(
-        [sys.executable, "-m", "specd", "controller", "--config", str(config), "--log-level", "WARNING"], cwd=REPO
-    )
+    controller = Controller(state, args.redis_url or "null", refresh_seconds=1.0,
+                            settings=f"max_workers: 16\nmax_watchers: {args.workers + 8}\n")  # fmt: skip
     try:
-        grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=60)
-        teach(address)
-        results = run(address, server.pid, args)
+        controller.start()
+        teach(controller.address)
+        results = run(controller.address, controller.pid, args)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        controller.stop()
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

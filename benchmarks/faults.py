@@ -36,6 +36,7 @@ import grpc
 import httpx
 
 from controller.client import ClientConfig, ControllerClient
+from decoder.telemetry import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
@@ -157,14 +158,20 @@ class Process:
 
 
 class Controller(Process):
-    def __init__(self, folder: Path, redis_url: str, policy: Path | None = None, port: int | None = None) -> None:
+    """`specd controller` on a free loopback port; ``redis_url`` "null" starts its embedded server. Counts never
+    decay here (a half-life of 1e12 s), so stored rounds are the reported ones exactly."""
+
+    def __init__(
+        self, folder: Path, redis_url: str, policy: Path | None = None, port: int | None = None,
+        refresh_seconds: float = 0.2, settings: str = "", learning: str = "",
+    ) -> None:  # fmt: skip
         self.port = port or free_port()
         folder.mkdir(parents=True, exist_ok=True)
         config = folder / "controller.yaml"
         config.write_text(
             f"listen: 127.0.0.1:{self.port}\nredis_url: {redis_url}\npolicy_path: {policy or POLICY}\n"
-            f"state_dir: {folder / 'state'}\nshutdown_grace_seconds: 1\npolicy_watch_seconds: 0.2\n"
-            "learning: {prefix: drill, refresh_seconds: 0.2, half_life_seconds: 1.0e12}\n"
+            f"state_dir: {folder / 'state'}\nshutdown_grace_seconds: 1\npolicy_watch_seconds: 0.2\n{settings}"
+            f"learning: {{prefix: drill, refresh_seconds: {refresh_seconds}, half_life_seconds: 1.0e12{learning}}}\n"
         )
         super().__init__("controller", folder, ["controller", "--config", str(config)])
 
@@ -190,18 +197,6 @@ class Controller(Process):
 
 
 # --- load: simulated workers deciding and reporting ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Round:
-    drafter: str
-    k: int
-    num_drafted: int
-    num_accepted: int
-    num_emitted: int
-    draft_seconds: float = 0.002
-    verify_seconds: float = 0.01
-    batch_size: int = 1
 
 
 @dataclass
@@ -256,7 +251,9 @@ class Load:
         n = 0
         while not self._stop.is_set():
             segment = SEGMENTS[(i + n) % len(SEGMENTS)]
-            rounds = [Round("draft", 4, 4, (n + j) % 5, (n + j) % 5 + 1) for j in range(ROUNDS_PER_REQUEST)]
+            rounds = [
+                RoundRecord("draft", 4, 4, (n + j) % 5, (n + j) % 5 + 1, 0.002, 0.01) for j in range(ROUNDS_PER_REQUEST)
+            ]
             try:
                 start = time.monotonic()
                 plan = client.decide(segment=segment, batch_size=1, drafters=("draft", "prompt_lookup"),
@@ -351,32 +348,7 @@ def redis_kill(root: Path, fsync: str = "always") -> Row:
     )  # fmt: skip
     valkey = Valkey(root / "valkey", fsync)
     valkey.start()
-    controller = Controller(root / "controller", valkey.url)
-    try:
-        controller.start()
-        with Load(controller.address) as load:
-            time.sleep(2.0)
-            killed = time.monotonic()
-            valkey.kill()
-            time.sleep(3.0)
-            restarted = time.monotonic()
-            valkey.start()
-            row.recovery_s = wait_until(lambda: any(not d.stale for d in load.since(time.monotonic() - 0.1)), 30,
-                                        "a fresh (not stale) decision")  # fmt: skip
-            time.sleep(2.0)
-            result = load.finish()
-        totals(row, result, settle(controller, result.rounds_reported))
-        row.p99_before_ms, row.p99_during_ms = (
-            p99_ms(result.window(0, killed)),
-            p99_ms(result.window(killed, restarted)),
-        )
-        stale = sum(d.stale for d in result.decisions if killed <= d.at < restarted)
-        row.notes = f"{stale} decisions marked stale during the outage"
-        row.check(result.fallbacks <= 0.05 * len(result.decisions), f"{result.fallbacks} fallbacks: over 5 %")
-    finally:
-        controller.stop()
-        valkey.stop()
-    return row
+    return redis_outage(row, valkey, Controller(root / "controller", valkey.url), up_at_start=True)
 
 
 def redis_late(root: Path) -> Row:
@@ -385,21 +357,32 @@ def redis_late(root: Path) -> Row:
         "serves the policy's defaults (stale), journals reports; connects and replays when Redis comes",
     )  # fmt: skip
     valkey = Valkey(root / "valkey")
-    controller = Controller(root / "controller", valkey.url)
+    row.notes = "p99 before = with Redis (once it came); "
+    return redis_outage(row, valkey, Controller(root / "controller", valkey.url), up_at_start=False)
+
+
+def redis_outage(row: Row, valkey: Valkey, controller: Controller, up_at_start: bool) -> Row:
+    """3 s without Redis under load (killed 2 s in, or absent from the start), then Redis on the same data."""
     try:
         controller.start()
         with Load(controller.address) as load:
+            down = 0.0
+            if up_at_start:
+                time.sleep(2.0)
+                down = time.monotonic()
+                valkey.kill()
             time.sleep(3.0)
-            started = time.monotonic()
+            up = time.monotonic()
             valkey.start()
             row.recovery_s = wait_until(lambda: any(not d.stale for d in load.since(time.monotonic() - 0.1)), 30,
                                         "a fresh (not stale) decision")  # fmt: skip
             time.sleep(2.0)
             result = load.finish()
         totals(row, result, settle(controller, result.rounds_reported))
-        row.p99_during_ms = p99_ms(result.window(0, started))
-        row.p99_before_ms = p99_ms(result.window(started + row.recovery_s, float("inf")))
-        row.notes = "p99 before = with Redis (after it came); during = without"
+        before = result.window(0, down) if up_at_start else result.window(up + row.recovery_s, float("inf"))
+        row.p99_before_ms, row.p99_during_ms = p99_ms(before), p99_ms(result.window(down, up))
+        stale = sum(d.stale for d in result.decisions if down <= d.at < up)
+        row.notes += f"{stale} decisions marked stale without Redis"
         row.check(result.fallbacks <= 0.05 * len(result.decisions), f"{result.fallbacks} fallbacks: over 5 %")
     finally:
         controller.stop()
@@ -617,7 +600,11 @@ def soak(root: Path, seconds: float) -> Row:
     target, draft = save_tiny_pair(root / "models")
     valkey = Valkey(root / "valkey")
     valkey.start()
-    controller = Controller(root / "controller", valkey.url)
+    # A learning window of 60 s (and report ids and prior samples kept as briefly): what the controller and Redis
+    # retain by design fills within the first 20 % of a 10-minute run, so growth after it is a leak. With the
+    # defaults they fill for an hour (window_buckets x bucket_seconds, report_ttl_seconds), then stay flat.
+    short = ", bucket_seconds: 10, window_buckets: 6, report_ttl_seconds: 60, samples_max: 500"
+    controller = Controller(root / "controller", valkey.url, learning=short)
     port = free_port()
     config = root / "worker.yaml"
     config.write_text(

@@ -29,6 +29,10 @@ class LearningConfig(Strict):
     max_segments: int = Field(1000, ge=1, description="distinct segments before new ones share _overflow")
     refresh_seconds: float = Field(1.0, gt=0, description="how often decisions see new telemetry")
     prior_retrain_seconds: float = Field(60.0, gt=0)
+    report_ttl_seconds: int = Field(
+        3600, ge=60, description="how long a report id is remembered: a retry later than this would count again"
+    )
+    samples_max: int = Field(20_000, ge=100, description="feature rows kept in Redis for the prior model")
     journal_max_reports: int = Field(100_000, ge=1, description="reports kept locally while Redis is down")
     journal_max_bytes: int = Field(
         16 * 2**20, ge=4096, description="the journal's size bound; a report past it gets RESOURCE_EXHAUSTED"
@@ -41,6 +45,8 @@ class LearningConfig(Strict):
             half_life_seconds=self.half_life_seconds,
             window_buckets=self.window_buckets,
             max_segments=self.max_segments,
+            report_ttl_seconds=self.report_ttl_seconds,
+            samples_max=self.samples_max,
         )
 
 

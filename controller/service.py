@@ -104,10 +104,13 @@ class Controller:
             plan = replace(plan, stale=True)
         return plan
 
-    def table_decisions(self, request: Request, draws: int) -> tuple[Plan, list[tuple[Plan, float]]]:
+    def table_decisions(
+        self, request: Request, draws: int, remember: bool = False
+    ) -> tuple[Plan, list[tuple[Plan, float]]]:
         """For a decision table: the plan Decide gives ``request`` when it does not probe, and the probes it sends
-        instead, each with its share of such requests (the share of ``draws`` decisions that probed it). The plan
-        updates the hysteresis memory as a Decide's does."""
+        instead, each with its share of such requests (the share of ``draws`` decisions that probed it). With
+        ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers its batch-1
+        plan only, so that its other buckets do not move the segment's memory at every refresh)."""
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
         counts = self.learner.segment_counts(request.segment)
@@ -116,7 +119,7 @@ class Controller:
         previous = self._previous.recall(request.segment)
         deliberation = deliberate(settings, policy.version, request, estimates, costs, previous)
         plan = deliberation.exploit
-        if plan.reason in LEARNED_REASONS:
+        if remember and plan.reason in LEARNED_REASONS:
             self._previous.remember(request.segment, plan)
         probed: dict[str, tuple[Plan, int]] = {}
         for _ in range(draws if deliberation.may_probe else 0):

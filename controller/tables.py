@@ -51,7 +51,7 @@ def segment_table(
     bucket = 1
     while bucket // 2 + 1 <= settings.max_batch_size:  # a bucket's smallest batch size is allowed to speculate
         request = Request(segment, bucket // 2 + 1, drafters, new_tokens)  # neutral features: prompt 0, greedy
-        plan, probes = controller.table_decisions(request, draws)
+        plan, probes = controller.table_decisions(request, draws, remember=bucket == 1)
         entry = table.buckets.add(batch_bucket=bucket, plan=plan.to_proto())
         for probe, share in probes:
             entry.probes.add(plan=probe.to_proto(), probability=share)
