@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -312,3 +312,49 @@ def test_tls_replicas_are_checked_against_the_configured_name(tmp_path):
         ClientConfig(
             address=",".join(addresses), worker_id="w", credentials=ControllerCredentials(tls=ClientTls(ca_file=pki.ca))
         )
+
+
+WATCH_SPAN = "specd.v1.Controller/WatchDecisions"  # one per stream opened (the span covers the opening)
+
+
+def streams_opened(folder: Path, name: str) -> int:
+    path = spans_file(folder, name)
+    if not path.exists():
+        return 0
+    return sum(json.loads(line)["name"] == WATCH_SPAN for line in path.read_text().splitlines() if line.strip())
+
+
+def test_the_decision_tables_stream_moves_to_the_surviving_replica(tmp_path, embedded_redis_url, prefix):
+    """A worker watching the tables over two replicas: the replica holding its stream is SIGKILLed; the stream
+    opens again on the other within a moment, and decisions come from the tables again (none fails meanwhile)."""
+    with replicas(2, tmp_path, embedded_redis_url, prefix, exploration=False) as pair:
+        both = ",".join(r.address for r in pair)
+        with ControllerClient(client_config(both)) as reporter:
+            for _ in range(20):  # 100 rounds: past the prior's weight, so the segment is in the tables
+                reporter.report(segment="watched", rounds=REQUEST_ROUNDS, **REPORT_ARGS)
+            assert wait_until(lambda: reporter.stats().aggregates_sent == 20 * 3)
+        config = replace(client_config(both), watch_decisions=("draft", "prompt_lookup"))
+        with ControllerClient(config) as client:
+
+            def local() -> bool:
+                return client.decide(segment="watched", **DECIDE_ARGS).source == "table"
+
+            assert wait_until(local, timeout=15), "no local decision from the tables"
+            assert wait_until(lambda: sum(streams_opened(tmp_path, f"replica{i}") for i in (0, 1)) == 1)
+            holder = next(i for i in (0, 1) if streams_opened(tmp_path, f"replica{i}"))
+            survivor = f"replica{1 - holder}"
+            pair[holder].process.send_signal(signal.SIGKILL)
+            pair[holder].process.wait(timeout=10)
+            killed = time.monotonic()
+            plans, moved = [], None
+            while time.monotonic() - killed < 1.5 or moved is None:  # decisions go on throughout
+                plans.append(client.decide(segment="watched", **DECIDE_ARGS))
+                if moved is None and streams_opened(tmp_path, survivor):
+                    moved = time.monotonic() - killed  # the span is exported within 100 ms of the opening
+                assert time.monotonic() - killed < 10, "the stream did not open on the surviving replica"
+                time.sleep(0.01)
+            assert wait_until(local, timeout=5), "the tables did not come back from the surviving replica"
+    sources = Counter(p.source for p in plans)
+    print(f"\nstream moved from replica{holder} to {survivor} within {moved:.2f} s; decisions meanwhile: {sources}")
+    assert all(p.source in ("table", "controller", "last_decision") for p in plans), sources
+    assert sources["table"] > 0
