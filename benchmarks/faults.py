@@ -428,34 +428,55 @@ def controller_fault(root: Path, how: str) -> Row:
     return row
 
 
-def worker_kill(root: Path) -> Row:
+@dataclass
+class Stack:
+    valkey: Valkey
+    controller: Controller
+    worker: Process
+    url: str  # the worker's HTTP API
+
+
+@contextmanager
+def full_stack(root: Path, report_interval: float, warm_up: bool, learning: str = "") -> Iterator[Stack]:
+    """A standalone Valkey, `specd controller` and `specd worker` on a tiny model pair, the worker serving; all
+    stopped afterwards."""
     from decoder.tiny import save_tiny_pair
 
-    row = Row("worker SIGKILLed under load", "SIGKILL specd worker with requests in flight",
-              "only the requests in flight fail; every round the controller acknowledged stays stored")  # fmt: skip
     target, draft = save_tiny_pair(root / "models")
     valkey = Valkey(root / "valkey")
     valkey.start()
-    controller = Controller(root / "controller", valkey.url)
-    worker_port = free_port()
+    controller = Controller(root / "controller", valkey.url, learning=learning)
+    port = free_port()
     config = root / "worker.yaml"
     config.write_text(
-        f"listen: 127.0.0.1:{worker_port}\ntarget: {target}\ndraft: {draft}\ndevice: cpu\ndtype: float32\n"
-        f"warm_up: false\ncontroller: {{address: '{controller.address}', report_interval_seconds: 0.1}}\n"
+        f"listen: 127.0.0.1:{port}\ntarget: {target}\ndraft: {draft}\ndevice: cpu\ndtype: float32\n"
+        f"warm_up: {str(warm_up).lower()}\n"
+        f"controller: {{address: '{controller.address}', report_interval_seconds: {report_interval}}}\n"
     )
     worker = Process("worker", root, ["worker", "--config", str(config)])
-    failed = answered = 0
-    lock = threading.Lock()
-    stop = threading.Event()
     try:
         controller.start()
         worker.start()
-        url = f"http://127.0.0.1:{worker_port}"
+        url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _healthy(url), 120, "the worker to serve")
+        yield Stack(valkey, controller, worker, url)
+    finally:
+        worker.stop()
+        controller.stop()
+        valkey.stop()
+
+
+def worker_kill(root: Path) -> Row:
+    row = Row("worker SIGKILLed under load", "SIGKILL specd worker with requests in flight",
+              "only the requests in flight fail; every round the controller acknowledged stays stored")  # fmt: skip
+    failed = answered = 0
+    lock = threading.Lock()
+    stop = threading.Event()
+    with full_stack(root, report_interval=0.1, warm_up=False) as stack:
 
         def client(i: int) -> None:
             nonlocal failed, answered
-            with httpx.Client(base_url=url, timeout=30) as http:
+            with httpx.Client(base_url=stack.url, timeout=30) as http:
                 while not stop.is_set():
                     body = {"prompt": f"drill {i} " * 8, "max_tokens": 32, "temperature": 0.0,
                             "segment": SEGMENTS[i % len(SEGMENTS)]}  # fmt: skip
@@ -472,28 +493,26 @@ def worker_kill(root: Path) -> Row:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        time.sleep(4.0)
-        metrics = httpx.get(f"{url}/metrics", timeout=5).text
-        worker.signal(signal.SIGKILL)
-        stop.set()
-        for t in threads:
-            t.join()
+        try:
+            time.sleep(4.0)
+            metrics = httpx.get(f"{stack.url}/metrics", timeout=5).text
+            stack.worker.signal(signal.SIGKILL)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
         acknowledged = _metric(metrics, "specd_telemetry_rounds_acknowledged_total")
         decoded = _metric(metrics, "specd_rounds_total")
         time.sleep(1.0)
-        stored = controller.stored_rounds()
-        row.requests, row.failed = answered + failed, failed
-        row.rounds_reported, row.rounds_stored = int(acknowledged), stored
-        row.rounds_lost = max(acknowledged - stored, 0.0)
-        row.notes = (f"at the kill: {decoded:.0f} rounds decoded, {acknowledged:.0f} acknowledged; stored after "
-                     f"{stored:.0f} (acknowledged <= stored <= decoded)")  # fmt: skip
-        row.check(failed <= 3, f"{failed} requests failed; only the 3 in flight may")
-        row.check(acknowledged - 1e-6 <= stored <= decoded + 1e-6, row.notes)
-        row.check(acknowledged > 0, "nothing was acknowledged before the kill: the drill proves nothing")
-    finally:
-        worker.stop()
-        controller.stop()
-        valkey.stop()
+        stored = stack.controller.stored_rounds()
+    row.requests, row.failed = answered + failed, failed
+    row.rounds_reported, row.rounds_stored = int(acknowledged), stored
+    row.rounds_lost = max(acknowledged - stored, 0.0)
+    row.notes = (f"at the kill: {decoded:.0f} rounds decoded, {acknowledged:.0f} acknowledged; stored after "
+                 f"{stored:.0f} (acknowledged <= stored <= decoded)")  # fmt: skip
+    row.check(failed <= 3, f"{failed} requests failed; only the 3 in flight may")
+    row.check(acknowledged - 1e-6 <= stored <= decoded + 1e-6, row.notes)
+    row.check(acknowledged > 0, "nothing was acknowledged before the kill: the drill proves nothing")
     return row
 
 
@@ -593,36 +612,19 @@ def policy_replaced(root: Path) -> Row:
 
 def soak(root: Path, seconds: float) -> Row:
     """The full stack at a steady rate for ``seconds``: memory and file descriptors of each process sampled."""
-    from decoder.tiny import save_tiny_pair
-
     row = Row(f"soak: the full stack for {seconds / 60:g} min at a steady rate", "none: 3 clients, requests back to "
               "back", "no errors; RSS and open files flat within 5 % (first sample after 20 % of the run)")  # fmt: skip
-    target, draft = save_tiny_pair(root / "models")
-    valkey = Valkey(root / "valkey")
-    valkey.start()
     # A learning window of 60 s (and report ids and prior samples kept as briefly): what the controller and Redis
     # retain by design fills within the first 20 % of a 10-minute run, so growth after it is a leak. With the
     # defaults they fill for an hour (window_buckets x bucket_seconds, report_ttl_seconds), then stay flat.
     short = ", bucket_seconds: 10, window_buckets: 6, report_ttl_seconds: 60, samples_max: 500"
-    controller = Controller(root / "controller", valkey.url, learning=short)
-    port = free_port()
-    config = root / "worker.yaml"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\ntarget: {target}\ndraft: {draft}\ndevice: cpu\ndtype: float32\n"
-        f"controller: {{address: '{controller.address}', report_interval_seconds: 0.2}}\n"
-    )
-    worker = Process("worker", root, ["worker", "--config", str(config)])
     samples: list[dict[str, tuple[int, int]]] = []
     counts = {"ok": 0, "failed": 0}
     stop = threading.Event()
-    try:
-        controller.start()
-        worker.start()
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _healthy(url), 120, "the worker to serve")
+    with full_stack(root, report_interval=0.2, warm_up=True, learning=short) as stack:
 
         def client(i: int) -> None:
-            with httpx.Client(base_url=url, timeout=60) as http:
+            with httpx.Client(base_url=stack.url, timeout=60) as http:
                 n = 0
                 while not stop.is_set():
                     body = {"prompt": f"soak {i} {n} " * 6, "max_tokens": 24, "segment": SEGMENTS[n % 3]}
@@ -636,34 +638,32 @@ def soak(root: Path, seconds: float) -> Row:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        pids = {"controller": controller.pid, "worker": worker.pid, "valkey": valkey.process.pid}  # type: ignore[union-attr]
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        valkey_pid = stack.valkey.process.pid  # type: ignore[union-attr]
+        pids = {"controller": stack.controller.pid, "worker": stack.worker.pid, "valkey": valkey_pid}
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                samples.append({name: _usage(pid) for name, pid in pids.items()})
+                time.sleep(min(10.0, seconds / 20))
             samples.append({name: _usage(pid) for name, pid in pids.items()})
-            time.sleep(min(10.0, seconds / 20))
-        samples.append({name: _usage(pid) for name, pid in pids.items()})
-        stop.set()
-        for t in threads:
-            t.join()
-        row.requests, row.failed = counts["ok"] + counts["failed"], counts["failed"]
-        first = samples[max(len(samples) // 5, 1)]
-        last = samples[-1]
-        growth = []
-        for name in pids:
-            rss0, fd0 = first[name]
-            rss1, fd1 = last[name]
-            change = 100 * (rss1 - rss0) / rss0
-            mib = f"{rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB"
-            growth.append(f"{name} RSS {mib} ({change:+.1f} %), files {fd0} -> {fd1}")
-            row.check(rss1 <= rss0 * 1.05, f"{name} RSS grew {100 * (rss1 - rss0) / rss0:.1f} %")
-            row.check(fd1 <= fd0 * 1.05 + 2, f"{name} open files {fd0} -> {fd1}")
-        row.notes = "; ".join(growth)
-        row.check(counts["failed"] == 0, f"{counts['failed']} requests failed")
-    finally:
-        stop.set()
-        worker.stop()
-        controller.stop()
-        valkey.stop()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+    row.requests, row.failed = counts["ok"] + counts["failed"], counts["failed"]
+    first = samples[max(len(samples) // 5, 1)]
+    last = samples[-1]
+    growth = []
+    for name in pids:
+        rss0, fd0 = first[name]
+        rss1, fd1 = last[name]
+        change = 100 * (rss1 - rss0) / rss0
+        mib = f"{rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB"
+        growth.append(f"{name} RSS {mib} ({change:+.1f} %), files {fd0} -> {fd1}")
+        row.check(rss1 <= rss0 * 1.05, f"{name} RSS grew {change:.1f} %")
+        row.check(fd1 <= fd0 * 1.05 + 2, f"{name} open files {fd0} -> {fd1}")
+    row.notes = "; ".join(growth)
+    row.check(counts["failed"] == 0, f"{counts['failed']} requests failed")
     return row
 
 
@@ -686,8 +686,14 @@ SCENARIOS: dict[str, Callable[[Path], Row]] = {
 
 @contextmanager
 def quiet() -> Iterator[None]:
-    logging.getLogger("specd").setLevel(logging.ERROR)  # fallbacks are counted here, not logged per client
-    yield
+    """Fallbacks are counted here, not logged per client; the level is restored afterwards."""
+    logger = logging.getLogger("specd")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def main() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -121,12 +122,14 @@ class Controller:
         plan = deliberation.exploit
         if remember and plan.reason in LEARNED_REASONS:
             self._previous.remember(request.segment, plan)
-        probed: dict[str, tuple[Plan, int]] = {}
+        probes: dict[str, Plan] = {}  # a drafter's probe plan is the same whichever draw chose it
+        times: Counter[str] = Counter()
         for _ in range(draws if deliberation.may_probe else 0):
             drawn = deliberation.draw(self.rng())
             if drawn.exploration:
-                probed[drawn.drafter] = (drawn, probed.get(drawn.drafter, (drawn, 0))[1] + 1)
-        return plan, [(probe, n / draws) for probe, n in probed.values()]
+                probes[drawn.drafter] = drawn
+                times[drawn.drafter] += 1
+        return plan, [(probe, times[drafter] / draws) for drafter, probe in probes.items()]
 
     def new_drift_alarms(self, segment: str) -> list[DriftAlarm]:
         """The segment's drift alarms not yet announced on a Decide span (each is announced once)."""

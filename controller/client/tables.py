@@ -47,8 +47,6 @@ class TableWatcher:
         self._closing = threading.Event()
         self._call: grpc.Future | None = None
         self._thread: threading.Thread | None = None
-        self.messages = 0
-        self.streams_opened = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="specd-client-tables", daemon=True)
@@ -92,14 +90,12 @@ class TableWatcher:
         self._tables = tables
         self._stale = msg.stale
         self._fresh_until = self._clock() + STALE_AFTER_PERIODS * max(msg.refresh_seconds, 0.05)
-        self.messages += 1
 
     def _loop(self) -> None:
         quiet = False  # a failure is logged once until a stream works again
         while not self._closing.is_set():
             try:
                 self._call = self._stub.WatchDecisions(self._request)
-                self.streams_opened += 1
                 for msg in self._call:
                     self.apply(msg)
                     if quiet:
