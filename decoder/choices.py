@@ -6,4 +6,6 @@ from specd_api.plan import DRAFTER_NAMES
 __all__ = ["DRAFTER_NAMES", "DTYPE_NAMES", "RUNNER_NAMES"]
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-RUNNER_NAMES = ("auto", "transformers")
+# auto: the native pass where it applies (decoder/native), else the lean PyTorch one, else transformers';
+# native: the native pass or an error; lean: the lean PyTorch pass (Llama); transformers: always theirs
+RUNNER_NAMES = ("auto", "native", "lean", "transformers")

@@ -31,10 +31,10 @@ class ModelSequence(Protocol):
 
 
 def open_sequence(lm: LoadedModel) -> ModelSequence:
-    """A cache for one sequence of ``lm``: the lean Llama runner where it applies (runner "auto")."""
+    """A cache for one sequence of ``lm``: the Llama pool where it applies (runners "auto", "native", "lean")."""
     from decoder.llama_fast import open_llama_sequence, supports_fast_path
 
-    if lm.runner == "auto" and supports_fast_path(lm.model):
+    if lm.runner != "transformers" and supports_fast_path(lm.model):
         return open_llama_sequence(lm)
     return CachedSequence(lm)
 

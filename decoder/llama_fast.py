@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder.models import LoadedModel
+from decoder.native.llama import NativeLlama
 
 INITIAL_CAPACITY = 256  # tokens; a pool doubles its capacity when a forward needs more
 
@@ -86,6 +87,10 @@ class LlamaKVPool:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         config = lm.model.config
         self.lm = lm
+        why: list[str] = []
+        self.native = NativeLlama.create(lm.model, why) if lm.runner in ("auto", "native") else None
+        if lm.runner == "native" and self.native is None:
+            raise ValueError(f"{lm.name}: the native runner does not apply: {why[0]}")
         self._head = OutputHead(lm.model.lm_head)
         self._rope = apply_rotary_pos_emb
         self.num_heads = config.num_attention_heads
@@ -159,13 +164,37 @@ class LlamaKVPool:
         starts = [self.lengths[s] for s in slots]
         counts = [int(ids.shape[0]) for _, ids in rows]
         self._reserve(max(s + n for s, n in zip(starts, counts, strict=True)))
-        if len(rows) == 1:
+        if self.native is not None:
+            outputs = self._forward_native(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
+        elif len(rows) == 1:
             outputs = [self._forward_one(slots[0], rows[0][1], starts[0], logits_to_keep)]
         else:
             outputs = self._forward_ragged(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
         return outputs
+
+    def _forward_native(
+        self, slots: list[int], inputs: list[torch.Tensor], starts: list[int], counts: list[int], logits_to_keep: int
+    ) -> list[torch.Tensor]:
+        """Every row's tokens in one native pass (decoder/native): batch-invariant, each token's logits the same
+        whatever else is in the pass."""
+        tokens = (inputs[0] if len(inputs) == 1 else torch.cat(inputs)).to(torch.long).contiguous()  # [r]
+        kept = [min(n, logits_to_keep) if logits_to_keep else n for n in counts]
+        if len(inputs) == 1:
+            slot_of = torch.full((counts[0],), slots[0], dtype=torch.long)  # [r]
+            positions = torch.arange(starts[0], starts[0] + counts[0])  # [r]
+            keep = torch.arange(counts[0] - kept[0], counts[0])  # [kept]
+        else:
+            slot_of = torch.tensor([s for s, n in zip(slots, counts, strict=True) for _ in range(n)])
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+            ends = torch.tensor(counts).cumsum(0).tolist()
+            keep = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, kept, strict=True)])
+        assert self.native is not None
+        logits = self.native.forward(
+            self._keys, self._values, tokens, slot_of, positions, keep, torch.get_num_threads()
+        )  # [sum(kept), vocab]
+        return list(logits.split(kept))
 
     def _forward_one(self, slot: int, input_ids: torch.Tensor, start: int, logits_to_keep: int) -> torch.Tensor:
         """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""

@@ -27,7 +27,7 @@ class LoadedModel:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     name: str  # the path it came from, for messages
     device: torch.device
-    runner: str = "auto"  # "auto": the lean Llama forward where it applies; "transformers": always theirs
+    runner: str = "auto"  # decoder.choices.RUNNER_NAMES
 
     @property
     def vocab_size(self) -> int:

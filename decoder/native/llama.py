@@ -1,0 +1,207 @@
+"""The native Llama pass (``llama_step.c``) behind the pool's interface: weights packed once, one call per pass.
+
+``NativeLlama.create(model, why)`` returns ``None`` (and appends the reason to ``why``) for anything the kernel
+does not cover, and the pool then runs its PyTorch forward. Covered: a plain float32 ``LlamaForCausalLM`` on a CPU
+with AVX-512, SiLU MLP, no biases, a rotary embedding whose tables depend on the position only.
+
+Weights are packed into panels of 16 outputs (``pack_panels``), as bfloat16 when every value of every matrix is exactly a bfloat16 (the shipped reference
+pair is: it is stored in bf16 and loaded as float32), else as float32. Either way the arithmetic is float32, on the
+same values the model holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from decoder.native import build
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # cos/sin depend on the position alone
+MAX_HEAD_DIM = 512  # llama_step.c's rotary scratch
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("wqkv", "wo", "wgu", "wdown", "ln1", "ln2")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_int32) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab")],
+        ("bf16", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layer", ctypes.POINTER(_Layer)),
+        *[(name, ctypes.c_void_p) for name in ("embed", "norm", "head", "cos", "sin", "keys", "values")],
+        ("slots", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+    ]
+
+
+def _unsupported(model: Any) -> str:
+    """Why the kernel does not cover ``model``; empty when it does."""
+    config = model.config
+    weight = model.lm_head.weight
+    rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get(
+        "rope_type", "default"
+    )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    checks = [
+        (weight.device.type == "cpu", f"on {weight.device}, not a CPU"),
+        (weight.dtype == torch.float32, f"{weight.dtype}, not float32"),
+        (getattr(config, "hidden_act", "") == "silu", f"activation {getattr(config, 'hidden_act', None)!r}"),
+        (not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False), "biases"),
+        (model.lm_head.bias is None, "an LM head bias"),
+        (rope in STATIC_ROPE_TYPES, f"rope type {rope!r}"),
+        (head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} (a multiple of 8 up to 512)"),
+        (config.hidden_size % 8 == 0, f"hidden_size {config.hidden_size} (a multiple of 8)"),
+        (config.intermediate_size % 8 == 0, f"intermediate_size {config.intermediate_size} (a multiple of 8)"),
+        (config.num_attention_heads % config.num_key_value_heads == 0, "heads not a multiple of kv heads"),
+    ]
+    return next((reason for ok, reason in checks if not ok), "")
+
+
+PANEL = 16  # llama_step.c's panel width
+# In a bfloat16 panel the 16 outputs of one input position are stored in this order (llama_step.c's unpack)
+BF16_PANEL_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def pack_panels(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in, 16]: panels of 16 outputs, input-major, zero-padded (llama_step.c)."""
+    out, width = weight.shape
+    padded = -(-out // PANEL) * PANEL
+    if padded != out:
+        weight = torch.cat([weight, weight.new_zeros(padded - out, width)])
+    panels = weight.reshape(padded // PANEL, PANEL, width)
+    if bf16:
+        panels = panels[:, BF16_PANEL_ORDER].to(torch.bfloat16)
+    return panels.transpose(1, 2).contiguous()
+
+
+def _exactly_bf16(tensors: list[torch.Tensor]) -> bool:
+    return all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in tensors)
+
+
+class NativeLlama:
+    """A Llama model's weights in the kernel's layout, and its forward over a pool's cache."""
+
+    def __init__(self, library: ctypes.CDLL, model: Any) -> None:
+        config = model.config
+        inner = model.model
+        self._lib = library
+        self._forward = library.specd_llama_forward
+        self._forward.restype = ctypes.c_int
+        self._forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int]
+        self._forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._weight_bytes = library.specd_llama_weight_bytes
+        self._weight_bytes.restype = ctypes.c_int64
+        self._weight_bytes.argtypes = [ctypes.POINTER(_Model)]
+
+        def fused(layer: Any) -> list[torch.Tensor]:
+            attn, mlp = layer.self_attn, layer.mlp
+            return [
+                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                attn.o_proj.weight,
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                mlp.down_proj.weight,
+            ]
+
+        with torch.inference_mode():
+            matrices = [fused(layer) for layer in inner.layers]
+            head = model.lm_head.weight.detach()
+            self.bf16 = _exactly_bf16([m for group in matrices for m in group] + [head])
+            self._keep: list[torch.Tensor] = []  # every buffer the kernel points into, alive as long as self
+            layers = (_Layer * len(matrices))()
+            for i, (layer, group) in enumerate(zip(inner.layers, matrices, strict=True)):
+                wqkv, wo, wgu, wdown = (self._hold(pack_panels(m, self.bf16)) for m in group)
+                ln1 = self._hold(layer.input_layernorm.weight.detach().float())
+                ln2 = self._hold(layer.post_attention_layernorm.weight.detach().float())
+                layers[i] = _Layer(wqkv, wo, wgu, wdown, ln1, ln2)
+            self._layers = layers
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self._model = _Model(
+                layers=len(matrices),
+                hidden=config.hidden_size,
+                heads=config.num_attention_heads,
+                kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                inter=config.intermediate_size,
+                vocab=int(head.shape[0]),
+                bf16=int(self.bf16),
+                eps=float(config.rms_norm_eps),
+                scale=float(inner.layers[0].self_attn.scaling),
+                layer=layers,
+                embed=self._hold(inner.embed_tokens.weight.detach().float()),
+                norm=self._hold(inner.norm.weight.detach().float()),
+                head=self._hold(pack_panels(head, self.bf16)),
+            )
+        self._rotary = inner.rotary_emb
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.hidden, self.vocab = config.hidden_size, int(head.shape[0])
+
+    @classmethod
+    def create(cls, model: Any, why: list[str] | None = None) -> NativeLlama | None:
+        library = build.load()
+        reason = build.why_not() if library is None else _unsupported(model)
+        if reason or library is None:
+            if why is not None:
+                why.append(reason)
+            return None
+        return cls(library, model)
+
+    def _hold(self, tensor: torch.Tensor) -> int:
+        tensor = tensor.detach().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one pass reads (every matrix once; the embedding rows are negligible)."""
+        return int(self._weight_bytes(ctypes.byref(self._model)))
+
+    def _rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' own cos/sin for positions 0..positions-1 (so the rotation is theirs, bit for bit)."""
+        if self._tables is None or self._tables[0].shape[0] < positions:
+            probe = torch.zeros(1, 1, self.hidden)
+            with torch.inference_mode():
+                cos, sin = self._rotary(probe, torch.arange(positions).unsqueeze(0))
+            self._tables = (cos[0].float().contiguous(), sin[0].float().contiguous())
+        return self._tables
+
+    def forward(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        threads: int,
+    ) -> torch.Tensor:
+        """Append ``tokens`` to the cache and return the logits of the rows in ``keep``.
+
+        # keys, values: [layers, slots, kv, capacity, d] float32; tokens, slots, positions: [n] int64;
+        # keep: [kept] int64 (indices into tokens)  ->  [kept, vocab] float32
+        """
+        capacity = int(keys.shape[3])
+        cos, sin = self._rope_tables(capacity)
+        m = self._model
+        m.cos, m.sin = cos.data_ptr(), sin.data_ptr()
+        m.keys, m.values = keys.data_ptr(), values.data_ptr()
+        m.slots, m.capacity = int(keys.shape[1]), capacity
+        logits = torch.empty(int(keep.shape[0]), self.vocab)
+        status = self._forward(
+            ctypes.byref(m),
+            int(tokens.shape[0]),
+            tokens.data_ptr(),
+            slots.data_ptr(),
+            positions.data_ptr(),
+            int(keep.shape[0]),
+            keep.data_ptr(),
+            logits.data_ptr(),
+            max(1, threads),
+        )
+        if status != 0:
+            raise MemoryError("the native Llama pass could not allocate its scratch memory")
+        return logits

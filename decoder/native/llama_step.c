@@ -1,0 +1,381 @@
+/* One forward pass of a Llama decoder over a slot KV cache, for x86-64 CPUs with AVX2 and FMA.
+ *
+ * Built and loaded by decoder/native/build.py (gcc, ctypes); driven by decoder/native/llama.py, which owns the
+ * weights, the cache and every check on the arguments. This file trusts its caller.
+ *
+ * Why it exists: on a small model a decode step is a few dozen GEMVs plus a few hundred small element-wise ops.
+ * Eager PyTorch pays a dispatch per op and MKL streams the weights at a fraction of the read bandwidth. Here a
+ * whole pass is one call, and the GEMVs read the weights in bfloat16 when they are exactly representable in it
+ * (an exact upcast: each product is computed in float32 from the same values a float32 model holds), so the
+ * bytes per step halve without changing the model.
+ *
+ * Batch invariance: every token's outputs are computed by the same instructions in the same order, whatever the
+ * number of tokens in the pass and whichever sequences they belong to. Each dot product accumulates one 8-lane
+ * vector over the input in order, then reduces it in a fixed tree; attention and norms are per token. So a token's
+ * logits are bit-identical whether it is verified among K drafts, decoded alone, or batched with other requests.
+ *
+ * Layout (row-major): weights [out, in]; activations [tokens, features]; the cache
+ * [layers, slots, kv_heads, capacity, head_dim]; the rotary tables [positions, head_dim].
+ */
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const void *wqkv;  /* [(heads + 2 kv_heads) head_dim, hidden]: q, k, v stacked */
+    const void *wo;    /* [hidden, heads head_dim] */
+    const void *wgu;   /* [2 inter, hidden]: gate, then up */
+    const void *wdown; /* [hidden, inter] */
+    const float *ln1;  /* [hidden] input_layernorm */
+    const float *ln2;  /* [hidden] post_attention_layernorm */
+} Layer;
+
+typedef struct {
+    int32_t layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    int32_t bf16; /* 1: the matrices hold bfloat16 bit patterns (uint16); 0: float32 */
+    float eps, scale;
+    const Layer *layer;  /* [layers] */
+    const float *embed;  /* [vocab, hidden] float32 */
+    const float *norm;   /* [hidden] */
+    const void *head;    /* [vocab, hidden] */
+    const float *cos, *sin; /* [positions, head_dim] */
+    float *keys, *values;   /* the cache */
+    int64_t slots, capacity;
+} Model;
+
+/* ---- matrix products: y[t][j] = sum_i x[t][i] w[j][i] ---------------------------------------------------- */
+/*
+ * Weights are packed by llama.py into panels of 16 outputs: panel p holds w[16p .. 16p+15][i] for every i, i-major,
+ * so a panel streams as one contiguous run ([in, 16], outputs past `out` zero). In bfloat16 the 16 values of one i
+ * are stored in the order 0-3, 8-11, 4-7, 12-15, so that interleaving zeros below them (unpacklo/unpackhi) yields
+ * outputs 0-7 and 8-15 as float32, one instruction per 8 weights.
+ *
+ * Each output accumulates x[t][i] * w[j][i] over i = 0, 1, ... in one float32 FMA chain, whatever the blocking, so
+ * a token's result does not depend on how many tokens share the pass (batch invariance). Blocking only chooses how
+ * many chains run side by side: 4 panels x 1 token (8 chains) when one token streams the weights, 1 panel x up to
+ * 6 tokens (12 chains, each converted weight vector reused 6 times) when several do.
+ */
+
+#define PANEL 16
+
+/* How far ahead in a panel to prefetch; 1 KB measured best on the development machine (the GEMVs of a step,
+ * 2 threads). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+
+static inline float hsum(__m256 v) { /* a fixed reduction tree */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __attribute__((always_inline)) void load_panel(const void *w, int64_t i, const int BF16, __m256 *lo,
+                                                             __m256 *hi) {
+    if (BF16) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i * PANEL));
+        *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v));
+        *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v));
+    } else {
+        *lo = _mm256_loadu_ps((const float *)w + i * PANEL);
+        *hi = _mm256_loadu_ps((const float *)w + i * PANEL + 8);
+    }
+}
+
+static inline void store_outputs(float *y, int j, int out, __m256 lo, __m256 hi) {
+    if (j + PANEL <= out) {
+        _mm256_storeu_ps(y + j, lo);
+        _mm256_storeu_ps(y + j + 8, hi);
+    } else { /* the last panel, padded */
+        float both[PANEL];
+        _mm256_storeu_ps(both, lo);
+        _mm256_storeu_ps(both + 8, hi);
+        for (int k = 0; j + k < out; k++) y[j + k] = both[k];
+    }
+}
+
+/* Four panels (from `first`) against one token: 8 accumulator chains. (Two kernels, not one with both counts as
+ * parameters: gcc keeps a small accumulator array in registers, a larger one on the stack.) */
+static inline __attribute__((always_inline)) void panels4_token1(const void *w, int in, int out, const float *x,
+                                                                 float *y, int first, const int BF16) {
+    const int64_t panel_bytes = (int64_t)in * PANEL * (BF16 ? 2 : 4), step = PANEL * (BF16 ? 2 : 4);
+    const char *base = (const char *)w + first * panel_bytes;
+    __m256 acc[4][2];
+    for (int p = 0; p < 4; p++) acc[p][0] = acc[p][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < in; i++) {
+        __m256 xv = _mm256_broadcast_ss(x + i);
+        for (int p = 0; p < 4; p++) {
+            const char *at = base + p * panel_bytes + i * step;
+            _mm_prefetch(at + PREFETCH_BYTES, _MM_HINT_T0);
+            __m256 lo, hi;
+            load_panel(at, 0, BF16, &lo, &hi);
+            acc[p][0] = _mm256_fmadd_ps(lo, xv, acc[p][0]);
+            acc[p][1] = _mm256_fmadd_ps(hi, xv, acc[p][1]);
+        }
+    }
+    for (int p = 0; p < 4; p++) store_outputs(y, (first + p) * PANEL, out, acc[p][0], acc[p][1]);
+}
+
+/* One panel against TB <= 6 tokens (from `t`): 2 TB chains, each converted weight vector used TB times. The
+ * accumulators are named variables: as an array, gcc stored them to the stack on every iteration. */
+#define ACC_DECLARE(k) __m256 lo##k = _mm256_setzero_ps(), hi##k = _mm256_setzero_ps()
+#define ACC_STEP(k)                                                                                           \
+    if (TB > k) {                                                                                             \
+        __m256 xv = _mm256_broadcast_ss(xt + k * (int64_t)ldx + i);                                           \
+        lo##k = _mm256_fmadd_ps(lo, xv, lo##k);                                                               \
+        hi##k = _mm256_fmadd_ps(hi, xv, hi##k);                                                               \
+    }
+#define ACC_STORE(k) \
+    if (TB > k) store_outputs(y + (int64_t)(t + k) * ldy, panel * PANEL, out, lo##k, hi##k)
+
+static inline __attribute__((always_inline)) void panel1_tokens(const void *w, int in, int out, const float *x,
+                                                                int ldx, float *y, int ldy, int panel, int t,
+                                                                const int TB, const int BF16) {
+    const int64_t step = PANEL * (BF16 ? 2 : 4);
+    const char *base = (const char *)w + panel * in * step;
+    const float *xt = x + (int64_t)t * ldx;
+    ACC_DECLARE(0); ACC_DECLARE(1); ACC_DECLARE(2); ACC_DECLARE(3); ACC_DECLARE(4); ACC_DECLARE(5);
+    for (int64_t i = 0; i < in; i++) {
+        _mm_prefetch(base + i * step + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 lo, hi;
+        load_panel(base + i * step, 0, BF16, &lo, &hi);
+        ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3) ACC_STEP(4) ACC_STEP(5)
+    }
+    ACC_STORE(0); ACC_STORE(1); ACC_STORE(2); ACC_STORE(3); ACC_STORE(4); ACC_STORE(5);
+}
+
+/* y[rows, out] = x[rows, in] w^T, the panels shared among the team's threads (call inside a parallel region,
+ * from every thread; `rows` is the same for all of them). */
+static inline __attribute__((always_inline)) void matmul_typed(const void *w, int out, int in, const float *x,
+                                                               int ldx, int rows, float *y, int ldy,
+                                                               const int BF16) {
+    const int panels = (out + PANEL - 1) / PANEL;
+    if (rows == 1) {
+#pragma omp for schedule(static)
+        for (int blk = 0; blk < panels / 4; blk++) panels4_token1(w, in, out, x, y, blk * 4, BF16);
+        if (panels % 4) {
+#pragma omp for schedule(static)
+            for (int p = panels / 4 * 4; p < panels; p++) panel1_tokens(w, in, out, x, ldx, y, ldy, p, 0, 1, BF16);
+        }
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; p++) {
+        int t = 0;
+        for (; t + 6 <= rows; t += 6) panel1_tokens(w, in, out, x, ldx, y, ldy, p, t, 6, BF16);
+        switch (rows - t) {
+        case 5: panel1_tokens(w, in, out, x, ldx, y, ldy, p, t, 5, BF16); break;
+        case 4: panel1_tokens(w, in, out, x, ldx, y, ldy, p, t, 4, BF16); break;
+        case 3: panel1_tokens(w, in, out, x, ldx, y, ldy, p, t, 3, BF16); break;
+        case 2: panel1_tokens(w, in, out, x, ldx, y, ldy, p, t, 2, BF16); break;
+        case 1: panel1_tokens(w, in, out, x, ldx, y, ldy, p, t, 1, BF16); break;
+        }
+    }
+}
+
+static void matmul(const void *w, int bf16, int out, int in, const float *x, int ldx, int rows, float *y,
+                   int ldy) {
+    if (bf16)
+        matmul_typed(w, out, in, x, ldx, rows, y, ldy, 1);
+    else
+        matmul_typed(w, out, in, x, ldx, rows, y, ldy, 0);
+}
+
+/* ---- exp ----------------------------------------------------------------------------------------------- */
+
+/* e^x for 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial; within 2 ulp of
+ * the true value over the float range), so softmax and SiLU cost a few instructions per element, not a libm call. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
+}
+
+/* silu(gate) * up over n floats (n a multiple of 8) */
+static void silu_mul(const float *gate, const float *up, int n, float *out) {
+    for (int i = 0; i < n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+    }
+}
+
+/* ---- per-token pieces -------------------------------------------------------------------------------------- */
+
+static float sum_squares(const float *x, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    return hsum(acc);
+}
+
+/* transformers' LlamaRMSNorm in float32: weight * (x * rsqrt(mean(x^2) + eps)) */
+static void rms_norm(const float *x, const float *weight, int n, float eps, float *out) {
+    float inv = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* transformers' apply_rotary_pos_emb on one head: x * cos + rotate_half(x) * sin */
+static void rope(float *x, const float *cos, const float *sin, int d) {
+    int half = d / 2;
+    float rotated[512];
+    for (int i = 0; i < half; i++) rotated[i] = -x[i + half];
+    for (int i = half; i < d; i++) rotated[i] = x[i - half];
+    for (int i = 0; i < d; i++) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+}
+
+static float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return hsum(acc);
+}
+
+/* One query head over positions 0..last of its sequence: softmax(q k^T * scale) v. */
+static void attend(const float *q, const float *keys, const float *values, int64_t last, int d, float scale,
+                   float *scores, float *out) {
+    float top = -INFINITY;
+    for (int64_t p = 0; p <= last; p++) {
+        scores[p] = dot(q, keys + p * d, d) * scale;
+        if (scores[p] > top) top = scores[p];
+    }
+    int64_t count = last + 1, p = 0;
+    __m256 sums = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (; p + 8 <= count; p += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), shift));
+        _mm256_storeu_ps(scores + p, e);
+        sums = _mm256_add_ps(sums, e);
+    }
+    if (p < count) { /* the tail through the same instructions, padded */
+        float pad[8] = {0};
+        for (int64_t i = p; i < count; i++) pad[i - p] = scores[i] - top;
+        float e[8];
+        _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(pad)));
+        for (int64_t i = p; i < count; i++) scores[i] = e[i - p];
+    }
+    float total = hsum(sums);
+    for (int64_t i = p; i < count; i++) total += scores[i];
+    float inverse = 1.0f / total;
+    __m256 acc[8]; /* d <= 64 in registers; longer heads through memory */
+    if (d <= 64) {
+        for (int i = 0; i < d / 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t q = 0; q < count; q++) {
+            __m256 weight = _mm256_set1_ps(scores[q] * inverse);
+            const float *v = values + q * d;
+            for (int i = 0; i < d / 8; i++) acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < d / 8; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
+    } else {
+        for (int i = 0; i < d; i++) out[i] = 0.0f;
+        for (int64_t q = 0; q < count; q++) {
+            __m256 weight = _mm256_set1_ps(scores[q] * inverse);
+            const float *v = values + q * d;
+            for (int i = 0; i < d; i += 8)
+                _mm256_storeu_ps(out + i, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
+        }
+    }
+}
+
+/* ---- the pass ---------------------------------------------------------------------------------------------- */
+
+/* Append `n` tokens (each its own sequence slot and position) to the cache and write the logits of the rows
+ * listed in `keep` ([kept]) to `logits` ([kept, vocab]). Returns 0, or -1 when scratch memory is short. */
+int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int64_t *slot, const int64_t *pos,
+                        int kept, const int64_t *keep, float *logits, int threads) {
+    const int hidden = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, inter = m->inter;
+    const int qkv_width = (heads + 2 * kvh) * d, group = heads / kvh;
+    int64_t longest = 0;
+    for (int t = 0; t < n; t++)
+        if (pos[t] + 1 > longest) longest = pos[t] + 1;
+    float *x = malloc(sizeof(float) * (size_t)n * hidden);
+    float *h = malloc(sizeof(float) * (size_t)n * hidden);
+    float *qkv = malloc(sizeof(float) * (size_t)n * qkv_width);
+    float *att = malloc(sizeof(float) * (size_t)n * heads * d);
+    float *gu = malloc(sizeof(float) * (size_t)n * 2 * inter);
+    float *act = malloc(sizeof(float) * (size_t)n * inter);
+    float *scores = malloc(sizeof(float) * (size_t)threads * longest);
+    float *tail = malloc(sizeof(float) * (size_t)(kept > 0 ? kept : 1) * hidden);
+    int failed = !x || !h || !qkv || !att || !gu || !act || !scores || !tail;
+    if (!failed) {
+        const int64_t slot_stride = (int64_t)kvh * m->capacity * d;
+        const int64_t layer_stride = m->slots * slot_stride;
+        for (int t = 0; t < n; t++) memcpy(x + (int64_t)t * hidden, m->embed + tokens[t] * hidden, sizeof(float) * hidden);
+#pragma omp parallel num_threads(threads)
+        {
+            float *my_scores = scores + (int64_t)omp_get_thread_num() * longest;
+            for (int l = 0; l < m->layers; l++) {
+                const Layer *L = &m->layer[l];
+                float *layer_keys = m->keys + l * layer_stride, *layer_values = m->values + l * layer_stride;
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * hidden, L->ln1, hidden, m->eps, h + (int64_t)t * hidden);
+                matmul(L->wqkv, m->bf16, qkv_width, hidden, h, hidden, n, qkv, qkv_width);
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++) {  /* rotary embedding, then k and v into the cache */
+                    float *row = qkv + (int64_t)t * qkv_width;
+                    const float *c = m->cos + pos[t] * d, *s = m->sin + pos[t] * d;
+                    for (int hd = 0; hd < heads + kvh; hd++) rope(row + hd * d, c, s, d);
+                    for (int g = 0; g < kvh; g++) {
+                        int64_t at = slot[t] * slot_stride + g * m->capacity * d + pos[t] * d;
+                        memcpy(layer_keys + at, row + (heads + g) * d, sizeof(float) * d);
+                        memcpy(layer_values + at, row + (heads + kvh + g) * d, sizeof(float) * d);
+                    }
+                }
+#pragma omp for schedule(static) collapse(2)
+                for (int t = 0; t < n; t++)
+                    for (int hd = 0; hd < heads; hd++) {
+                        int64_t base = slot[t] * slot_stride + (hd / group) * m->capacity * d;
+                        attend(qkv + (int64_t)t * qkv_width + hd * d, layer_keys + base, layer_values + base, pos[t],
+                               d, m->scale, my_scores, att + ((int64_t)t * heads + hd) * d);
+                    }
+                matmul(L->wo, m->bf16, hidden, heads * d, att, heads * d, n, h, hidden);
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++) {
+                    float *xr = x + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
+                    for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
+                    rms_norm(xr, L->ln2, hidden, m->eps, hr);
+                }
+                matmul(L->wgu, m->bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter);
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++) {
+                    const float *g = gu + (int64_t)t * 2 * inter;
+                    silu_mul(g, g + inter, inter, act + (int64_t)t * inter);
+                }
+                matmul(L->wdown, m->bf16, hidden, inter, act, inter, n, h, hidden);
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++) {
+                    float *xr = x + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
+                    for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
+                }
+            }
+#pragma omp for schedule(static)
+            for (int o = 0; o < kept; o++) rms_norm(x + keep[o] * hidden, m->norm, hidden, m->eps, tail + (int64_t)o * hidden);
+            matmul(m->head, m->bf16, m->vocab, hidden, tail, hidden, kept, logits, m->vocab);
+        }
+    }
+    free(x); free(h); free(qkv); free(att); free(gu); free(act); free(scores); free(tail);
+    return failed ? -1 : 0;
+}
+
+/* The weight bytes one pass streams, for the benchmarks' roofline line. */
+int64_t specd_llama_weight_bytes(const Model *m) {
+    int64_t per_layer = (int64_t)(m->heads + 2 * m->kv_heads) * m->head_dim * m->hidden
+                        + (int64_t)m->hidden * m->heads * m->head_dim + 3LL * m->inter * m->hidden;
+    return (per_layer * m->layers + (int64_t)m->vocab * m->hidden) * (m->bf16 ? 2 : 4);
+}
