@@ -1,0 +1,195 @@
+"""The native Llama pass (decoder/native): transformers' logits to float32 rounding, bit-identical logits for a
+token whatever else shares its pass (batch invariance), and therefore greedy speculative output equal to greedy
+target-only output token for token in float32, with no tie allowance. Skipped where the machine cannot build it
+(no gcc or no AVX2); the CI machine can, and ``test_the_ci_machine_runs_it`` fails if it stops doing so there."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from decoder.batch_engine import BatchEngine
+from decoder.engine import SpeculativeDecoder
+from decoder.kv_cache import CachedSequence
+from decoder.llama_fast import LlamaKVPool
+from decoder.models import from_objects
+from decoder.native import build
+from decoder.native.llama import NativeLlama, pack_panels
+from decoder.sampling import SamplingParams
+from decoder.stopping import StopRules
+from specd_api.plan import Plan
+
+VOCAB = 97  # not a multiple of 16: the LM head's last panel is padded
+needs_native = pytest.mark.skipif(build.load() is None, reason=f"no native pass here: {build.why_not()}")
+
+
+def llama(seed: int = 0, bf16_weights: bool = False, **overrides) -> torch.nn.Module:
+    # hidden 48: three panels, so the one-token path runs its single-panel remainder too
+    base = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**{**base, **overrides})).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)  # sharper distributions than the init's: argmaxes well apart, drafts that disagree
+            if bf16_weights:
+                p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def pool_of(model, runner: str = "native", slots: int = 3) -> LlamaKVPool:
+    return LlamaKVPool(from_objects(model, None, runner, runner=runner), num_slots=slots)
+
+
+def test_the_ci_machine_runs_it():
+    # The development and CI machines have gcc and AVX2: a silent fallback there would leave every test below
+    # skipped and the engine on its slow path.
+    if os.environ.get("CI_EXPECTS_NATIVE", "1") == "1" and {"avx2", "fma"} <= build._cpu_flags():
+        assert build.load() is not None, build.why_not()
+
+
+@needs_native
+@pytest.mark.parametrize("bf16_weights", [False, True], ids=["float32-panels", "bfloat16-panels"])
+def test_same_logits_as_transformers(bf16_weights):
+    model = llama(bf16_weights=bf16_weights)
+    pool = pool_of(model)
+    assert pool.native is not None and pool.native.bf16 == bf16_weights
+    fast = pool.open()
+    # the reference: transformers' forward on the same weights in float64
+    slow = CachedSequence(from_objects(llama(bf16_weights=bf16_weights).double(), None, "slow", runner="transformers"))
+    generator = torch.Generator().manual_seed(1)
+    steps = [torch.randint(0, VOCAB, (n,), generator=generator) for n in (37, 1, 6, 1, 9)]
+    for i, tokens in enumerate(steps):
+        if i == 3:  # roll back 4 tokens first
+            fast.truncate(fast.length - 4)
+            slow.truncate(slow.length - 4)
+        got, expected = fast.forward(tokens), slow.forward(tokens)
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-4, msg=f"step {i}")
+        assert (got.argmax(-1) == expected.argmax(-1)).all()
+        for a, b in zip(fast.cached_keys(), slow.cached_keys(), strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("bf16_weights", [False, True], ids=["float32-panels", "bfloat16-panels"])
+def test_a_tokens_logits_do_not_depend_on_what_shares_its_pass(bf16_weights, request):
+    """One token at a time, as a (K+1)-token verification, and in a ragged batch beside other sequences: the
+    same bits."""
+    torch.set_num_threads(2)  # the panels split between two threads (conftest runs tests on one)
+    request.addfinalizer(lambda: torch.set_num_threads(1))
+    pool = pool_of(llama(bf16_weights=bf16_weights))
+    generator = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, VOCAB, (30,), generator=generator)
+    tokens = torch.randint(0, VOCAB, (9,), generator=generator)
+    a, b, c = pool.open(), pool.open(), pool.open()
+    for seq in (a, b):
+        seq.forward(prompt)
+    c.forward(torch.randint(0, VOCAB, (11,), generator=generator))
+
+    alone = torch.cat([a.forward(tokens[i : i + 1]) for i in range(len(tokens))])
+    verified = b.forward(tokens)  # 9 rows: the multi-token kernel, 6 + 3 tokens
+    assert torch.equal(alone, verified)
+    for width in (2, 5, 7):
+        b.truncate(30)
+        assert torch.equal(b.forward(tokens[:width]), alone[:width]), width
+    b.truncate(30)
+    other = torch.randint(0, VOCAB, (4,), generator=generator)
+    rows = pool.forward_many([(c, other), (b, tokens[:5])])  # ragged: 4 + 5 tokens, two slots
+    assert torch.equal(rows[1], alone[:5])
+    assert pool.forward_many([(b, tokens[5:6])], logits_to_keep=1)[0].equal(alone[5:6])
+
+
+def greedy_pair(tokenizer, seed: int) -> tuple:
+    vocab = len(tokenizer)
+    target = from_objects(llama(seed=seed, bf16_weights=True, vocab_size=vocab), tokenizer, "target")
+    draft = llama(seed=seed + 100, num_hidden_layers=1, bf16_weights=True, vocab_size=vocab)
+    # A draft that sometimes agrees: the target's own weights, lightly perturbed.
+    sometimes = llama(seed=seed, bf16_weights=True, vocab_size=vocab)
+    with torch.no_grad():
+        torch.manual_seed(seed + 1)
+        for p in sometimes.parameters():
+            p.add_(torch.randn_like(p) * 0.15 * p.abs().mean())
+    drafts = {"disagrees": from_objects(draft, tokenizer, "draft"), "sometimes": from_objects(sometimes, tokenizer, "s")}
+    return target, drafts
+
+
+@needs_native
+def test_speculative_greedy_equals_target_only_exactly_in_float32(tokenizer):
+    """No tie allowance: the verification pass computes each position's logits with the same instructions as a
+    one-token step, so even a near-tie resolves the same way."""
+    rules = StopRules(max_new_tokens=24)
+    target, drafts = greedy_pair(tokenizer, seed=4)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 20))] for _ in range(4)]
+    prompts += [p * 3 for p in prompts[:2]]  # repetitive: prompt lookup finds matches
+    accepted = {}
+    for name, draft in drafts.items():
+        decoder = SpeculativeDecoder(target, draft)
+        assert decoder.generate(prompts[0], "none", 0, SamplingParams(), rules).token_ids  # warm
+        for k in (1, 2, 4, 8):
+            for prompt in prompts:
+                expected = decoder.generate(prompt, "none", 0, SamplingParams(), rules).token_ids
+                for drafter in ("draft", "prompt_lookup"):
+                    got = decoder.generate(prompt, drafter, k, SamplingParams(), rules)
+                    assert got.token_ids == expected, f"{name} {drafter} K={k} prompt={prompt}"
+                    key = (name, drafter)
+                    accepted[key] = accepted.get(key, 0) + got.stats.num_accepted
+    # the draft that sometimes agrees and prompt lookup had tokens accepted, so verification decided outputs
+    assert accepted["sometimes", "draft"] > 0 and accepted["sometimes", "prompt_lookup"] > 0, accepted
+
+
+@needs_native
+def test_batched_greedy_equals_single_exactly_in_float32(tokenizer):
+    rules = StopRules(max_new_tokens=20)
+    target, drafts = greedy_pair(tokenizer, seed=8)
+    engine = BatchEngine(target, drafts["sometimes"], max_batch=4)
+    assert engine.target_pool.native is not None and engine.draft_pool.native is not None
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 15))] for _ in range(4)]
+    single = [engine.generate(p, "none", 0, SamplingParams(), rules).token_ids for p in prompts]
+    sessions = [engine.open(p, "draft", SamplingParams(), rules, Plan("draft", 1 + i)) for i, p in enumerate(prompts)]
+    while any(s.finish_reason is None for s in sessions):
+        live = [s for s in sessions if s.finish_reason is None]
+        engine.step(live, [1 + (len(s.generated) % 4) for s in live])
+    assert [s.generated for s in sessions] == single
+    for s in sessions:
+        engine.close(s)
+
+
+def test_panels_hold_the_weights_in_the_kernels_order():
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)  # 20 outputs: 2 panels, the second padded
+    panels = pack_panels(weight, bf16=False)
+    assert panels.shape == (2, 3, 16)
+    assert torch.equal(panels[0, :, :], weight[:16].T)
+    assert torch.equal(panels[1, :, :4], weight[16:].T) and not panels[1, :, 4:].any()
+    bf16 = pack_panels(weight, bf16=True)
+    assert bf16.dtype == torch.bfloat16
+    # stored order 0-3, 8-11, 4-7, 12-15 (the kernel's unpacklo/unpackhi lanes)
+    assert bf16[0, 1].float().tolist() == [weight[j, 1].item() for j in (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)]
+
+
+def test_models_the_kernel_does_not_cover_take_the_pytorch_pass():
+    why: list[str] = []
+    assert NativeLlama.create(llama().double(), why) is None and "float64" in why[0]
+    why.clear()
+    assert NativeLlama.create(llama(head_dim=12), why) is None and "head_dim 12" in why[0]
+    pool = pool_of(llama().double(), runner="auto")
+    assert pool.native is None  # falls back quietly
+    with pytest.raises(ValueError, match="native runner does not apply: .*float64"):
+        pool_of(llama().double(), runner="native")
+    assert pool_of(llama(), runner="lean").native is None
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    build._status.cache_clear()
+    try:
+        assert build.load() is None and build.why_not() == "SPECD_NATIVE=0"
+        assert pool_of(llama(), runner="auto").native is None
+    finally:
+        monkeypatch.delenv(build.DISABLE_ENV)
+        build._status.cache_clear()
