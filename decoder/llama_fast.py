@@ -91,7 +91,7 @@ class LlamaKVPool:
         self.native = NativeLlama.create(lm.model, why) if lm.runner in ("auto", "native") else None
         if lm.runner == "native" and self.native is None:
             raise ValueError(f"{lm.name}: the native runner does not apply: {why[0]}")
-        self._head = OutputHead(lm.model.lm_head)
+        self._head = OutputHead(lm.model.lm_head) if self.native is None else None
         self._rope = apply_rotary_pos_emb
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -102,6 +102,7 @@ class LlamaKVPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._keys = self._allocate(capacity)
         self._values = self._allocate(capacity)
+        self._bound: torch.Tensor | None = None  # the keys tensor the native pass points at
 
     # -- slots ---------------------------------------------------------------------------------------------
 
@@ -148,7 +149,6 @@ class LlamaKVPool:
 
     # -- forward -------------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward_many(
         self, rows: Sequence[tuple[PooledSequence, torch.Tensor]], logits_to_keep: int = 0
     ) -> list[torch.Tensor]:
@@ -166,10 +166,8 @@ class LlamaKVPool:
         self._reserve(max(s + n for s, n in zip(starts, counts, strict=True)))
         if self.native is not None:
             outputs = self._forward_native(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
-        elif len(rows) == 1:
-            outputs = [self._forward_one(slots[0], rows[0][1], starts[0], logits_to_keep)]
         else:
-            outputs = self._forward_ragged(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
+            outputs = self._forward_torch(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
         return outputs
@@ -179,22 +177,25 @@ class LlamaKVPool:
     ) -> list[torch.Tensor]:
         """Every row's tokens in one native pass (decoder/native): batch-invariant, each token's logits the same
         whatever else is in the pass."""
-        tokens = (inputs[0] if len(inputs) == 1 else torch.cat(inputs)).to(torch.long).contiguous()  # [r]
-        kept = [min(n, logits_to_keep) if logits_to_keep else n for n in counts]
-        if len(inputs) == 1:
-            slot_of = torch.full((counts[0],), slots[0], dtype=torch.long)  # [r]
-            positions = torch.arange(starts[0], starts[0] + counts[0])  # [r]
-            keep = torch.arange(counts[0] - kept[0], counts[0])  # [kept]
-        else:
-            slot_of = torch.tensor([s for s, n in zip(slots, counts, strict=True) for _ in range(n)])
-            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-            ends = torch.tensor(counts).cumsum(0).tolist()
-            keep = torch.cat([torch.arange(e - k, e) for e, k in zip(ends, kept, strict=True)])
         assert self.native is not None
-        logits = self.native.forward(
-            self._keys, self._values, tokens, slot_of, positions, keep, torch.get_num_threads()
-        )  # [sum(kept), vocab]
-        return list(logits.split(kept))
+        if self._bound is not self._keys:
+            self.native.bind_cache(self._keys, self._values)
+            self._bound = self._keys
+        kept = [min(n, logits_to_keep) if logits_to_keep else n for n in counts]
+        tokens = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        if tokens.dtype != torch.long or not tokens.is_contiguous():
+            tokens = tokens.to(torch.long).contiguous()
+        rows = list(zip(slots, starts, counts, kept, strict=True))
+        logits = self.native.forward(rows, tokens, torch.get_num_threads())  # [sum(kept), vocab]
+        return [logits] if len(rows) == 1 else list(logits.split(kept))
+
+    @torch.inference_mode()
+    def _forward_torch(
+        self, slots: list[int], inputs: list[torch.Tensor], starts: list[int], counts: list[int], logits_to_keep: int
+    ) -> list[torch.Tensor]:
+        if len(slots) == 1:
+            return [self._forward_one(slots[0], inputs[0], starts[0], logits_to_keep)]
+        return self._forward_ragged(slots, inputs, starts, counts, logits_to_keep)
 
     def _forward_one(self, slot: int, input_ids: torch.Tensor, start: int, logits_to_keep: int) -> torch.Tensor:
         """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""
@@ -231,6 +232,7 @@ class LlamaKVPool:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # the head only where logits are wanted (a prefill needs one row)
+        assert self._head is not None
         return self._head(model.norm(x))[0]  # [n or logits_to_keep, vocab]
 
     def _forward_ragged(
@@ -280,6 +282,7 @@ class LlamaKVPool:
             row_of, col_of = ((offsets[None, :] >= first_kept[:, None]) & real).nonzero(as_tuple=True)
             counts = kept
         hidden = model.norm(x[row_of, col_of])  # [t, hidden]
+        assert self._head is not None
         return list(self._head(hidden).split(counts))  # [n_i or logits_to_keep, vocab] each
 
     def cached_keys(self, slot: int) -> list[torch.Tensor]:

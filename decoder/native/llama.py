@@ -12,6 +12,8 @@ same values the model holds.
 from __future__ import annotations
 
 import ctypes
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +39,10 @@ class _Model(ctypes.Structure):
         ("slots", ctypes.c_int64),
         ("capacity", ctypes.c_int64),
     ]
+
+
+_PACKED: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int], ...], NativeLlama]] = weakref.WeakKeyDictionary()
+_PACKED_LOCK = threading.Lock()
 
 
 def _unsupported(model: Any) -> str:
@@ -90,10 +96,9 @@ class NativeLlama:
         config = model.config
         inner = model.model
         self._lib = library
-        self._forward = library.specd_llama_forward
-        self._forward.restype = ctypes.c_int
-        self._forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int]
-        self._forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._forward_rows = library.specd_llama_forward_rows
+        self._forward_rows.restype = ctypes.c_int
+        self._forward_rows.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int]
         self._weight_bytes = library.specd_llama_weight_bytes
         self._weight_bytes.restype = ctypes.c_int64
         self._weight_bytes.argtypes = [ctypes.POINTER(_Model)]
@@ -142,13 +147,22 @@ class NativeLlama:
 
     @classmethod
     def create(cls, model: Any, why: list[str] | None = None) -> NativeLlama | None:
+        """The packed weights of ``model``, shared by every pool of it (packing the shipped target takes ~30 ms,
+        once, not once per request), and repacked if a weight was changed or replaced since (``specd distill``
+        trains in place)."""
         library = build.load()
         reason = build.why_not() if library is None else _unsupported(model)
         if reason or library is None:
             if why is not None:
                 why.append(reason)
             return None
-        return cls(library, model)
+        signature = tuple((p.data_ptr(), p._version) for p in model.parameters())
+        with _PACKED_LOCK:
+            held = _PACKED.get(model)
+            if held is None or held[0] != signature:
+                held = (signature, cls(library, model))
+                _PACKED[model] = held
+            return held[1]
 
     def _hold(self, tensor: torch.Tensor) -> int:
         tensor = tensor.detach().contiguous()
@@ -160,45 +174,36 @@ class NativeLlama:
         """Bytes of weights one pass reads (every matrix once; the embedding rows are negligible)."""
         return int(self._weight_bytes(ctypes.byref(self._model)))
 
-    def _rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' own cos/sin for positions 0..positions-1 (so the rotation is theirs, bit for bit)."""
-        if self._tables is None or self._tables[0].shape[0] < positions:
+    def bind_cache(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Point the kernel at a pool's cache (again after the pool reallocates it), with rotary tables for every
+        position it can hold. The pool keeps both tensors alive.
+
+        # keys, values: [layers, slots, kv, capacity, d] float32, contiguous
+        """
+        assert keys.is_contiguous() and values.is_contiguous() and keys.dtype == torch.float32
+        capacity = int(keys.shape[3])
+        if self._tables is None or self._tables[0].shape[0] < capacity:  # transformers' own cos/sin, bit for bit
             probe = torch.zeros(1, 1, self.hidden)
             with torch.inference_mode():
-                cos, sin = self._rotary(probe, torch.arange(positions).unsqueeze(0))
+                cos, sin = self._rotary(probe, torch.arange(capacity).unsqueeze(0))
             self._tables = (cos[0].float().contiguous(), sin[0].float().contiguous())
-        return self._tables
-
-    def forward(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        tokens: torch.Tensor,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        keep: torch.Tensor,
-        threads: int,
-    ) -> torch.Tensor:
-        """Append ``tokens`` to the cache and return the logits of the rows in ``keep``.
-
-        # keys, values: [layers, slots, kv, capacity, d] float32; tokens, slots, positions: [n] int64;
-        # keep: [kept] int64 (indices into tokens)  ->  [kept, vocab] float32
-        """
-        capacity = int(keys.shape[3])
-        cos, sin = self._rope_tables(capacity)
         m = self._model
-        m.cos, m.sin = cos.data_ptr(), sin.data_ptr()
+        m.cos, m.sin = self._tables[0].data_ptr(), self._tables[1].data_ptr()
         m.keys, m.values = keys.data_ptr(), values.data_ptr()
         m.slots, m.capacity = int(keys.shape[1]), capacity
-        logits = torch.empty(int(keep.shape[0]), self.vocab)
-        status = self._forward(
-            ctypes.byref(m),
-            int(tokens.shape[0]),
+
+    def forward(self, rows: list[tuple[int, int, int, int]], tokens: torch.Tensor, threads: int) -> torch.Tensor:
+        """Append each row's tokens to its slot of the bound cache; return the logits of each row's last ``kept``.
+
+        # rows[i]: (slot, start, count, kept); tokens: [sum(count)] int64, contiguous  ->  [sum(kept), vocab]
+        """
+        flat = [value for row in rows for value in row]
+        logits = torch.empty(sum(row[3] for row in rows), self.vocab)
+        status = self._forward_rows(
+            ctypes.byref(self._model),
+            len(rows),
+            (ctypes.c_int64 * len(flat))(*flat),
             tokens.data_ptr(),
-            slots.data_ptr(),
-            positions.data_ptr(),
-            int(keep.shape[0]),
-            keep.data_ptr(),
             logits.data_ptr(),
             max(1, threads),
         )

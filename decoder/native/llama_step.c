@@ -379,3 +379,32 @@ int64_t specd_llama_weight_bytes(const Model *m) {
                         + (int64_t)m->hidden * m->heads * m->head_dim + 3LL * m->inter * m->hidden;
     return (per_layer * m->layers + (int64_t)m->vocab * m->hidden) * (m->bf16 ? 2 : 4);
 }
+
+/* The pool's form of a pass: `rows` sequences, row r described by desc[4r .. 4r+3] = (slot, start, count, kept),
+ * its `count` tokens next in `tokens`, appended at positions start.. of its slot; the logits of each row's last
+ * `kept` tokens, row after row. */
+int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, const int64_t *tokens, float *logits,
+                             int threads) {
+    int64_t n = 0, kept = 0;
+    for (int r = 0; r < rows; r++) {
+        n += desc[4 * r + 2];
+        kept += desc[4 * r + 3];
+    }
+    int64_t *slot = malloc(sizeof(int64_t) * (size_t)n), *pos = malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *keep = malloc(sizeof(int64_t) * (size_t)(kept > 0 ? kept : 1));
+    int status = -1;
+    if (slot && pos && keep) {
+        int64_t t = 0, k = 0;
+        for (int r = 0; r < rows; r++) {
+            const int64_t s = desc[4 * r], start = desc[4 * r + 1], count = desc[4 * r + 2], last = desc[4 * r + 3];
+            for (int64_t i = 0; i < count; i++, t++) {
+                slot[t] = s;
+                pos[t] = start + i;
+                if (i >= count - last) keep[k++] = t;
+            }
+        }
+        status = specd_llama_forward(m, (int)n, tokens, slot, pos, (int)kept, keep, logits, threads);
+    }
+    free(slot); free(pos); free(keep);
+    return status;
+}
