@@ -37,6 +37,7 @@ from decoder.choices import RUNNER_NAMES
 from decoder.engine import SpeculativeDecoder
 from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, resolve_device
+from decoder.native.llama import NativeLlama
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats, RoundRecord
@@ -256,6 +257,11 @@ def main() -> None:
     bandwidth = read_bandwidth_gbps(device)
     print(f"memory read bandwidth (a sum over 256 MB): {bandwidth:.1f} GB/s")
     report(tallies, costs, len(prompts) * args.repeats)
+    lines = roofline(tallies, target, draft)
+    print(f"\nroofline: weight bytes read per emitted token, and the rate that makes, against {bandwidth:.1f} GB/s read")
+    for name, row in lines.items():
+        print(f"  {name:<12} {row['weight_bytes_per_token'] / 1e6:7.1f} MB/token  {row['achieved_gbps']:6.1f} GB/s  "
+              f"({row['achieved_gbps'] / bandwidth:.0%} of the read bandwidth)")  # fmt: skip
     if args.json:
         runs = len(prompts) * args.repeats
         document = {
@@ -271,6 +277,7 @@ def main() -> None:
                                   "v": costs.v},
             },
             "bandwidth_gbps": bandwidth,
+            "roofline": lines,
         }  # fmt: skip
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -287,6 +294,37 @@ def read_bandwidth_gbps(device: torch.device, megabytes: int = 256, repeats: int
         synchronize(device)
         best = min(best, time.perf_counter() - start)
     return data.numel() * 4 / best / 1e9
+
+
+def streamed_bytes(lm: LoadedModel, ours: bool) -> int:
+    """Weight bytes one forward pass reads: the native pass's packed matrices where ours runs it, else every
+    parameter but an untied input embedding (a pass reads only its rows)."""
+    if ours and lm.runner in ("auto", "native"):
+        native = NativeLlama.create(lm.model)
+        if native is not None:
+            return native.weight_bytes
+    embedding = lm.model.get_input_embeddings().weight
+    tied = embedding is lm.model.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in lm.model.parameters() if tied or p is not embedding)
+
+
+def roofline(tallies: dict[str, Tally], target: LoadedModel, draft: LoadedModel) -> dict[str, dict[str, float]]:
+    """Per variant whose passes we count: weight bytes read per emitted token, and the GB/s that makes."""
+    rows = {}
+    for name, t in tallies.items():
+        ours = name.startswith("ours-")
+        if name == "hf-plain":
+            per_token = streamed_bytes(target, ours=False)  # one target pass per token
+        elif ours:
+            rounds = rounds_of(t)
+            drafter = target if name == "ours-self" else draft
+            draft_passes = sum(r.num_drafted for r in rounds) if name in ("ours-draft", "ours-self") else 0
+            read = len(rounds) * streamed_bytes(target, ours=True) + draft_passes * streamed_bytes(drafter, ours=True)
+            per_token = read / max(1, sum(r.num_accepted + 1 for r in rounds))
+        else:
+            continue  # transformers' assisted and lookup rounds are not visible from outside
+        rows[name] = {"weight_bytes_per_token": per_token, "achieved_gbps": per_token * t.tokens_per_second / 1e9}
+    return rows
 
 
 def params_millions(lm: LoadedModel) -> float:

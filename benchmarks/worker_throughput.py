@@ -12,9 +12,11 @@ run of the same batch: every speculative variant must produce the same tokens.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -32,6 +34,7 @@ class Measurement:
     tokens_per_second: list[float] = field(default_factory=list)
     alpha: list[float] = field(default_factory=list)
     mismatches: int = 0
+    sequences: int = 0
 
 
 def decode_batch(
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -96,6 +100,7 @@ def main() -> None:
                 if alpha is not None:
                     m.alpha.append(alpha)
                 m.mismatches += sum(o != r for o, r in zip(outputs, reference, strict=True))
+                m.sequences += len(outputs)
     print(f"device {device}, dtype {dtype}, {args.threads} threads, K={args.k}, {args.tokens} new tokens/sequence, "
           f"{args.repeats} repeats, prompts from {args.segments}")  # fmt: skip
     print(f"{'batch':>5} {'drafter':<14} {'tok/s':>8} {'vs none':>8} {'alpha':>6} {'same output':>12}")
@@ -107,6 +112,30 @@ def main() -> None:
             alpha = f"{statistics.mean(m.alpha):.2f}" if m.alpha else "-"
             same = "yes" if m.mismatches == 0 else f"{m.mismatches} differ"
             print(f"{b:>5} {drafter:<14} {rate:>8.1f} {rate / base:>7.2f}x {alpha:>6} {same:>12}")
+    if args.json:
+        from benchmarks.decode_loop import read_bandwidth_gbps
+
+        document = {
+            "batches": {
+                str(b): {
+                    drafter: {
+                        "tokens_per_second": statistics.median(results[(b, drafter)].tokens_per_second),
+                        "vs_none": statistics.median(results[(b, drafter)].tokens_per_second)
+                        / statistics.median(results[(b, "none")].tokens_per_second),
+                        "alpha": statistics.mean(results[(b, drafter)].alpha) if results[(b, drafter)].alpha else None,
+                        "same_tokens": [
+                            results[(b, drafter)].sequences - results[(b, drafter)].mismatches,
+                            results[(b, drafter)].sequences,
+                        ],
+                    }
+                    for drafter, _ in variants
+                }
+                for b in batches
+            },
+            "bandwidth_gbps": read_bandwidth_gbps(device),
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ typedef struct {
 #define PREFETCH_BYTES 1024
 #endif
 
+#ifndef PREFETCH_PANEL_AHEAD
+#define PREFETCH_PANEL_AHEAD 1
+#endif
+
 static inline float hsum(__m256 v) { /* a fixed reduction tree */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -140,8 +144,9 @@ static inline __attribute__((always_inline)) void panel1_tokens(const void *w, i
     const char *base = (const char *)w + panel * in * step;
     const float *xt = x + (int64_t)t * ldx;
     ACC_DECLARE(0); ACC_DECLARE(1); ACC_DECLARE(2); ACC_DECLARE(3); ACC_DECLARE(4); ACC_DECLARE(5);
+    const int64_t ahead = PREFETCH_PANEL_AHEAD ? in * step : PREFETCH_BYTES;
     for (int64_t i = 0; i < in; i++) {
-        _mm_prefetch(base + i * step + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch(base + i * step + ahead, _MM_HINT_T0);
         __m256 lo, hi;
         load_panel(base + i * step, 0, BF16, &lo, &hi);
         ACC_STEP(0) ACC_STEP(1) ACC_STEP(2) ACC_STEP(3) ACC_STEP(4) ACC_STEP(5)
