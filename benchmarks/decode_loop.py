@@ -194,7 +194,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
     if args.target and args.draft:
         target = load_model(args.target, device, dtype, args.runner)
         draft = load_model(args.draft, device, dtype, args.runner)
@@ -258,7 +259,9 @@ def main() -> None:
     print(f"memory read bandwidth (a sum over 256 MB): {bandwidth:.1f} GB/s")
     report(tallies, costs, len(prompts) * args.repeats)
     lines = roofline(tallies, target, draft)
-    print(f"\nroofline: weight bytes read per emitted token, and the rate that makes, against {bandwidth:.1f} GB/s read")
+    print(
+        f"\nroofline: weight bytes read per emitted token, and the rate that makes, against {bandwidth:.1f} GB/s read"
+    )
     for name, row in lines.items():
         print(f"  {name:<12} {row['weight_bytes_per_token'] / 1e6:7.1f} MB/token  {row['achieved_gbps']:6.1f} GB/s  "
               f"({row['achieved_gbps'] / bandwidth:.0%} of the read bandwidth)")  # fmt: skip

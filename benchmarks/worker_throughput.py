@@ -73,7 +73,8 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
+    device = resolve_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
     target = load_model(args.target, device, dtype)
     draft = load_model(args.draft, device, dtype)
     batches = [int(b) for b in args.batches.split(",")]

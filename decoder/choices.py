@@ -5,7 +5,9 @@ from specd_api.plan import DRAFTER_NAMES
 
 __all__ = ["DRAFTER_NAMES", "DTYPE_NAMES", "RUNNER_NAMES"]
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+# auto: float32 on a CPU (the native pass then reads bfloat16-exact weights at half the bytes, and computes in
+# float32: exact and the fastest there); bfloat16 on a GPU that has it
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64")
 # auto: the native pass where it applies (decoder/native), else the lean PyTorch one, else transformers';
 # native: the native pass or an error; lean: the lean PyTorch pass (Llama); transformers: always theirs
 RUNNER_NAMES = ("auto", "native", "lean", "transformers")

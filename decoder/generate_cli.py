@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
 
-    device, dtype = resolve_device(args.device), parse_dtype(args.dtype)
+    device = resolve_device(args.device)
+
+    dtype = parse_dtype(args.dtype, device)
     target = load_model(args.target, device, dtype, args.runner)
     draft = load_model(args.draft, device, dtype, args.runner) if args.draft and drafter == "draft" else None
     decoder = SpeculativeDecoder(target, draft, lookup)

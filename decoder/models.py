@@ -68,11 +68,16 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """A dtype by name; "auto" picks the fastest exact configuration for ``device`` (decoder.choices)."""
+    if name == "auto":
+        if device is not None and device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
     try:
         return DTYPES[name]
     except KeyError:
-        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}") from None
 
 
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, runner: str = "auto") -> LoadedModel:

@@ -21,7 +21,8 @@ def distill(cfg: DistillConfig, stop: StopRequest | None = None, progress: Progr
     """Run (or continue) a distillation; the report, or None when stopped early with a checkpoint to resume."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+    device = resolve_device(cfg.device)
+    dtype = parse_dtype(cfg.dtype, device)
 
     # 1. Data, split before any model is loaded so a bad file fails fast.
     documents = split_documents(read_documents(cfg.data), cfg.seed, HELDOUT_FRACTION)

@@ -54,7 +54,7 @@ def _status() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (empty elsewhere, which reads as lacking AVX-512)."""
+    """The CPU's feature flags as Linux reports them (empty elsewhere, which reads as lacking AVX2)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:

@@ -2,11 +2,11 @@
 
 ``NativeLlama.create(model, why)`` returns ``None`` (and appends the reason to ``why``) for anything the kernel
 does not cover, and the pool then runs its PyTorch forward. Covered: a plain float32 ``LlamaForCausalLM`` on a CPU
-with AVX-512, SiLU MLP, no biases, a rotary embedding whose tables depend on the position only.
+with AVX2 and FMA, SiLU MLP, no biases, a rotary embedding whose tables depend on the position only.
 
-Weights are packed into panels of 16 outputs (``pack_panels``), as bfloat16 when every value of every matrix is exactly a bfloat16 (the shipped reference
-pair is: it is stored in bf16 and loaded as float32), else as float32. Either way the arithmetic is float32, on the
-same values the model holds.
+Weights are packed into panels of 16 outputs (``pack_panels``), as bfloat16 when every value of every matrix is
+exactly a bfloat16 (the shipped reference pair is: it is stored in bf16 and loaded as float32), else as float32.
+Either way the arithmetic is float32, on the same values the model holds.
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class WorkerConfig(Strict):
     draft: Path | None = Path("../models/reference/draft")
     model_name: str = Field("specd-reference", min_length=1, description="the name /v1/models lists")
     device: str = "auto"
-    dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = Field(
+        "auto", description="auto: float32 on a CPU (the native pass, exact), bfloat16 on a GPU that has it"
+    )
     threads: int | None = Field(None, ge=1, description="torch threads; null: torch's default")
     max_batch: int = Field(16, ge=1, le=256, description="sequences decoded together")
     warm_up: bool = Field(

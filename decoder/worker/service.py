@@ -148,7 +148,8 @@ class WorkerService:
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        device, dtype = resolve_device(cfg.device), parse_dtype(cfg.dtype)
+        device = resolve_device(cfg.device)
+        dtype = parse_dtype(cfg.dtype, device)
         target = load_model(cfg.target, device, dtype)
         draft = load_model(cfg.draft, device, dtype) if cfg.draft is not None else None
         lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)

@@ -62,9 +62,8 @@ def measure_engine_costs(
 
     def run() -> None:
         device = resolve_device("cpu")
-        engine = BatchEngine(
-            load_model(target, device, parse_dtype(dtype)), load_model(draft, device, parse_dtype(dtype))
-        )
+        chosen_dtype = parse_dtype(dtype, device)
+        engine = BatchEngine(load_model(target, device, chosen_dtype), load_model(draft, device, chosen_dtype))
         chosen = [engine.encode(p.prompt) for ps in prompts.values() for p in list(ps)[:per_segment]]
         with torch.inference_mode():
             result.append(engine_costs(engine, chosen, max_new_tokens))

@@ -30,7 +30,8 @@ needs_native = pytest.mark.skipif(build.load() is None, reason=f"no native pass 
 def llama(seed: int = 0, bf16_weights: bool = False, **overrides) -> torch.nn.Module:
     # hidden 48: three panels, so the one-token path runs its single-panel remainder too
     base = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{**base, **overrides})).float().eval()
     with torch.no_grad():
@@ -113,7 +114,10 @@ def greedy_pair(tokenizer, seed: int) -> tuple:
         torch.manual_seed(seed + 1)
         for p in sometimes.parameters():
             p.add_(torch.randn_like(p) * 0.15 * p.abs().mean())
-    drafts = {"disagrees": from_objects(draft, tokenizer, "draft"), "sometimes": from_objects(sometimes, tokenizer, "s")}
+    drafts = {
+        "disagrees": from_objects(draft, tokenizer, "draft"),
+        "sometimes": from_objects(sometimes, tokenizer, "s"),
+    }
     return target, drafts
 
 
@@ -169,7 +173,9 @@ def test_panels_hold_the_weights_in_the_kernels_order():
     bf16 = pack_panels(weight, bf16=True)
     assert bf16.dtype == torch.bfloat16
     # stored order 0-3, 8-11, 4-7, 12-15 (the kernel's unpacklo/unpackhi lanes)
-    assert bf16[0, 1].float().tolist() == [weight[j, 1].item() for j in (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)]
+    assert bf16[0, 1].float().tolist() == [
+        weight[j, 1].item() for j in (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+    ]
 
 
 def test_models_the_kernel_does_not_cover_take_the_pytorch_pass():
@@ -179,7 +185,7 @@ def test_models_the_kernel_does_not_cover_take_the_pytorch_pass():
     assert NativeLlama.create(llama(head_dim=12), why) is None and "head_dim 12" in why[0]
     pool = pool_of(llama().double(), runner="auto")
     assert pool.native is None  # falls back quietly
-    with pytest.raises(ValueError, match="native runner does not apply: .*float64"):
+    with pytest.raises(ValueError, match=r"native runner does not apply: .*float64"):
         pool_of(llama().double(), runner="native")
     assert pool_of(llama(), runner="lean").native is None
 
