@@ -60,6 +60,9 @@ def held_out(stream: torch.Tensor, num_prompts: int, block_len: int) -> HeldOut:
 
 def evaluate(target: LoadedModel, draft_model: Any, data: HeldOut, eval_tokens: int) -> Evaluation:
     """Judge ``draft_model`` (left in eval mode) against the target on ``data``."""
+    from decoder.native.llama import forget
+
+    forget(draft_model)  # trained in place since any earlier evaluation: no packed copy of old weights
     draft = from_objects(draft_model, target.tokenizer, "draft")
     kl, agreement = logit_match(target.model, draft.model, data.blocks)
     return Evaluation(alpha=greedy_alpha(target, draft, data.prompts, eval_tokens), kl=kl, agreement=agreement)

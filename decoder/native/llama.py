@@ -41,8 +41,22 @@ class _Model(ctypes.Structure):
     ]
 
 
-_PACKED: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int], ...], NativeLlama]] = weakref.WeakKeyDictionary()
+_PACKED: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int, float], ...], NativeLlama]] = (
+    weakref.WeakKeyDictionary()
+)
 _PACKED_LOCK = threading.Lock()
+
+
+def _signature(model: Any) -> tuple[tuple[int, int, float], ...]:
+    """Per parameter: where it lives, its version counter, and a sum over a strided sample of it (1 in 997)."""
+    with torch.no_grad():
+        return tuple((p.data_ptr(), p._version, float(p.reshape(-1)[::997].sum())) for p in model.parameters())
+
+
+def forget(model: Any) -> None:
+    """Drop the packed copy of ``model``'s weights: the next pool packs them again."""
+    with _PACKED_LOCK:
+        _PACKED.pop(model, None)
 
 
 def _unsupported(model: Any) -> str:
@@ -148,15 +162,17 @@ class NativeLlama:
     @classmethod
     def create(cls, model: Any, why: list[str] | None = None) -> NativeLlama | None:
         """The packed weights of ``model``, shared by every pool of it (packing the shipped target takes ~30 ms,
-        once, not once per request), and repacked if a weight was changed or replaced since (``specd distill``
-        trains in place)."""
+        once, not once per request). They are repacked when a weight was replaced, written in place (torch's
+        version counter), or changed where ``_signature`` samples it: a fused optimizer step (``specd distill``
+        trains the draft with fused AdamW) writes the weights without moving the version counter. Code that edits
+        weights in place some other way calls ``forget(model)``."""
         library = build.load()
         reason = build.why_not() if library is None else _unsupported(model)
         if reason or library is None:
             if why is not None:
                 why.append(reason)
             return None
-        signature = tuple((p.data_ptr(), p._version) for p in model.parameters())
+        signature = _signature(model)
         with _PACKED_LOCK:
             held = _PACKED.get(model)
             if held is None or held[0] != signature:

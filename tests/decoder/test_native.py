@@ -199,3 +199,20 @@ def test_switched_off_by_the_environment(monkeypatch):
     finally:
         monkeypatch.delenv(build.DISABLE_ENV)
         build._status.cache_clear()
+
+
+@needs_native
+def test_weights_changed_in_place_are_repacked():
+    """A fused optimizer step writes the weights without moving torch's version counter; the packed copy must
+    not outlive them (``specd distill`` evaluates α between steps of fused AdamW)."""
+    model = llama()
+    tokens = torch.arange(5)
+    before = pool_of(model).open().forward(tokens)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    after = pool_of(model).open().forward(tokens)
+    expected = pool_of(model, runner="lean").open().forward(tokens)
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-3)
