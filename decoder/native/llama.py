@@ -223,6 +223,10 @@ class NativeLlama:
             logits.data_ptr(),
             max(1, threads),
         )
+        if status == -2:
+            raise ValueError(f"a token id outside the vocabulary (0..{self.vocab - 1}): {tokens.tolist()[:16]}")
+        if status == -3:
+            raise ValueError(f"a row outside the KV cache: {rows}")
         if status != 0:
             raise MemoryError("the native Llama pass could not allocate its scratch memory")
         return logits

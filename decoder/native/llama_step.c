@@ -387,13 +387,21 @@ int64_t specd_llama_weight_bytes(const Model *m) {
 
 /* The pool's form of a pass: `rows` sequences, row r described by desc[4r .. 4r+3] = (slot, start, count, kept),
  * its `count` tokens next in `tokens`, appended at positions start.. of its slot; the logits of each row's last
- * `kept` tokens, row after row. */
+ * `kept` tokens, row after row. Returns 0; -1 when scratch memory is short; -2 for a token id outside the
+ * vocabulary; -3 for a row outside the cache. */
 int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, const int64_t *tokens, float *logits,
                              int threads) {
     int64_t n = 0, kept = 0;
     for (int r = 0; r < rows; r++) {
         n += desc[4 * r + 2];
         kept += desc[4 * r + 3];
+    }
+    for (int64_t t = 0; t < n; t++) /* a bad id would read past the embedding table: refuse the pass */
+        if (tokens[t] < 0 || tokens[t] >= m->vocab) return -2;
+    for (int r = 0; r < rows; r++) {
+        const int64_t s = desc[4 * r], start = desc[4 * r + 1], count = desc[4 * r + 2], last = desc[4 * r + 3];
+        if (s < 0 || s >= m->slots || start < 0 || count < 1 || start + count > m->capacity || last < 0 || last > count)
+            return -3;
     }
     int64_t *slot = malloc(sizeof(int64_t) * (size_t)n), *pos = malloc(sizeof(int64_t) * (size_t)n);
     int64_t *keep = malloc(sizeof(int64_t) * (size_t)(kept > 0 ? kept : 1));

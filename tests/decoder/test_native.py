@@ -216,3 +216,13 @@ def test_weights_changed_in_place_are_repacked():
     expected = pool_of(model, runner="lean").open().forward(tokens)
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-3)
+
+
+@needs_native
+def test_a_bad_token_id_is_refused_not_read():
+    pool = pool_of(llama())
+    seq = pool.open()
+    for bad in (VOCAB, -1):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            seq.forward(torch.tensor([3, bad]))
+    assert seq.forward(torch.tensor([3, 4])).shape == (2, VOCAB)  # the sequence is still usable

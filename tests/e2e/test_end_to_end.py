@@ -154,7 +154,10 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
         assert decision(first[0])[0] == "draft", decision(first[0])
     # ... and once its reports show the draft model failing, the controller stops drafting for it
     later = [decision(r) for r in second if r in answered and r.segment == UNRULED]
-    assert later and all(d[0] != "draft" for d in later), later
+    # (how many reports that takes depends on the draft's measured cost: with the native pass a draft step costs
+    # c ~0.15 of a target step, so the first of them may still be decided from the prior and one request's data)
+    switched = next((i for i, d in enumerate(later) if d[0] != "draft"), None)
+    assert switched is not None and all(d[0] != "draft" for d in later[switched:]), later
     assert by_segment[UNRULED]["decision"]["drafter"] != "draft", by_segment[UNRULED]["decision"]
 
 

@@ -160,7 +160,7 @@ def _lines(*lines: str) -> str:
     ("text", "line", "field", "reason"),
     [
         (_lines("listen: 127.0.0.1:0", "max_batch: 0"), 2, "max_batch", "greater than or equal to 1"),
-        (_lines("dtype: float8"), 1, "dtype", "Input should be 'float32'"),
+        (_lines("dtype: float8"), 1, "dtype", "Input should be 'auto'"),
         (_lines("controller:", "  address: null", "  adress: x"), 3, "controller.adress", "Extra inputs"),
         (_lines("controller:", "  default_drafter: draft"), 1, "controller",
          "default_k must be 0 exactly when default_drafter is none"),
