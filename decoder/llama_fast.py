@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from decoder.models import LoadedModel
-from decoder.native.llama import NativeLlama
+from decoder.native.llama import CacheBinding, NativeLlama
 
 INITIAL_CAPACITY = 256  # tokens; a pool doubles its capacity when a forward needs more
 
@@ -102,7 +102,7 @@ class LlamaKVPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._keys = self._allocate(capacity)
         self._values = self._allocate(capacity)
-        self._bound: torch.Tensor | None = None  # the keys tensor the native pass points at
+        self._binding: CacheBinding | None = None  # the native pass's view of this pool's cache
 
     # -- slots ---------------------------------------------------------------------------------------------
 
@@ -178,15 +178,14 @@ class LlamaKVPool:
         """Every row's tokens in one native pass (decoder/native): batch-invariant, each token's logits the same
         whatever else is in the pass."""
         assert self.native is not None
-        if self._bound is not self._keys:
-            self.native.bind_cache(self._keys, self._values)
-            self._bound = self._keys
+        if self._binding is None or self._binding.keys is not self._keys:
+            self._binding = self.native.bind_cache(self._keys, self._values)
         kept = [min(n, logits_to_keep) if logits_to_keep else n for n in counts]
         tokens = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
         if tokens.dtype != torch.long or not tokens.is_contiguous():
             tokens = tokens.to(torch.long).contiguous()
         rows = list(zip(slots, starts, counts, kept, strict=True))
-        logits = self.native.forward(rows, tokens, torch.get_num_threads())  # [sum(kept), vocab]
+        logits = self.native.forward(self._binding, rows, tokens, torch.get_num_threads())  # [sum(kept), vocab]
         return [logits] if len(rows) == 1 else list(logits.split(kept))
 
     @torch.inference_mode()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,6 +104,16 @@ def _exactly_bf16(tensors: list[torch.Tensor]) -> bool:
     return all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in tensors)
 
 
+@dataclass(frozen=True)
+class CacheBinding:
+    """A pool's cache as the kernel sees it: the pass's parameters pointing at that cache, and what they point
+    into (the rotary tables it was made with; ``keys`` to tell when the pool has reallocated)."""
+
+    model: _Model
+    tables: tuple[torch.Tensor, torch.Tensor]
+    keys: torch.Tensor
+
+
 class NativeLlama:
     """A Llama model's weights in the kernel's layout, and its forward over a pool's cache."""
 
@@ -190,9 +201,11 @@ class NativeLlama:
         """Bytes of weights one pass reads (every matrix once; the embedding rows are negligible)."""
         return int(self._weight_bytes(ctypes.byref(self._model)))
 
-    def bind_cache(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Point the kernel at a pool's cache (again after the pool reallocates it), with rotary tables for every
-        position it can hold. The pool keeps both tensors alive.
+    def bind_cache(self, keys: torch.Tensor, values: torch.Tensor) -> CacheBinding:
+        """The kernel's view of one pool's cache (made again when the pool reallocates it), with rotary tables for
+        every position it can hold. The packed weights are shared by every pool of a model; a binding is the
+        pool's own, so two pools of one model (a target that is its own draft, a worker beside ``generate()``)
+        never write into each other's cache. The pool keeps ``keys`` and ``values`` alive.
 
         # keys, values: [layers, slots, kv, capacity, d] float32, contiguous
         """
@@ -203,12 +216,15 @@ class NativeLlama:
             with torch.inference_mode():
                 cos, sin = self._rotary(probe, torch.arange(capacity).unsqueeze(0))
             self._tables = (cos[0].float().contiguous(), sin[0].float().contiguous())
-        m = self._model
+        m = _Model.from_buffer_copy(self._model)
         m.cos, m.sin = self._tables[0].data_ptr(), self._tables[1].data_ptr()
         m.keys, m.values = keys.data_ptr(), values.data_ptr()
         m.slots, m.capacity = int(keys.shape[1]), capacity
+        return CacheBinding(m, self._tables, keys)
 
-    def forward(self, rows: list[tuple[int, int, int, int]], tokens: torch.Tensor, threads: int) -> torch.Tensor:
+    def forward(
+        self, binding: CacheBinding, rows: list[tuple[int, int, int, int]], tokens: torch.Tensor, threads: int
+    ) -> torch.Tensor:
         """Append each row's tokens to its slot of the bound cache; return the logits of each row's last ``kept``.
 
         # rows[i]: (slot, start, count, kept); tokens: [sum(count)] int64, contiguous  ->  [sum(kept), vocab]
@@ -216,7 +232,7 @@ class NativeLlama:
         flat = [value for row in rows for value in row]
         logits = torch.empty(sum(row[3] for row in rows), self.vocab)
         status = self._forward_rows(
-            ctypes.byref(self._model),
+            ctypes.byref(binding.model),
             len(rows),
             (ctypes.c_int64 * len(flat))(*flat),
             tokens.data_ptr(),

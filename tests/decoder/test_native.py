@@ -226,3 +226,18 @@ def test_a_bad_token_id_is_refused_not_read():
         with pytest.raises(ValueError, match="outside the vocabulary"):
             seq.forward(torch.tensor([3, bad]))
     assert seq.forward(torch.tensor([3, 4])).shape == (2, VOCAB)  # the sequence is still usable
+
+
+@needs_native
+def test_two_pools_of_one_model_keep_their_own_caches():
+    """The packed weights are shared per model; each pool's cache is its own (a target that is its own draft)."""
+    model = llama()
+    first, second = pool_of(model, slots=1).open(), pool_of(model, slots=2).open()
+    alone = pool_of(llama(), slots=1).open()  # the same weights in another model object: nothing shared
+    generator = torch.Generator().manual_seed(3)
+    a, b, t = (torch.randint(0, VOCAB, (n,), generator=generator) for n in (12, 7, 1))
+    first.forward(a)
+    second.forward(b)  # the second pool of the same model, used after the first
+    alone.forward(a)
+    assert torch.equal(first.forward(t), alone.forward(t))
+    assert torch.equal(second.forward(t), pool_of(llama(), slots=1).open().forward(torch.cat([b, t]))[-1:])
