@@ -675,7 +675,7 @@ def _usage(pid: int) -> tuple[int, int]:
 
 SCENARIOS: dict[str, Callable[[Path], Row]] = {
     "redis-kill": redis_kill,
-    "redis-kill-everysec": lambda root: redis_kill(root, "everysec"),  # the embedded server's setting
+    "redis-kill-everysec": lambda root: redis_kill(root, "everysec"),  # Redis's default; may lose acknowledged writes
     "redis-late": redis_late,
     "controller-kill": lambda root: controller_fault(root, "kill"),
     "controller-stop": lambda root: controller_fault(root, "stop"),

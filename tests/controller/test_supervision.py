@@ -151,3 +151,23 @@ def test_a_stopped_but_living_server_is_not_restarted(short_dir: Path) -> None:
         os.kill(pid, signal.SIGCONT)
         supervisor.stop()
         server.stop()
+
+
+def test_every_acknowledged_write_is_in_the_append_only_file_before_the_answer(short_dir: Path) -> None:
+    """A report is acknowledged once Redis answers, so the embedded server must write (and fsync) before answering.
+    Under "everysec" Valkey may postpone the write while a background fsync runs, and a SIGKILL then loses
+    acknowledged reports (CI lost 4 rounds that way). Each write is followed at once by a SIGKILL here."""
+    server, url = start_embedded(short_dir)
+    try:
+        client = make_client(url, 2.0)
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
+        for n in range(5):
+            client.incr("acknowledged")
+            os.kill(server._process.pid, signal.SIGKILL)
+            server._process.wait()
+            server.terminate()
+            server.start(timeout=15.0)
+            assert int(client.get("acknowledged") or 0) == n + 1
+        client.close()
+    finally:
+        server.stop()
