@@ -9,5 +9,6 @@ __all__ = ["DRAFTER_NAMES", "DTYPE_NAMES", "RUNNER_NAMES"]
 # float32: exact and the fastest there); bfloat16 on a GPU that has it
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64")
 # auto: the native pass where it applies (decoder/native), else the lean PyTorch one, else transformers';
-# native: the native pass or an error; lean: the lean PyTorch pass (Llama); transformers: always theirs
-RUNNER_NAMES = ("auto", "native", "lean", "transformers")
+# native: the native pass or an error; lean: the lean PyTorch pass (Llama); invariant: the lean pass in fixed shapes,
+# batch-invariant in any dtype (decoder/llama_invariant.py); transformers: always theirs
+RUNNER_NAMES = ("auto", "native", "lean", "invariant", "transformers")

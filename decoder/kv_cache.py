@@ -36,6 +36,8 @@ def open_sequence(lm: LoadedModel) -> ModelSequence:
 
     if lm.runner != "transformers" and supports_fast_path(lm.model):
         return open_llama_sequence(lm)
+    if lm.runner == "invariant":
+        raise ValueError(f"{lm.name}: the invariant runner supports plain Llama models, not {type(lm.model).__name__}")
     return CachedSequence(lm)
 
 

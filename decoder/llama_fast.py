@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from decoder.llama_invariant import forward_invariant
 from decoder.models import LoadedModel
 from decoder.native.llama import CacheBinding, NativeLlama
 
@@ -91,7 +92,8 @@ class LlamaKVPool:
         self.native = NativeLlama.create(lm.model, why) if lm.runner in ("auto", "native") else None
         if lm.runner == "native" and self.native is None:
             raise ValueError(f"{lm.name}: the native runner does not apply: {why[0]}")
-        self._head = OutputHead(lm.model.lm_head) if self.native is None else None
+        self.invariant = lm.runner == "invariant"  # decoder/llama_invariant.py
+        self._head = OutputHead(lm.model.lm_head) if self.native is None and not self.invariant else None
         self._rope = apply_rotary_pos_emb
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -103,6 +105,11 @@ class LlamaKVPool:
         self._keys = self._allocate(capacity)
         self._values = self._allocate(capacity)
         self._binding: CacheBinding | None = None  # the native pass's view of this pool's cache
+
+    @property
+    def forward_pass(self) -> str:
+        """Which pass runs: "native", "invariant" or "lean"."""
+        return "native" if self.native is not None else "invariant" if self.invariant else "lean"
 
     # -- slots ---------------------------------------------------------------------------------------------
 
@@ -166,6 +173,8 @@ class LlamaKVPool:
         self._reserve(max(s + n for s, n in zip(starts, counts, strict=True)))
         if self.native is not None:
             outputs = self._forward_native(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
+        elif self.invariant:
+            outputs = forward_invariant(self, slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
         else:
             outputs = self._forward_torch(slots, [ids for _, ids in rows], starts, counts, logits_to_keep)
         for slot, start, n in zip(slots, starts, counts, strict=True):

@@ -35,6 +35,11 @@ class LoadedModel:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as the config files name it: "float32", "bfloat16", ..."""
+        return str(self.model.get_output_embeddings().weight.dtype).removeprefix("torch.")
+
+    @property
     def max_context(self) -> int | None:
         """Longest sequence (prompt + generated) the model supports, if its config says."""
         value = getattr(self.model.config, "max_position_embeddings", None)

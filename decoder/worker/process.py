@@ -131,10 +131,12 @@ class WorkerProcess:
         self.service.startup(worker_id=self.cfg.listen)
         self._socket = bind(self.cfg.listen)
         host, port = self._socket.getsockname()[:2]
-        drafters = ", ".join(self.service.engine.drafters) if self.service.engine else ""
+        engine = self.service.engine
+        drafters = ", ".join(engine.drafters) if engine else ""
+        forward = f"the {engine.target_pool.forward_pass} pass in {engine.target.dtype_name}, " if engine else ""
         print(  # tests and the demo wait for this line; connections queue in the backlog until uvicorn accepts
             f"specd worker listening on http://{host}:{port} (model {self.cfg.model_name}, drafters {drafters}, "
-            f"controller {self.cfg.controller.address or 'none'})",
+            f"{forward}controller {self.cfg.controller.address or 'none'})",
             flush=True,
         )
 

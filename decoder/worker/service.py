@@ -150,8 +150,8 @@ class WorkerService:
             torch.set_num_threads(cfg.threads)
         device = resolve_device(cfg.device)
         dtype = parse_dtype(cfg.dtype, device)
-        target = load_model(cfg.target, device, dtype)
-        draft = load_model(cfg.draft, device, dtype) if cfg.draft is not None else None
+        target = load_model(cfg.target, device, dtype, cfg.runner)
+        draft = load_model(cfg.draft, device, dtype, cfg.runner) if cfg.draft is not None else None
         lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
         engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch)
         if cfg.warm_up:

@@ -1,0 +1,128 @@
+"""The batch-invariant forward pass (runner ``invariant``): a token's logits are the same bits whatever else is in
+the pass, in any dtype and on any device, using PyTorch's own kernels.
+
+Why it is needed: a GEMM's kernel (and with it the order in which a dot product is summed) is chosen by the shape
+of the call. A token decoded alone is a 1-row matrix product; the same token verified among K drafts is one row of a
+(K+1)-row product; in a batched worker it is one row of whatever the batch holds. In bfloat16 the different orders
+round differently, a near-tie's argmax flips, and greedy speculative output drifts from target-only output (8 of 12
+prompts equal on the shipped pair in bf16). SGLang's deterministic inference and vLLM's batch-invariant mode fix
+the reduction order with their own kernels; this pass gets there with fixed shapes instead:
+
+- every row-wise step (embedding, norms, rotary embedding, the projections, the MLP, the LM head) runs on tiles of
+  exactly ``TILE`` rows, padded with zeros, so each call has one shape whatever the number of tokens; the rows of a
+  matrix product do not mix, so a row's result depends on its own values and the (fixed) kernel only;
+- attention runs one query at a time over exactly the positions it sees (``0..position``), so its shape depends on
+  the position alone, as it does when the token is decoded on its own.
+
+What it costs: a pass of up to ``TILE`` tokens reads the weights once (as a 1-token step does: verifying K <= 7
+drafts costs about one step where the weights dominate), one attention call per token and layer, and more tiles for
+longer passes (a prefill). The figures are in docs/BENCHMARKS.md.
+
+Shapes: ``r`` real tokens in the pass, ``p`` padded to a multiple of ``TILE``, ``T`` one tile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from decoder.llama_fast import LlamaKVPool
+
+TILE = 8  # rows per call of every row-wise step
+
+
+def padded_rows(rows: int) -> int:
+    return -(-rows // TILE) * TILE
+
+
+def by_tiles(step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
+    """``step`` on each ``TILE``-row slice of ``rows`` (a multiple of TILE), concatenated. # -> [rows, ...]"""
+    assert rows % TILE == 0, rows
+    return torch.cat([step(slice(first, first + TILE)) for first in range(0, rows, TILE)])
+
+
+def project_qkv(pool: LlamaKVPool, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Norm, q/k/v projections and rotary embedding of one tile. # x: [T, hidden] -> [T, heads + 2 kv, d]"""
+    attn, heads, kv, d = layer.self_attn, pool.num_heads, pool.num_kv_heads, pool.head_dim
+    h = layer.input_layernorm(x)  # [T, hidden]
+    q = attn.q_proj(h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, T, d]
+    k = attn.k_proj(h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, T, d]
+    v = attn.v_proj(h).view(1, -1, kv, d).transpose(1, 2)
+    q, k = pool._rope(q, k, cos, sin)  # cos, sin: [1, T, d]
+    return torch.cat([q, k, v], dim=1)[0].transpose(0, 1)
+
+
+def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The attention's output projection and the MLP, residuals included. # x: [T, hidden] -> [T, hidden]"""
+    h = x + layer.self_attn.o_proj(attended)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def attend_one_by_one(
+    pool: LlamaKVPool, i: int, q: torch.Tensor, slot_of: list[int], position_of: list[int], padded: int
+) -> torch.Tensor:
+    """Each query over exactly the cached positions it sees (0..its own), as when decoded alone.
+    # q: [r, heads, d] -> [p, heads * d] (padding rows zero)"""
+    scaling = pool.lm.model.model.layers[i].self_attn.scaling
+    out = q.new_zeros(padded, pool.num_heads * pool.head_dim)
+    for row, (slot, position) in enumerate(zip(slot_of, position_of, strict=True)):
+        end = position + 1
+        out[row] = F.scaled_dot_product_attention(
+            q[row][None, :, None],  # [1, heads, 1, d]
+            pool._keys[i, slot : slot + 1, :, :end],  # [1, kv, end, d]
+            pool._values[i, slot : slot + 1, :, :end],
+            scale=scaling,
+            enable_gqa=pool.num_kv_heads != pool.num_heads,
+        ).reshape(-1)
+    return out
+
+
+@torch.inference_mode()
+def forward_invariant(
+    pool: LlamaKVPool,
+    slots: list[int],
+    inputs: list[torch.Tensor],
+    starts: list[int],
+    counts: list[int],
+    logits_to_keep: int,
+) -> list[torch.Tensor]:
+    """Append each row's tokens to its slot's cache; each row's logits (all, or its last ``logits_to_keep``)."""
+    model = pool.lm.model.model
+    device = pool.lm.device
+    real = sum(counts)
+    padded = padded_rows(real)
+    slot_of = [slot for slot, n in zip(slots, counts, strict=True) for _ in range(n)]
+    position_of = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
+    ids = torch.zeros(padded, dtype=torch.long)
+    ids[:real] = torch.cat(inputs).to("cpu")
+    ids = ids.to(device)  # [p]
+    positions = torch.zeros(padded, dtype=torch.long)
+    positions[:real] = torch.tensor(position_of)
+    positions = positions.to(device)[None]  # [1, p]
+    slot_index = torch.tensor(slot_of, device=device)  # [r]
+    position_index = positions[0, :real]  # [r]
+
+    x = by_tiles(lambda t: model.embed_tokens(ids[t]), padded)  # [p, hidden]
+    cos, sin = model.rotary_emb(x[None], positions)  # [1, p, d] each: elementwise in the position, row by row
+    heads, kv = pool.num_heads, pool.num_kv_heads
+    for i, layer in enumerate(model.layers):
+        # (each lambda runs inside by_tiles, within its iteration: B023's late binding cannot bite)
+        projected = by_tiles(lambda t: project_qkv(pool, layer, x[t], cos[:, t], sin[:, t]), padded)  # noqa: B023
+        q, k, v = projected[:real].split([heads, kv, kv], dim=1)  # [r, heads | kv | kv, d]
+        pool._keys[i][slot_index, :, position_index] = k
+        pool._values[i][slot_index, :, position_index] = v
+        attended = attend_one_by_one(pool, i, q, slot_of, position_of, padded)  # [p, heads * d]
+        x = by_tiles(lambda t: output_and_mlp(layer, x[t], attended[t]), padded)  # noqa: B023  [p, hidden]
+
+    kept = [min(n, logits_to_keep) if logits_to_keep else n for n in counts]
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    wanted = [row for end, k in zip(ends, kept, strict=True) for row in range(end - k, end)]
+    hidden = x.new_zeros(padded_rows(len(wanted)), x.shape[1])  # [kept padded, hidden]
+    hidden[: len(wanted)] = x[torch.tensor(wanted, device=device)]
+    head = pool.lm.model.lm_head
+    logits = by_tiles(lambda t: head(model.norm(hidden[t])), hidden.shape[0])[: len(wanted)]  # [sum(kept), vocab]
+    return list(logits.split(kept))
