@@ -22,8 +22,7 @@ from decoder.models import from_objects
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.tiny import build_model
-from specd_api.plan import Plan
-from tests.decoder.test_native import VOCAB, llama, pool_of
+from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, pool_of
 
 DTYPES = [torch.float32, torch.bfloat16]
 DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
@@ -145,17 +144,8 @@ def test_batched_greedy_equals_single_exactly_in_bfloat16(tokenizer):
     rules = StopRules(max_new_tokens=16)
     target, draft = bf16_pair(tokenizer, seed=8)
     engine = BatchEngine(target, draft, max_batch=4)
-    assert engine.target_pool.invariant and engine.draft_pool.invariant
-    rng = random.Random(9)
-    prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 15))] for _ in range(4)]
-    single = [engine.generate(p, "none", 0, SamplingParams(), rules).token_ids for p in prompts]
-    sessions = [engine.open(p, "draft", SamplingParams(), rules, Plan("draft", 1 + i)) for i, p in enumerate(prompts)]
-    while any(s.finish_reason is None for s in sessions):
-        live = [s for s in sessions if s.finish_reason is None]
-        engine.step(live, [1 + (len(s.generated) % 4) for s in live])
-    assert [s.generated for s in sessions] == single
-    for s in sessions:
-        engine.close(s)
+    assert engine.target_pool.invariant and engine.draft_pool is not None and engine.draft_pool.invariant
+    assert_batched_equals_single(engine, rules, len(tokenizer))
 
 
 def test_a_model_it_does_not_cover_is_refused_by_name(tokenizer):

@@ -152,8 +152,14 @@ def test_batched_greedy_equals_single_exactly_in_float32(tokenizer):
     target, drafts = greedy_pair(tokenizer, seed=8)
     engine = BatchEngine(target, drafts["sometimes"], max_batch=4)
     assert engine.target_pool.native is not None and engine.draft_pool.native is not None
+    assert_batched_equals_single(engine, rules, len(tokenizer))
+
+
+def assert_batched_equals_single(engine: BatchEngine, rules: StopRules, vocab: int) -> None:
+    """Four prompts decoded together with the draft, K varying per sequence and round, give each one's
+    target-only greedy output."""
     rng = random.Random(9)
-    prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 15))] for _ in range(4)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 15))] for _ in range(4)]
     single = [engine.generate(p, "none", 0, SamplingParams(), rules).token_ids for p in prompts]
     sessions = [engine.open(p, "draft", SamplingParams(), rules, Plan("draft", 1 + i)) for i, p in enumerate(prompts)]
     while any(s.finish_reason is None for s in sessions):
