@@ -1,8 +1,10 @@
 """The fault drill's scenarios that no other test covers with real processes (benchmarks/faults.py): a standalone
 Redis SIGKILLed under load and one that is not there when the controller starts, a frozen controller, a killed
 worker. Each scenario checks its own invariants (0 failed requests, rounds reported = stored, only in-flight requests
-lost with a worker); a broken one names them. The controller SIGKILLed is tests/e2e/test_fail_open.py; the bad
-policies at full rate and the soak run with the drill itself (figures in docs/RELIABILITY.md)."""
+lost with a worker); a broken one names them. Its timing bounds (the share of decisions that fell back at the
+deadline, p99 during the fault) depend on the machine's load as much as on the code: the drill reports them (SLOW),
+this test prints them. The controller SIGKILLed is tests/e2e/test_fail_open.py; the bad policies at full rate and the
+soak run with the drill itself (figures in docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 

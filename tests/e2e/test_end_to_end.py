@@ -155,9 +155,14 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
     # ... and once its reports show the draft model failing, the controller stops drafting for it
     later = [decision(r) for r in second if r in answered and r.segment == UNRULED]
     # (how many reports that takes depends on the draft's measured cost: with the native pass a draft step costs
-    # c ~0.15 of a target step, so the first of them may still be decided from the prior and one request's data)
+    # c ~0.15 of a target step, so the first of them may still be decided from the prior and one request's data.
+    # On random text both drafters are near break-even, draft K=4 0.83x and lookup 0.99x in docs/alpha_table.md's
+    # adversarial rows, so once lookup's own reports come in the controller may try the draft again: it must not
+    # go on drafting from the prior, and after all the data it does not draft.)
     switched = next((i for i, d in enumerate(later) if d[0] != "draft"), None)
-    assert switched is not None and all(d[0] != "draft" for d in later[switched:]), later
+    assert switched is not None, later
+    after = [d[0] for d in later[switched:]]
+    assert 2 * after.count("draft") < len(after), later
     assert by_segment[UNRULED]["decision"]["drafter"] != "draft", by_segment[UNRULED]["decision"]
 
 
