@@ -152,18 +152,17 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
     assert (cold["drafter"], cold["reason"]) == ("draft", "best_expected_speedup"), cold
     if first[0] in answered:
         assert decision(first[0])[0] == "draft", decision(first[0])
-    # ... and once its reports show the draft model failing, the controller stops drafting for it
-    later = [decision(r) for r in second if r in answered and r.segment == UNRULED]
-    # (how many reports that takes depends on the draft's measured cost: with the native pass a draft step costs
-    # c ~0.15 of a target step, so the first of them may still be decided from the prior and one request's data.
-    # On random text both drafters are near break-even, draft K=4 0.83x and lookup 0.99x in docs/alpha_table.md's
-    # adversarial rows, so once lookup's own reports come in the controller may try the draft again: it must not
-    # go on drafting from the prior, and after all the data it does not draft.)
-    switched = next((i for i, d in enumerate(later) if d[0] != "draft"), None)
-    assert switched is not None, later
-    after = [d[0] for d in later[switched:]]
-    assert 2 * after.count("draft") < len(after), later
-    assert by_segment[UNRULED]["decision"]["drafter"] != "draft", by_segment[UNRULED]["decision"]
+    # ... and once its reports come in, its decisions follow them: the prior's plan (the draft at a long K) goes and
+    # does not come back. (With the native pass the draft is cheap, c ~0.15, and on these prompts near break-even at
+    # K = 1-2: 0.95-1.00x for the draft, 1.18-1.23x for prompt lookup in docs/alpha_table.md's adversarial rows. So the
+    # controller may settle on lookup, or on the draft at a short K; which one depends on a few requests' data.
+    # What a controller that does not learn would do, keep the prior's plan, fails here.)
+    prior = (cold["drafter"], cold["k"])
+    later = [decision(r)[:2] for r in second if r in answered and r.segment == UNRULED]
+    switched = next((i for i, d in enumerate(later) if d != prior), None)
+    assert switched is not None and prior not in later[switched:], (prior, later)
+    final = by_segment[UNRULED]["decision"]
+    assert (final["drafter"], final["k"]) != prior, final
 
 
 def test_a_worker_watching_the_decision_tables_decides_locally_once_a_segment_is_learned(stack: Stack) -> None:
