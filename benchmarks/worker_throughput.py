@@ -116,21 +116,18 @@ def main() -> None:
     if args.json:
         from benchmarks.decode_loop import read_bandwidth_gbps
 
+        def figures(m: Measurement, none: Measurement) -> dict[str, object]:
+            rate = statistics.median(m.tokens_per_second)
+            return {
+                "tokens_per_second": rate,
+                "vs_none": rate / statistics.median(none.tokens_per_second),
+                "alpha": statistics.mean(m.alpha) if m.alpha else None,
+                "same_tokens": [m.sequences - m.mismatches, m.sequences],
+            }
+
         document = {
             "batches": {
-                str(b): {
-                    drafter: {
-                        "tokens_per_second": statistics.median(results[(b, drafter)].tokens_per_second),
-                        "vs_none": statistics.median(results[(b, drafter)].tokens_per_second)
-                        / statistics.median(results[(b, "none")].tokens_per_second),
-                        "alpha": statistics.mean(results[(b, drafter)].alpha) if results[(b, drafter)].alpha else None,
-                        "same_tokens": [
-                            results[(b, drafter)].sequences - results[(b, drafter)].mismatches,
-                            results[(b, drafter)].sequences,
-                        ],
-                    }
-                    for drafter, _ in variants
-                }
+                str(b): {drafter: figures(results[(b, drafter)], results[(b, "none")]) for drafter, _ in variants}
                 for b in batches
             },
             "bandwidth_gbps": read_bandwidth_gbps(device),

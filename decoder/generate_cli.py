@@ -65,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
 
     device = resolve_device(args.device)
-
     dtype = parse_dtype(args.dtype, device)
     target = load_model(args.target, device, dtype, args.runner)
     draft = load_model(args.draft, device, dtype, args.runner) if args.draft and drafter == "draft" else None

@@ -22,7 +22,7 @@ from decoder.models import from_objects
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.tiny import build_model
-from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, pool_of
+from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, perturbed, pool_of
 
 DTYPES = [torch.float32, torch.bfloat16]
 DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
@@ -110,11 +110,7 @@ def test_same_logits_as_transformers(dtype):
 def bf16_pair(tokenizer, seed: int) -> tuple:
     vocab = len(tokenizer)
     target = from_objects(wide_llama(torch.bfloat16, seed, vocab_size=vocab), tokenizer, "t", runner="invariant")
-    sometimes = wide_llama(torch.bfloat16, seed, vocab_size=vocab)  # the target's weights, lightly perturbed
-    with torch.no_grad():
-        torch.manual_seed(seed + 1)
-        for p in sometimes.parameters():
-            p.add_(torch.randn_like(p) * 0.15 * p.abs().mean())
+    sometimes = perturbed(wide_llama(torch.bfloat16, seed, vocab_size=vocab), seed + 1)
     return target, from_objects(sometimes, tokenizer, "d", runner="invariant")
 
 
