@@ -235,15 +235,27 @@ def test_probes_come_from_the_table_at_the_controllers_rate(embedded_redis_url, 
         shares = [p.probability for p in table.buckets[0].probes]
         with started(client_config(daemon.address)) as client:
             wait_for(lambda: client.decide(segment="tab-probe", **decide_args(1)).source == "table", "the tables")
-            plans = [client.decide(segment="tab-probe", **decide_args(1)) for _ in range(n)]
+            # Every refresh (0.1 s here) brings a table with a new 64-draw estimate of the share: compare the
+            # client's draws with the one table they were all drawn from (a run that a refresh split is redone).
+            watcher = client._tables
+            assert watcher is not None
+            for _ in range(20):
+                used = watcher._tables
+                plans = [client.decide(segment="tab-probe", **decide_args(1)) for _ in range(n)]
+                if watcher._tables is used:
+                    break
+            else:
+                pytest.fail("every run of draws straddled a table refresh")
         assert all(p.source == "table" for p in plans)
         local = sum(p.exploration for p in plans) / n
+        entry = used["tab-probe"].buckets[1]
+        ((_, drawn_at),) = entry.probes
         assert 0.05 < rpc < 0.95, f"the segment must be one Decide probes in: {rpc}"
         assert len(shares) == 1 and table.buckets[0].probes[0].plan.drafter == "draft"
         (share,) = shares
-        # the client draws probes at the table's share (600 draws); the table's share estimates Decide's rate (64
+        # the client draws probes at its table's share (600 draws); a table's share estimates Decide's rate (64
         # draws at the controller, 600 Decide calls here)
-        assert abs(local - share) < 5 * (share * (1 - share) / n) ** 0.5, (local, share)
+        assert abs(local - drawn_at) < 5 * (drawn_at * (1 - drawn_at) / n) ** 0.5, (local, drawn_at)
         assert abs(share - rpc) < 5 * (rpc * (1 - rpc) * (1 / n + 1 / PROBE_DRAWS)) ** 0.5, (share, rpc)
 
 
