@@ -54,6 +54,7 @@ GREEDY = ("tests/decoder/test_exactness.py", "tests/decoder/test_independent_ref
 # tests/worker/test_costs.py guards the cost path too, but it times real passes: it belongs on a quiet machine, and
 # this check must give the same verdicts on a busy one.
 COSTS = ("tests/controller/test_simulation.py", "tests/controller/test_decide.py")
+ROBUST = ("tests/controller/test_robust_costs.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -116,8 +117,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "learned-c-x2.5",
         "controller/cost_model.py",
-        "c = costs.draft_s.get((d, b), 0.0) / drafted / t0",
-        "c = 2.5 * costs.draft_s.get((d, b), 0.0) / drafted / t0",
+        "c = pick(t) / t0",
+        "c = 2.5 * pick(t) / t0",
         COSTS,
         "the learned draft cost ratio c is 2.5 times what the worker measured",
     ),
@@ -128,6 +129,46 @@ MUTATIONS: tuple[Mutation, ...] = (
         "points = {0: 1.0} | {n: 1.0 for n, t in seconds.items()}",
         COSTS,
         "v(n) is taken as 1 whatever verifying n drafts cost",
+    ),
+    Mutation(
+        "costs-mean-of-sums",
+        "controller/cost_model.py",
+        "if total(hist) >= MIN_REQUESTS:\n            verify[n], rounds[n] = dict(hist), r",
+        "if False:\n            verify[n], rounds[n] = dict(hist), r",
+        ROBUST,
+        "v(n) is the mean of summed timings again, so one stalled request sets it",
+    ),
+    Mutation(
+        "extrapolate-at-gpu-slope",
+        "controller/cost_model.py",
+        "slope = max((points[largest] - points[0]) / largest, DEFAULT_VERIFY_SLOPE) if largest else DEFAULT_VERIFY_SLOPE",
+        "slope = DEFAULT_VERIFY_SLOPE",
+        ROBUST,
+        "a K longer than any measured is priced at the GPU's slope, so long K look almost free on a CPU",
+    ),
+    Mutation(
+        "cost-draw-is-a-point",
+        "controller/cost_model.py",
+        "        if self.timings is None:\n            return self",
+        "        if True:\n            return self",
+        ROBUST,
+        "exploration draws α but takes the costs as certain, so no draw can overturn a cost",
+    ),
+    Mutation(
+        "probe-floor-off",
+        "controller/decide.py",
+        "if exploit.speculates and floor_rate > 0:",
+        "if False:",
+        ROBUST,
+        "a drafter the segment settled against is never probed again",
+    ),
+    Mutation(
+        "realised-ignores-drafting",
+        "controller/counts.py",
+        "seconds = self.draft_seconds + self.verify_seconds",
+        "seconds = self.verify_seconds",
+        ROBUST,
+        "calibration reads a request's realised speedup without its drafting time",
     ),
     Mutation(
         "always-largest-k",

@@ -231,13 +231,23 @@ def run_segments(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([segment_summary(s) for s in segments], indent=2))
         return 0
-    print(f"{'segment':<24} {'rounds':>9} {'alpha':>6}  decision")
+    print(f"{'segment':<24} {'rounds':>9} {'alpha':>6} {'calibration':<28}  decision")
     for s in segments:
         alpha = overall_alpha(s)
         alpha_text = f"{alpha:.2f}" if alpha is not None else "-"
         drift = "".join(f"  [α drift: {describe_drift(a)}]" for a in s.drift)
-        print(f"{s.segment:<24} {s.rounds:>9.1f} {alpha_text:>6}  {describe(s.decision)}{drift}")
+        print(
+            f"{s.segment:<24} {s.rounds:>9.1f} {alpha_text:>6} {calibration_text(s):<28}  {describe(s.decision)}{drift}"
+        )
+    print("calibration: realised / expected speedup, the median over the segment's recent requests per drafter")
     return 0
+
+
+def calibration_text(segment: Any) -> str:
+    """Realised / expected speedup per drafter with a measured request, e.g. "draft 0.97 (41)"; "-" when none."""
+    parts = [f"{d.drafter} {d.calibration:.2f} ({d.calibration_requests:.0f})" for d in segment.drafters
+             if d.calibration_requests >= 0.5]  # fmt: skip
+    return ", ".join(parts) or "-"
 
 
 def run_policy(args: argparse.Namespace) -> int:

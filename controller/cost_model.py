@@ -2,24 +2,32 @@
 
 v(n), the time of a round that verified n drafts relative to a plain step, is kept per n as measured (never fitted
 as a line: on a CPU in float32 it is not even monotonic). An n measured in fewer than ``MIN_ROUNDS`` rounds is
-interpolated between its measured neighbours (beyond the largest, extended at the default slope), and a bucket
+interpolated between its measured neighbours (beyond the largest, extended at the measured mean slope), and a bucket
 with no timings borrows its nearest measured neighbour's ratios. Every figure is total: whatever is stored,
 nothing here divides by zero or returns a non-finite number.
+
+Each timing is the median of per-request observations (controller/timing_histogram.py), not a mean of summed
+seconds: on a shared machine a few stalled requests would otherwise set the costs (one 1.5 s stall among rounds of
+1 ms made the draft model look 8x dearer and switched it off for good). ``BucketCosts.draw`` gives the costs under a
+draw from each median's sampling distribution, which Thompson sampling uses beside its draws of α (decide.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 from controller.counts import CostCounts
+from controller.timing_histogram import Histogram, draw_median, median, relative_spread, total
 from specd_api.checks import MAX_K
 from specd_api.plan import batch_bucket
 
 MIN_ROUNDS = 20.0  # (decayed) rounds before a v(n) is taken as measured: a few rounds timed on a busy machine
 # would otherwise set it, and a segment switched off by them drafts no more rounds to correct it
 MIN_DRAFTED = 50.0  # (decayed) drafted tokens before a c is
+MIN_REQUESTS = 3.0  # (decayed) requests in a timing histogram before its median is read (else the plain mean)
 DEFAULT_VERIFY_SLOPE = 0.02  # the literature's v(n) = 1 + 0.02 n (a GPU at batch 1), until measured
 TABLE_SIZE = MAX_K + 1  # v(0..MAX_K)
 
@@ -36,9 +44,18 @@ class BucketCosts:
     verify: tuple[float, ...] = field(default_factory=default_verify)  # v(n), n = 0..MAX_K
     rounds: tuple[float, ...] = ()  # (decayed) rounds behind each measured v(n); shorter or 0 = interpolated
     measured: bool = False
+    timings: Timings | None = field(default=None, compare=False, repr=False)  # what it was read from
 
     def c(self, drafter: str, default: float) -> float:
         return self.cost_ratio.get(drafter, default)
+
+    def draw(self, rng: random.Random) -> BucketCosts:
+        """The costs under one draw of each timing's median from its sampling distribution (timing_histogram): a
+        cost measured by a few requests varies widely, so exploration can overturn it as it overturns an α."""
+        if self.timings is None:
+            return self
+        drawn = self.timings.costs(self.bucket, lambda t: t if isinstance(t, float) else draw_median(t, rng))
+        return self if drawn is None else replace(drawn, cost_ratio={**self.cost_ratio, **drawn.cost_ratio})
 
     def verify_table(self, k: int) -> tuple[float, ...]:
         """v(0..k)."""
@@ -81,46 +98,90 @@ def build_cost_model(costs: CostCounts) -> CostModel:
             if others:
                 borrowed[d] = model[min(others)[1]].cost_ratio[d]
         if borrowed != bc.cost_ratio:
-            model[b] = BucketCosts(b, bc.step_seconds, borrowed, bc.verify, bc.rounds, bc.measured)
+            model[b] = replace(bc, cost_ratio=borrowed)
     return CostModel(model)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """What a bucket's costs are read from: per n, the seconds of one round that verified n drafts, and per drafter
+    the seconds of drafting one token, each as a histogram of per-request observations (read as its median) or,
+    for data stored before the histograms, as a plain mean (no spread: a point)."""
+
+    verify: Mapping[int, Histogram | float]
+    rounds: Mapping[int, float]  # (decayed) rounds behind each verify entry
+    draft: Mapping[str, Histogram | float]
+
+    def costs(self, bucket: int, pick: Callable[[Histogram | float], float]) -> BucketCosts | None:
+        """The bucket's costs with each timing read by ``pick`` (its median, or a draw of it); None when no plain
+        step can be derived."""
+        seconds = {n: pick(t) for n, t in self.verify.items()}
+        seconds = {n: s for n, s in seconds.items() if _usable(s) and s > 0}
+        if not seconds:
+            return None
+        n_min = min(seconds)
+        # One plain step: measured, or inferred from the shortest measured length at the default slope.
+        t0 = seconds[0] if 0 in seconds else seconds[n_min] / (1.0 + DEFAULT_VERIFY_SLOPE * n_min)
+        if not (_usable(t0) and t0 > 0):
+            return None
+        points = {0: 1.0} | {n: t / t0 for n, t in seconds.items()}
+        verify = tuple(_interpolate(points, n) for n in range(TABLE_SIZE))
+        ratios = {}
+        for d, t in self.draft.items():
+            c = pick(t) / t0
+            if _usable(c):
+                ratios[d] = c
+        table_rounds = tuple(self.rounds.get(n, 0.0) if n in seconds else 0.0 for n in range(max(seconds) + 1))
+        return BucketCosts(bucket, t0, ratios, verify, table_rounds, measured=True, timings=self)
+
+    def spread(self) -> float:
+        """The largest relative standard error among the bucket's medians (0: all points)."""
+        timings = (*self.verify.values(), *self.draft.values())
+        return max((relative_spread(t) for t in timings if not isinstance(t, float)), default=0.0)
+
+
+def _median_of(timing: Histogram | float) -> float:
+    return timing if isinstance(timing, float) else median(timing)
 
 
 def _bucket(costs: CostCounts, bucket: int) -> BucketCosts | None:
     """The bucket's costs, or None when it has no usable timing at all."""
-    seconds: dict[int, float] = {}
+    verify: dict[int, Histogram | float] = {}
     rounds: dict[int, float] = {}
     for (n, b), r in costs.verify_rounds.items():
+        if b != bucket or not (0 <= n < TABLE_SIZE) or r < MIN_ROUNDS:
+            continue
+        hist = costs.verify_hist.get((n, b), {})
         s = costs.verify_s.get((n, b), 0.0)
-        if b == bucket and 0 <= n < TABLE_SIZE and r >= MIN_ROUNDS and _usable(s) and s > 0:
-            seconds[n], rounds[n] = s / r, r
-    if not seconds:
-        return None
-    n_min = min(seconds)
-    # One plain step: measured, or inferred from the shortest measured length at the default slope.
-    t0 = seconds[0] if 0 in seconds else seconds[n_min] / (1.0 + DEFAULT_VERIFY_SLOPE * n_min)
-    if not (_usable(t0) and t0 > 0):
-        return None
-    points = {0: 1.0} | {n: t / t0 for n, t in seconds.items()}
-    verify = tuple(_interpolate(points, n) for n in range(TABLE_SIZE))
-    ratios = {}
+        if total(hist) >= MIN_REQUESTS:
+            verify[n], rounds[n] = dict(hist), r
+        elif _usable(s) and s > 0:
+            verify[n], rounds[n] = s / r, r
+    draft: dict[str, Histogram | float] = {}
     for (d, b), drafted in costs.drafted.items():
-        if b == bucket and drafted >= MIN_DRAFTED:
-            c = costs.draft_s.get((d, b), 0.0) / drafted / t0
-            if _usable(c):
-                ratios[d] = c
-    table_rounds = tuple(rounds.get(n, 0.0) for n in range(max(seconds) + 1))
-    return BucketCosts(bucket, t0, ratios, verify, table_rounds, measured=True)
+        if b != bucket or drafted < MIN_DRAFTED:
+            continue
+        hist = costs.draft_hist.get((d, b), {})
+        if total(hist) >= MIN_REQUESTS:
+            draft[d] = dict(hist)
+        else:
+            draft[d] = costs.draft_s.get((d, b), 0.0) / drafted
+    return Timings(verify, rounds, draft).costs(bucket, _median_of)
 
 
 def _interpolate(points: Mapping[int, float], n: int) -> float:
     """v(n) from measured points (0 always among them): the point itself, else linear between the nearest measured
-    neighbours, else beyond the largest at the default slope."""
+    neighbours, else beyond the largest at the measured mean slope (v(largest) - 1) / largest, never below the
+    default: on a CPU verifying grows by 0.1-0.2 steps a token, and the GPU's 0.02 made a K never tried look almost
+    free (v(8) read 1.58 where it was 2.56, and the controller chose K 5-6 where 2-3 was best)."""
     if n in points:
         return points[n]
     below = max(m for m in points if m < n)
     above = [m for m in points if m > n]
     if not above:
-        return points[below] + DEFAULT_VERIFY_SLOPE * (n - below)
+        largest = max(points)
+        slope = max((points[largest] - points[0]) / largest, DEFAULT_VERIFY_SLOPE) if largest else DEFAULT_VERIFY_SLOPE
+        return points[below] + slope * (n - below)
     hi = min(above)
     return points[below] + (points[hi] - points[below]) * (n - below) / (hi - below)
 

@@ -6,16 +6,21 @@ add them up with decay weights, and derive rates. Everything here is pure.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from controller.timing_histogram import MAX_BIN, MIN_BIN, bin_of
 from specd_api.plan import batch_bucket
 
 # Field names inside a segment bucket hash (K-level and position-level counters).
 K_FIELDS = ("rounds", "proposed", "accepted", "tokens", "draft_s", "verify_s")
 POSITION_FIELDS = ("offered", "proposed", "verified", "accepted")
 SERVED, COUNTERFACTUAL = "p", "q"  # position fields of served rounds, and of counterfactually scored ones
+# Cost histogram fields (timing_histogram.py): he|{drafter}|{batch bucket}|{bin}, hw|{n}|{batch bucket}|{bin}.
+DRAFT_HIST, VERIFY_HIST = "he", "hw"
+CALIBRATION = "cal"  # cal|{drafter}|{bin}: requests whose realised / expected speedup fell in that bin
 
 
 @dataclass
@@ -49,6 +54,8 @@ class SegmentCounts:
     positions: dict[tuple[str, int], PositionCounts] = field(default_factory=lambda: defaultdict(PositionCounts))
     # Counterfactual rounds (scored from the emitted tokens while another drafter ran), per drafter and position.
     counterfactual: dict[tuple[str, int], PositionCounts] = field(default_factory=lambda: defaultdict(PositionCounts))
+    # drafter -> bin -> requests whose realised / expected speedup fell there (Aggregate.calibration_fields)
+    calibration: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     last_update: float = 0.0
 
     @property
@@ -78,6 +85,10 @@ class SegmentCounts:
             _add_dataclass(self.positions[key], p)
         for key, p in other.counterfactual.items():
             _add_dataclass(self.counterfactual[key], p)
+        for drafter, hist in other.calibration.items():
+            into = self.calibration[drafter]
+            for b, w in hist.items():
+                into[b] += w
         self.last_update = max(self.last_update, other.last_update)
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
@@ -90,6 +101,11 @@ class SegmentCounts:
                 elif parts[0] in (SERVED, COUNTERFACTUAL) and len(parts) == 4 and parts[3] in POSITION_FIELDS:
                     table = self.positions if parts[0] == SERVED else self.counterfactual
                     target = table[(parts[1], int(parts[2]))]
+                elif parts[0] == CALIBRATION and len(parts) == 3:
+                    b = int(parts[2])
+                    if MIN_BIN <= b <= MAX_BIN:
+                        self.calibration[parts[1]][b] += weight * _number(value)
+                    continue
                 elif name == "updated":
                     self.last_update = max(self.last_update, float(value))
                     continue
@@ -100,15 +116,24 @@ class SegmentCounts:
             setattr(target, parts[3], getattr(target, parts[3]) + weight * _number(value))
 
 
+def _histograms() -> defaultdict[tuple[object, int], defaultdict[int, float]]:
+    return defaultdict(lambda: defaultdict(float))
+
+
 @dataclass
 class CostCounts:
     """Measured costs over all segments, per batch bucket: drafting time per drafter, verification time per number
-    of tokens drafted in the round (n)."""
+    of tokens drafted in the round (n); as sums, and as histograms of per-request timings (timing_histogram.py),
+    which the costs are read from where they exist (a minority of stalled requests cannot move their median)."""
 
     draft_s: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))  # (drafter, bucket)
     drafted: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
     verify_s: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))  # (n, bucket)
     verify_rounds: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
+    # (drafter, bucket) -> bin -> requests whose drafting took that many seconds per drafted token
+    draft_hist: dict[tuple[str, int], dict[int, float]] = field(default_factory=_histograms)  # type: ignore[arg-type]
+    # (n, bucket) -> bin -> requests whose rounds that drafted n took that many seconds each (their mean)
+    verify_hist: dict[tuple[int, int], dict[int, float]] = field(default_factory=_histograms)  # type: ignore[arg-type]
 
     def add(self, other: CostCounts) -> None:
         for mine, theirs in (
@@ -119,14 +144,28 @@ class CostCounts:
         ):
             for key, value in theirs.items():
                 mine[key] += value  # type: ignore[index]
+        for mine_h, theirs_h in ((self.draft_hist, other.draft_hist), (self.verify_hist, other.verify_hist)):
+            for key, hist in theirs_h.items():
+                into = mine_h[key]  # type: ignore[index]
+                for b, w in hist.items():
+                    into[b] += w
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
         for name, value in values.items():
             parts = name.split("|")
-            if len(parts) != 4 or parts[0] not in ("e", "w"):
-                continue  # another schema's field (the earlier d|/v| fields mixed round lengths): ignore
             try:
                 v = weight * _number(value)
+                if len(parts) == 4 and parts[0] in (DRAFT_HIST, VERIFY_HIST):
+                    b = int(parts[3])
+                    if not MIN_BIN <= b <= MAX_BIN:
+                        continue  # no real timing lies there: a corrupt field
+                    if parts[0] == DRAFT_HIST:
+                        self.draft_hist[(parts[1], int(parts[2]))][b] += v
+                    else:
+                        self.verify_hist[(int(parts[1]), int(parts[2]))][b] += v
+                    continue
+                if len(parts) != 4 or parts[0] not in ("e", "w"):
+                    continue  # another schema's field (the earlier d|/v| fields mixed round lengths): ignore
                 if parts[0] == "e" and parts[3] in ("s", "n"):
                     (self.draft_s if parts[3] == "s" else self.drafted)[(parts[1], int(parts[2]))] += v
                 elif parts[0] == "w" and parts[3] in ("s", "r"):
@@ -175,6 +214,24 @@ class Aggregate:
     self_repetition: float = 0.0
     by_drafted: tuple[tuple[int, float], ...] = ()  # (rounds, verify seconds) per number drafted n = 0..
     counterfactual: bool = False  # scored, not served: position counts only
+    expected_speedup: float = 0.0  # what the plan promised (0: not known)
+
+    def realised_speedup(self, step_seconds: float) -> float:
+        """Tokens emitted per plain step's worth of this aggregate's time (drafting and verification): its speedup
+        over plain decoding at ``step_seconds`` a step; 0 when not measurable."""
+        seconds = self.draft_seconds + self.verify_seconds
+        if self.counterfactual or not self.tokens_emitted or not (seconds > 0 and step_seconds > 0):
+            return 0.0
+        value = self.tokens_emitted * step_seconds / seconds
+        return value if math.isfinite(value) else 0.0
+
+    def calibration_fields(self, step_seconds: float) -> dict[str, float]:
+        """The segment-hash increment recording realised / expected speedup (one observation of a histogram, read
+        as its median: one stalled request is one rank), when both are known."""
+        if self.drafter == "none" or not self.expected_speedup > 0:
+            return {}
+        b = bin_of(self.realised_speedup(step_seconds) / self.expected_speedup)
+        return {} if b is None else {f"{CALIBRATION}|{self.drafter}|{b}": 1.0}
 
     def segment_fields(self) -> dict[str, float]:
         """Increments for the segment's bucket hash."""
@@ -207,10 +264,16 @@ class Aggregate:
         if self.drafter != "none" and self.num_drafted:
             fields[f"e|{self.drafter}|{bucket}|s"] = self.draft_seconds
             fields[f"e|{self.drafter}|{bucket}|n"] = float(self.num_drafted)
+            b = bin_of(self.draft_seconds / self.num_drafted)
+            if b is not None:
+                fields[f"{DRAFT_HIST}|{self.drafter}|{bucket}|{b}"] = 1.0  # one request, one observation
         for n, (rounds, seconds) in enumerate(self.by_drafted):
             if rounds:
                 fields[f"w|{n}|{bucket}|s"] = seconds
                 fields[f"w|{n}|{bucket}|r"] = float(rounds)
+                b = bin_of(seconds / rounds)
+                if b is not None:
+                    fields[f"{VERIFY_HIST}|{n}|{bucket}|{b}"] = 1.0
         return fields
 
 

@@ -24,7 +24,7 @@ from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
 from controller.policy import Settings
 from specd_api.plan import BATCH_RULE_REASON, Plan, off, speculation_allowed
-from specd_api.speedup import best_k, repays_prefill, speedup_curve
+from specd_api.speedup import best_k, repays_prefill, runs_draft_model, speedup_curve
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class DrafterEstimate:
     conditional: tuple[Beta, ...]  # a_i: accepted / verified at position i
     proposal: tuple[Beta, ...]  # π_i: the drafter had a token for position i
     cost_ratio: float  # c
+    prior_weight: float = 0.0  # pseudo-counts of the prior in each position's posterior
 
     @cached_property
     def _means(self) -> tuple[list[float], list[float]]:
@@ -105,7 +106,7 @@ def estimate_drafter(
     )
     conditional = tuple(_shrunk(p.accepted, p.verified, pooled_alpha, n0) for p in positions)
     proposal = tuple(_shrunk(p.proposed, p.offered, pooled_proposal, n0) for p in positions)
-    return DrafterEstimate(drafter, conditional, proposal, cost_ratio)
+    return DrafterEstimate(drafter, conditional, proposal, cost_ratio, n0)
 
 
 def _shrunk(successes: float, trials: float, prior_mean: float, strength: float) -> Beta:
@@ -183,7 +184,7 @@ class Deliberation:
         make = self.make
         probe = _thompson(
             list(self.bounds), self.probeable, make.estimates, self.bounds, make.costs, self.exploit, self.settings,
-            rng,
+            rng, self.arms,
         )  # fmt: skip
         if probe is None:
             return self.exploit
@@ -251,7 +252,7 @@ class _PlanMaker:
             exploration=probe_rounds > 0,
             expected_speedup=arm.speedup,
             segment=self.segment,
-            stop_threshold=self.settings.drafter(arm.drafter).stop_threshold if arm.drafter == "draft" else 0.0,
+            stop_threshold=self.settings.drafter(arm.drafter).stop_threshold if runs_draft_model(arm.drafter) else 0.0,
             acceptance=tuple(conditional[:k]),
             proposal=tuple(proposal[:k]),
             prior_strength=self.settings.plan_prior_rounds,
@@ -273,7 +274,7 @@ def _ruled(settings: Settings, request: Request, make: _PlanMaker) -> Plan | Non
         k = min(settings.force_k or forced.k_max, max(request.max_new_tokens - 1, 0))
         if k == 0:
             return make.off("request_too_short")
-        threshold = forced.stop_threshold if settings.force == "draft" else 0.0
+        threshold = forced.stop_threshold if runs_draft_model(settings.force) else 0.0
         return Plan(settings.force, k, "policy_forced", make.policy_version, segment=make.segment,
                     stop_threshold=threshold, counterfactual_k=make.lookup_k)  # fmt: skip
     return None
@@ -346,15 +347,24 @@ def _thompson(
     exploit: Plan,
     settings: Settings,
     rng: random.Random,
+    arms: Sequence[Arm] = (),
 ) -> str | None:
-    """The drafter to probe, or None. One posterior draw per usable drafter (plain decoding scores min_speedup):
-    when the draw's winner is a ``probeable`` drafter other than the exploit plan's, it is probed, on at most
-    ``exploration_rate`` of requests. A segment switched off is also probed on at least ``min_exploration_rate``
-    of its requests, with the probeable drafter its draw likes best: its old counts decay, but only new rounds
-    can show that its traffic changed."""
+    """The drafter to probe, or None. One posterior draw per usable drafter, of its rates and of the costs (a cost
+    measured by few requests is uncertain too; plain decoding scores min_speedup): when the draw's winner is a
+    ``probeable`` drafter other than the exploit plan's, it is probed, on at most ``exploration_rate`` of requests.
+    Failing that, every probeable drafter but the exploit's keeps a floor of probes (``probe_floor``), whether the
+    segment speculates or not: old counts decay, but only new rounds can show that traffic or costs changed, and a
+    draw that never favours a drafter again (one stalled request made it look slow) must not end its story."""
     if settings.exploration_rate <= 0 or not probeable:
         return None
-    draws = {d: best_arm(estimates[d], estimates[d].sample(rng), *bounds[d], costs) for d in usable}
+    drawn_costs = costs.draw(rng)
+    draws = {
+        d: best_arm(
+            replace(estimates[d], cost_ratio=drawn_costs.c(d, estimates[d].cost_ratio)), estimates[d].sample(rng),
+            *bounds[d], drawn_costs,
+        )
+        for d in usable
+    }  # fmt: skip
     winner = max(draws.values(), key=lambda a: a.speedup)
     if (
         winner.drafter in probeable
@@ -363,6 +373,40 @@ def _thompson(
         and rng.random() < settings.exploration_rate
     ):
         return winner.drafter
-    if not exploit.speculates and rng.random() < min(settings.min_exploration_rate, settings.exploration_rate):
+    floor_rate = min(settings.min_exploration_rate, settings.exploration_rate)
+    if not exploit.speculates and rng.random() < floor_rate:
         return max((draws[d] for d in probeable), key=lambda a: a.speedup).drafter
+    if exploit.speculates and floor_rate > 0:
+        mean = {a.drafter: a.speedup for a in arms}
+        u = rng.random()
+        for d in probeable:
+            if d == exploit.drafter or d not in mean:
+                continue
+            u -= probe_floor(floor_rate, mean[d], exploit.expected_speedup, _evidence(estimates[d]), settings)
+            if u < 0:
+                return d
     return None
+
+
+PROBE_LOSS_SCALE = 0.1  # a probe that would run 10% slower than the exploit plan gets half the floor
+
+
+def probe_floor(rate: float, speedup: float, exploit_speedup: float, evidence: float, settings: Settings) -> float:
+    """The share of a segment's requests that probe a drafter it does not use: ``rate`` (min_exploration_rate),
+    scaled down by how well the drafter is known (evidence: the rounds behind its first position's estimate, against
+    prior_strength pseudo-rounds; as a posterior's spread, by their square root) and by what a probe costs (its
+    expected slowdown against the plan in use), so that the floor's expected regret stays below
+    rate * PROBE_LOSS_SCALE per drafter while it never reaches zero: evidence decays, so a drafter left alone is
+    probed again."""
+    reference = max(settings.prior_strength, 1.0)
+    uncertainty = (reference / (reference + max(evidence, 0.0))) ** 0.5  # a posterior's spread: 1 / sqrt(rounds)
+    loss = max(0.0, 1.0 - speedup / exploit_speedup) if exploit_speedup > 0 else 0.0
+    return rate * uncertainty / (1.0 + loss / PROBE_LOSS_SCALE)
+
+
+def _evidence(estimate: DrafterEstimate) -> float:
+    """Observed rounds (beyond the prior's pseudo-counts) behind the first position's posterior."""
+    if not estimate.conditional:
+        return 0.0
+    first = estimate.conditional[0]
+    return max(first.successes + first.failures - estimate.prior_weight, 0.0)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -96,6 +97,7 @@ class Learner:
         self.drift_metrics = DriftMetrics(self.registry)
         self._alarms: dict[tuple[str, str], DriftAlarm] = {}
         self._regime: dict[str, int] = {}  # segment -> first time bucket of its current regime (after a drift)
+        self._fleet: dict[str, tuple[int, tuple[float, float]]] = {}  # drafter -> (version, fleet acceptance)
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class Learner:
         """Store a report in Redis, or in the journal when Redis fails. Raises JournalFull when neither can."""
         if not len(self.journal):  # with a backlog, new reports queue behind it to keep the order
             try:
-                result: IngestResult = self.store.ingest(report_id, aggregates)
+                result: IngestResult = self.store.ingest(report_id, aggregates, self._step_seconds)
                 return ReportOutcome(result.rounds, result.duplicate, journaled=False)
             except redis.RedisError as e:
                 log.warning("Redis rejected a report (%s); journaling it", e)
@@ -149,8 +151,12 @@ class Learner:
         except redis.RedisError as e:
             log.debug("prior not refitted, Redis did not answer: %s", e)
 
+    def _step_seconds(self, batch_size: int) -> float:
+        """A plain step's measured seconds at ``batch_size`` (0: not measured): what realised speedups are read at."""
+        return self.cost_model.at(batch_size).step_seconds
+
     def _send_journaled(self, report_id: str, aggregates: list[Aggregate]) -> None:
-        self.store.ingest(report_id, aggregates)
+        self.store.ingest(report_id, aggregates, self._step_seconds)
         with self._lock:
             shown = self._shown.pop(report_id, 0)
             if shown:  # else a previous run's report: never in _pending
@@ -254,6 +260,24 @@ class Learner:
                 return segment
             return OVERFLOW_SEGMENT if len(known) >= self.store.config.max_segments else segment
 
+    def fleet_acceptance(self, drafter: str) -> tuple[float, float]:
+        """(accepted, verified) of ``drafter`` over every segment and position, served and scored: the fleet's
+        evidence (computed once per snapshot)."""
+        version = self.version
+        cached = self._fleet.get(drafter)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        with self._lock:
+            tables = [*self._snapshot.segments.values(), *self._pending.segments.values()]
+        accepted = verified = 0.0
+        for counts in tables:
+            for table in (counts.positions, counts.counterfactual):
+                for (d, _), p in table.items():
+                    if d == drafter:
+                        accepted, verified = accepted + p.accepted, verified + p.verified
+        self._fleet[drafter] = (version, (accepted, verified))
+        return accepted, verified
+
     def segments(self) -> list[str]:
         with self._lock:
             return sorted(set(self._snapshot.segments) | set(self._pending.segments))
@@ -286,11 +310,20 @@ def _clamp(snapshot: Snapshot) -> None:
                 for f in fields(item):
                     if getattr(item, f.name) < 0:
                         setattr(item, f.name, 0.0)
+        for hist in counts.calibration.values():
+            _clamp_values(hist)
     costs = snapshot.costs
     for values in (costs.draft_s, costs.drafted, costs.verify_s, costs.verify_rounds):
-        for key, value in values.items():
-            if value < 0:
-                values[key] = 0.0  # type: ignore[index]
+        _clamp_values(values)
+    for histograms in (costs.draft_hist, costs.verify_hist):
+        for hist in histograms.values():
+            _clamp_values(hist)
+
+
+def _clamp_values(values: MutableMapping[Any, float]) -> None:
+    for key, value in values.items():
+        if value < 0:
+            values[key] = 0.0
 
 
 def _add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate], weight: float = 1.0) -> None:

@@ -29,8 +29,8 @@ from specd_api.yaml_config import (
 
 log = logging.getLogger(__name__)
 
-DrafterName = Literal["draft", "prompt_lookup"]
-DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup")  # specd_api.plan.DRAFTERS, typed for pydantic
+DrafterName = Literal["draft", "prompt_lookup", "chain"]
+DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain")  # specd_api.plan.DRAFTERS, typed for pydantic
 
 
 class PolicyModel(Strict):
@@ -75,6 +75,8 @@ def _default_drafters() -> dict[DrafterName, DrafterSettings]:
     return {
         "draft": DrafterSettings(k_min=1, k_max=8, prior_alpha=0.6, cost_ratio=0.1),
         "prompt_lookup": DrafterSettings(k_min=1, k_max=10, prior_alpha=0.3, cost_ratio=0.0),
+        # lookup's one-hot rounds when it finds a match (c ≈ 0), else the draft model's: c between the two
+        "chain": DrafterSettings(k_min=1, k_max=8, prior_alpha=0.5, cost_ratio=0.05),
     }
 
 
@@ -101,7 +103,7 @@ class Settings(PolicyModel):
     probe_rounds: int = Field(4, ge=0, le=64, description="rounds a probe runs at k_max before adapting")
     k_headroom: int = Field(2, ge=0, le=64, description="a plan's K ceiling: the best K plus this much room")
     counterfactual: bool = Field(True, description="score prompt lookup on every round, whatever drafter runs")
-    force: Literal["draft", "prompt_lookup", "none"] | None = None
+    force: Literal["draft", "prompt_lookup", "chain", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
     drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)
 
@@ -135,7 +137,7 @@ class SettingsOverride(PolicyModel):
     probe_rounds: int | None = Field(None, ge=0, le=64)
     k_headroom: int | None = Field(None, ge=0, le=64)
     counterfactual: bool | None = None
-    force: Literal["draft", "prompt_lookup", "none"] | None = None
+    force: Literal["draft", "prompt_lookup", "chain", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64)
     drafters: dict[DrafterName, DrafterOverride] = Field(default_factory=dict)
 

@@ -22,10 +22,11 @@ from controller.journal import JournalFull
 from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.tables import DecisionPublisher, TooManyWatchers
+from controller.timing_histogram import median, total
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan
 from specd_api.spans import plan_attributes
-from specd_api.speedup import ratio, speedup_curve, wilson_interval
+from specd_api.speedup import ratio, runs_draft_model, speedup_curve, wilson_interval
 from specd_api.tracing import context_from_metadata
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -67,8 +68,9 @@ class Controller:
                 prior.predict(d, request.temperature, request.prompt_tokens, request.self_repetition) if prior else None
             )
             # Prompt lookup can only propose what the prompt repeats; a draft model always proposes.
-            proposal_prior = 1.0 if d == "draft" else min(max(request.self_repetition, 0.05), 0.95)
-            inputs.append((d, round(predicted or s.prior_alpha, 3), round(proposal_prior, 2)))
+            proposal_prior = 1.0 if runs_draft_model(d) else min(max(request.self_repetition, 0.05), 0.95)
+            alpha = predicted or self.fleet_alpha(d, s.prior_alpha, settings.prior_strength)
+            inputs.append((d, round(alpha, 3), round(proposal_prior, 2)))
         key = (request.segment, self.learner.version, self.policies.current.version, costs.bucket, tuple(inputs))
         cached = self._estimates.get(key)
         if cached is not None:
@@ -85,6 +87,13 @@ class Controller:
                 self._estimates.clear()  # versions moved on; old keys are dead anyway
             self._estimates[key] = estimates
         return estimates
+
+    def fleet_alpha(self, drafter: str, prior_alpha: float, strength: float) -> float:
+        """The drafter's acceptance over every segment (served and scored rounds, all positions), shrunk towards the
+        policy's prior_alpha by ``strength`` pseudo-rounds: where a new segment starts when no prior model has
+        been trained yet (hierarchical: the segment's own rounds then move it, as estimate_drafter shrinks them)."""
+        accepted, verified = self.learner.fleet_acceptance(drafter)
+        return (accepted + strength * prior_alpha) / (verified + strength) if verified + strength > 0 else prior_alpha
 
     def decide(self, request: Request) -> Plan:
         policy = self.policies.current
@@ -163,6 +172,8 @@ class Controller:
                     conditional, proposal, len(conditional), estimates[d].cost_ratio,
                     costs.verify_table(len(conditional)),
                 )  # fmt: skip
+            calibration = counts.calibration.get(d, {})
+            drafter.calibration, drafter.calibration_requests = median(calibration), total(calibration)
             for i, pos in enumerate(counts.position_list(d)):
                 drafter.positions.append(position_stats(i, pos))
             for i, pos in enumerate(counts.position_list(d, counterfactual=True)):
@@ -211,6 +222,7 @@ class Controller:
                 verify_cost=bc.verify[: max(measured_n, 1)],
                 verify_rounds=bc.rounds,
                 measured=bc.measured,
+                spread=bc.timings.spread() if bc.timings is not None else 0.0,
             )
         return msg
 

@@ -8,7 +8,8 @@ touches keys of one slot only and runs unchanged on one server or on a cluster:
     P:v1:seg:{S}:<bucket>           hash   counters of segment S in one time bucket (see counts.py fields:
                                            k|{drafter}|{K}|{rounds,proposed,accepted,tokens,draft_s,verify_s},
                                            p|{drafter}|{position}|{offered,proposed,verified,accepted} (served),
-                                           q|{drafter}|{position}|{...the same} (counterfactual), updated)
+                                           q|{drafter}|{position}|{...the same} (counterfactual),
+                                           cal|{drafter}|{bin} requests by realised / expected speedup, updated)
     P:v1:report:{S}:<report_id>     string dedup marker of the part of a report counted under segment S (expires)
     P:v1:report:{#global}:<report_id>
                                     string dedup marker of the report's global part; its value is the segment each
@@ -19,7 +20,10 @@ touches keys of one slot only and runs unchanged on one server or on a cluster:
     P:v1:cost:{#global}:<bucket>    hash   e|{drafter}|{batch bucket}|{s,n} drafting seconds / tokens drafted,
                                            w|{n}|{batch bucket}|{s,r} verify seconds / rounds that verified
                                            exactly n drafts (fields of an earlier schema, d|... and v|..., which
-                                           mixed round lengths, are ignored)
+                                           mixed round lengths, are ignored),
+                                           he|{drafter}|{batch bucket}|{bin}, hw|{n}|{batch bucket}|{bin}
+                                           requests by seconds per drafted token / per round verifying n
+                                           (timing_histogram.py: the costs are their medians)
     P:v1:samples:{#global}          list   recent per-aggregate feature rows for the prior model (capped)
     P:v1:prior                      string the prior model's coefficients as JSON (never pickle)
 
@@ -221,9 +225,13 @@ class TelemetryStore:
 
     # --- writes -------------------------------------------------------------------------------------
 
-    def ingest(self, report_id: str, aggregates: Sequence[Aggregate]) -> IngestResult:
+    def ingest(
+        self, report_id: str, aggregates: Sequence[Aggregate], step_seconds: Callable[[int], float] | None = None
+    ) -> IngestResult:
         """Apply one report, each part atomically (module docstring); a report_id seen before (within the TTL)
-        changes nothing, but completes the parts an earlier delivery did not get to."""
+        changes nothing, but completes the parts an earlier delivery did not get to. With ``step_seconds`` (a plain
+        step's seconds at a batch size, 0 when not known), each aggregate's realised / expected speedup is recorded
+        too (``cal|`` fields)."""
         now = self.clock()
         c = self.config
         segments = list(dict.fromkeys(a.segment for a in aggregates))  # in order, each once
@@ -232,7 +240,10 @@ class TelemetryStore:
         parts: dict[str, list[dict[str, float]]] = {}
         for a in aggregates:
             if a.segment in counted_as:  # else a report id reused for other segments: not part of that report
-                parts.setdefault(counted_as[a.segment], []).append(_nonzero(a.segment_fields()))
+                fields = a.segment_fields()
+                if step_seconds is not None:
+                    fields |= a.calibration_fields(step_seconds(a.batch_size))
+                parts.setdefault(counted_as[a.segment], []).append(_nonzero(fields))
         self._ingest_segments(
             [
                 (

@@ -90,4 +90,5 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
         self_repetition=a.self_repetition,
         by_drafted=by_drafted,
         counterfactual=a.counterfactual,
+        expected_speedup=a.expected_speedup,
     )

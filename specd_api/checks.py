@@ -22,6 +22,7 @@ MAX_ROUNDS = 1_000_000_000  # per aggregate: far above any real request, far bel
 MAX_BATCH_SIZE = 1_000_000
 MAX_DRAFT_SECONDS_PER_TOKEN = 10.0  # timings beyond these are clocks sent as durations, not measurements
 MAX_VERIFY_SECONDS_PER_ROUND = 60.0
+MAX_EXPECTED_SPEEDUP = 1000.0  # a plan's expected speedup: a round emits at most MAX_K + 1 tokens
 MIN_VERIFY_SECONDS_PER_ROUND = 1e-7  # no target pass is faster: below it a worker sent no timing at all
 SUM_TOLERANCE = 1e-6  # relative: a per-n table must add up to its total up to float rounding
 
@@ -64,6 +65,7 @@ def check_aggregate(a: pb.RoundsAggregate) -> None:
     finite("temperature", a.temperature, high=100.0)
     count("prompt_tokens", a.prompt_tokens)
     finite("self_repetition", a.self_repetition, high=1.0)
+    finite("expected_speedup", a.expected_speedup, high=MAX_EXPECTED_SPEEDUP)
     _check_positions(a, k, rounds, drafted, accepted)
     if a.counterfactual:
         _check_counterfactual(a)

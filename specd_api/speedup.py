@@ -101,6 +101,14 @@ def _rate(values: Sequence[float], i: int) -> float:
     return min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0
 
 
+MODEL_DRAFTERS = ("draft", "chain")  # the drafters that run the draft model (a chain when lookup finds no match)
+
+
+def runs_draft_model(drafter: str) -> bool:
+    """Does ``drafter`` run the draft model (its prefill, its stop rule, a proposal at every position)?"""
+    return drafter in MODEL_DRAFTERS
+
+
 def repays_prefill(
     drafter: str, speedup: float, max_new_tokens: int, prompt_tokens: int, cost_ratio: float,
     prefill_cost_per_token: float,
@@ -109,5 +117,5 @@ def repays_prefill(
     Only a draft model pays up front: its own prefill of the prompt, ``cost_ratio * prompt_tokens *
     prefill_cost_per_token`` target steps."""
     saved_steps = max_new_tokens * (1.0 - 1.0 / speedup) if speedup > 0 else 0.0
-    prefill_steps = cost_ratio * prompt_tokens * prefill_cost_per_token if drafter == "draft" else 0.0
+    prefill_steps = cost_ratio * prompt_tokens * prefill_cost_per_token if runs_draft_model(drafter) else 0.0
     return saved_steps > prefill_steps

@@ -308,12 +308,15 @@ class ControllerClient:
         prompt_tokens: int,
         self_repetition: float,
         scored: Sequence[ScoredLike] = (),
+        expected_speedup: float = 0.0,
     ) -> None:
         """Convert one request's rounds (and its counterfactually ``scored`` drafters) and enqueue them for the
         background sender. Never blocks on the network, never raises: rounds the controller would refuse are
         logged, counted and left out."""
         try:
-            aggregates = rounds_to_aggregates(segment, rounds, temperature, prompt_tokens, self_repetition, scored)
+            aggregates = rounds_to_aggregates(
+                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup
+            )
             for aggregate in aggregates:
                 check_aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report
         except Exception as e:

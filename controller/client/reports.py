@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from specd_api.checks import MAX_EXPECTED_SPEEDUP
 from specd_api.plan import batch_bucket
 from specd_api.v1 import controller_pb2 as pb
 
@@ -125,9 +126,11 @@ def rounds_to_aggregates(
     prompt_tokens: int,
     self_repetition: float,
     scored: Sequence[ScoredLike] = (),
+    expected_speedup: float = 0.0,
 ) -> list[pb.RoundsAggregate]:
     """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds``, in order of first appearance, then one
-    counterfactual aggregate per drafter in ``scored``.
+    counterfactual aggregate per drafter in ``scored``. Served aggregates that speculated carry the plan's
+    ``expected_speedup`` (the controller checks it against what the rounds realised).
 
     Raises ValueError naming the first impossible round.
     """
@@ -161,6 +164,7 @@ def rounds_to_aggregates(
             temperature=temperature,
             prompt_tokens=prompt_tokens,
             self_repetition=self_repetition,
+            expected_speedup=expected_speedup if drafter != "none" and _usable_speedup(expected_speedup) else 0.0,
         )
         for (drafter, _, _), g in groups.items()
     ]
@@ -185,6 +189,10 @@ def rounds_to_aggregates(
         if t.rounds
     ]
     return served + counterfactual
+
+
+def _usable_speedup(value: float) -> bool:
+    return math.isfinite(value) and 0 < value <= MAX_EXPECTED_SPEEDUP
 
 
 def _trimmed(values: list[int]) -> list[int]:

@@ -393,6 +393,7 @@ class WorkerService:
             prompt_tokens=len(spec.prompt_ids),
             self_repetition=request.repetition,
             scored=scored,
+            expected_speedup=request.plan.expected_speedup if request.plan is not None else 0.0,
         )
 
     def _infer_segment(self, spec: RequestSpec, repetition: float) -> str:

@@ -77,7 +77,7 @@ class Decision(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., counterfactual_k: _Optional[int] = ...) -> None: ...
 
 class RoundsAggregate(_message.Message):
-    __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual")
+    __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual", "expected_speedup")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class RoundsAggregate(_message.Message):
     ROUNDS_BY_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_SECONDS_BY_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     COUNTERFACTUAL_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     segment: str
     drafter: str
     k: int
@@ -116,7 +117,8 @@ class RoundsAggregate(_message.Message):
     rounds_by_drafted: _containers.RepeatedScalarFieldContainer[int]
     verify_seconds_by_drafted: _containers.RepeatedScalarFieldContainer[float]
     counterfactual: bool
-    def __init__(self, segment: _Optional[str] = ..., drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verified_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_emitted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., temperature: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., self_repetition: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., rounds_by_drafted: _Optional[_Iterable[int]] = ..., verify_seconds_by_drafted: _Optional[_Iterable[float]] = ..., counterfactual: _Optional[bool] = ...) -> None: ...
+    expected_speedup: float
+    def __init__(self, segment: _Optional[str] = ..., drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verified_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_emitted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., temperature: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., self_repetition: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., rounds_by_drafted: _Optional[_Iterable[int]] = ..., verify_seconds_by_drafted: _Optional[_Iterable[float]] = ..., counterfactual: _Optional[bool] = ..., expected_speedup: _Optional[float] = ...) -> None: ...
 
 class ReportRoundsRequest(_message.Message):
     __slots__ = ("report_id", "worker_id", "aggregates")
@@ -187,7 +189,7 @@ class DrafterKStats(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[float] = ..., proposed: _Optional[float] = ..., accepted: _Optional[float] = ..., alpha: _Optional[float] = ..., alpha_ci_low: _Optional[float] = ..., alpha_ci_high: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., expected_speedup: _Optional[float] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal")
+    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal", "calibration", "calibration_requests")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COST_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,8 @@ class DrafterStats(_message.Message):
     COUNTERFACTUAL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     positions: _containers.RepeatedCompositeFieldContainer[PositionStats]
     cost_ratio: float
@@ -202,7 +206,9 @@ class DrafterStats(_message.Message):
     counterfactual_positions: _containers.RepeatedCompositeFieldContainer[PositionStats]
     acceptance: _containers.RepeatedScalarFieldContainer[float]
     proposal: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ...) -> None: ...
+    calibration: float
+    calibration_requests: float
+    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., calibration: _Optional[float] = ..., calibration_requests: _Optional[float] = ...) -> None: ...
 
 class DriftAlarm(_message.Message):
     __slots__ = ("drafter", "direction", "since_unix", "raised_unix", "alpha_before", "alpha_since")
@@ -261,7 +267,7 @@ class GetCostsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BucketCosts(_message.Message):
-    __slots__ = ("batch_bucket", "step_seconds", "cost_ratio", "verify_cost", "verify_rounds", "measured")
+    __slots__ = ("batch_bucket", "step_seconds", "cost_ratio", "verify_cost", "verify_rounds", "measured", "spread")
     class CostRatioEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -275,13 +281,15 @@ class BucketCosts(_message.Message):
     VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
     batch_bucket: int
     step_seconds: float
     cost_ratio: _containers.ScalarMap[str, float]
     verify_cost: _containers.RepeatedScalarFieldContainer[float]
     verify_rounds: _containers.RepeatedScalarFieldContainer[float]
     measured: bool
-    def __init__(self, batch_bucket: _Optional[int] = ..., step_seconds: _Optional[float] = ..., cost_ratio: _Optional[_Mapping[str, float]] = ..., verify_cost: _Optional[_Iterable[float]] = ..., verify_rounds: _Optional[_Iterable[float]] = ..., measured: _Optional[bool] = ...) -> None: ...
+    spread: float
+    def __init__(self, batch_bucket: _Optional[int] = ..., step_seconds: _Optional[float] = ..., cost_ratio: _Optional[_Mapping[str, float]] = ..., verify_cost: _Optional[_Iterable[float]] = ..., verify_rounds: _Optional[_Iterable[float]] = ..., measured: _Optional[bool] = ..., spread: _Optional[float] = ...) -> None: ...
 
 class CostModel(_message.Message):
     __slots__ = ("buckets", "stale")

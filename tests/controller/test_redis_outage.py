@@ -157,10 +157,10 @@ def test_report_arriving_during_replay_is_not_counted_twice(
     store = TelemetryStore(redis_client, StoreConfig(prefix=prefix), lambda: T0)  # Redis is back
     ingest = store.ingest
 
-    def ingest_while_traffic_arrives(report_id: str, aggregates: list[Aggregate]) -> object:
+    def ingest_while_traffic_arrives(report_id: str, aggregates: list[Aggregate], *step: object) -> object:
         if report_id == "r1":
             assert learner.report("r2", [aggregate(10)]).journaled, "queued behind the backlog"
-        return ingest(report_id, aggregates)
+        return ingest(report_id, aggregates, *step)  # type: ignore[arg-type]
 
     store.ingest = ingest_while_traffic_arrives  # type: ignore[method-assign]
     learner.store = store
