@@ -141,7 +141,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "extrapolate-at-gpu-slope",
         "controller/cost_model.py",
-        "slope = max((points[largest] - points[0]) / largest, DEFAULT_VERIFY_SLOPE) if largest else DEFAULT_VERIFY_SLOPE",
+        "slope = max((points[largest] - points[0]) / largest, DEFAULT_VERIFY_SLOPE) if largest else "
+        "DEFAULT_VERIFY_SLOPE",
         "slope = DEFAULT_VERIFY_SLOPE",
         ROBUST,
         "a K longer than any measured is priced at the GPU's slope, so long K look almost free on a CPU",
@@ -171,6 +172,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         "calibration reads a request's realised speedup without its drafting time",
     ),
     Mutation(
+        "wrong-type-bucket-stops-all",
+        "controller/store.py",
+        "pipe.execute(raise_on_error=False)",
+        "pipe.execute()",
+        ("tests/controller/test_stored_data.py",),
+        "one segment's bucket of the wrong Redis type stops learning for every segment",
+    ),
+    Mutation(
+        "corrupt-position-read",
+        "controller/counts.py",
+        "if not 0 <= int(parts[2]) < MAX_K:",
+        "if not 0 <= int(parts[2]):",
+        ("tests/controller/test_stored_data.py",),
+        "a stored field naming draft position 3,000,000 sizes every table read from it",
+    ),
+    Mutation(
+        "unreadable-prior-raises",
+        "controller/store.py",
+        '        if not isinstance(document, dict):\n            self.skipped.add(key, "not a JSON object")\n'
+        "            return None",
+        "        if not isinstance(document, dict):\n            raise ValueError(key)",
+        ("tests/controller/test_stored_data.py",),
+        "a stored prior that is not a JSON object stops the controller (a crash loop under systemd)",
+    ),
+    Mutation(
         "always-largest-k",
         "controller/decide.py",
         "k, value = best_k(curve, k_min)",
@@ -185,6 +211,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if token != generated[done + i - 1]:",
         ("tests/decoder/test_counterfactual.py",),
         "prompt lookup's replayed proposal is scored against the previous emitted token",
+    ),
+    Mutation(
+        "chain-never-falls-back",
+        "decoder/drafters/chain.py",
+        "return found if found.num_tokens > 0 else self.model.propose(context, k)",
+        "return found",
+        ("tests/decoder/test_chain.py",),
+        "the chain proposes nothing when prompt lookup finds no match instead of the draft model's tokens (output "
+        "stays exact; only a test of the proposals can see it)",
     ),
 )
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from controller.timing_histogram import MAX_BIN, MIN_BIN, bin_of
+from specd_api.checks import MAX_K
 from specd_api.plan import batch_bucket
 
 # Field names inside a segment bucket hash (K-level and position-level counters).
@@ -97,8 +98,12 @@ class SegmentCounts:
             parts = name.split("|")
             try:
                 if parts[0] == "k" and len(parts) == 4 and parts[3] in K_FIELDS:
+                    if not 0 <= int(parts[2]) <= MAX_K:
+                        continue  # no round has such a K: a corrupt field (it would size every table read from it)
                     target: KCounts | PositionCounts = self.by_k[(parts[1], int(parts[2]))]
                 elif parts[0] in (SERVED, COUNTERFACTUAL) and len(parts) == 4 and parts[3] in POSITION_FIELDS:
+                    if not 0 <= int(parts[2]) < MAX_K:
+                        continue  # a draft position past any K: corrupt (position 3,000,000 cost 7.7 s a read)
                     table = self.positions if parts[0] == SERVED else self.counterfactual
                     target = table[(parts[1], int(parts[2]))]
                 elif parts[0] == CALIBRATION and len(parts) == 3:
@@ -161,14 +166,14 @@ class CostCounts:
                         continue  # no real timing lies there: a corrupt field
                     if parts[0] == DRAFT_HIST:
                         self.draft_hist[(parts[1], int(parts[2]))][b] += v
-                    else:
+                    elif 0 <= int(parts[1]) <= MAX_K:
                         self.verify_hist[(int(parts[1]), int(parts[2]))][b] += v
                     continue
                 if len(parts) != 4 or parts[0] not in ("e", "w"):
                     continue  # another schema's field (the earlier d|/v| fields mixed round lengths): ignore
                 if parts[0] == "e" and parts[3] in ("s", "n"):
                     (self.draft_s if parts[3] == "s" else self.drafted)[(parts[1], int(parts[2]))] += v
-                elif parts[0] == "w" and parts[3] in ("s", "r"):
+                elif parts[0] == "w" and parts[3] in ("s", "r") and 0 <= int(parts[1]) <= MAX_K:
                     (self.verify_s if parts[3] == "s" else self.verify_rounds)[(int(parts[1]), int(parts[2]))] += v
             except ValueError:
                 continue

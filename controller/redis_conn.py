@@ -112,6 +112,7 @@ def make_client(url: str, timeout_seconds: float, tls: RedisTls | None = None) -
         return redis.Redis.from_url(
             url,
             decode_responses=True,
+            encoding_errors="replace",  # a stored value that is not UTF-8 reads as U+FFFD, then fails validation
             socket_timeout=timeout_seconds,
             socket_connect_timeout=timeout_seconds,
             health_check_interval=30,
@@ -130,6 +131,7 @@ def make_cluster_client(url: str, timeout_seconds: float, tls: RedisTls | None =
         return RedisCluster.from_url(
             f"{CLUSTER_SCHEMES[scheme]}://{rest}",
             decode_responses=True,
+            encoding_errors="replace",  # a stored value that is not UTF-8 reads as U+FFFD, then fails validation
             socket_timeout=timeout_seconds,
             socket_connect_timeout=timeout_seconds,
             health_check_interval=30,

@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
-from specd_api.segments import OVERFLOW_SEGMENT
+from specd_api.segments import OVERFLOW_SEGMENT, valid_segment
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ class TelemetryStore:
         self._head = client.register_script(HEAD_LUA)
         self._segment = client.register_script(SEGMENT_LUA)
         self._upgrade = client.register_script(UPGRADE_LUA)
+        self.skipped = SkippedEntries()  # stored entries no read could use (counted, each key logged once)
         self._closed: dict[str, dict[str, float]] = {}  # cache of buckets that no longer receive writes
         self._closed_read_at: dict[str, float] = {}
 
@@ -347,8 +349,16 @@ class TelemetryStore:
     # --- reads --------------------------------------------------------------------------------------
 
     def active_segments(self) -> list[str]:
+        """The segments with a report in the window. A key of the wrong type there (hand-edited data) is skipped
+        and counted: no segment is then tracked until reports rebuild it, but decisions go on."""
         since = self.clock() - self.config.bucket_seconds * self.config.window_buckets
-        return [str(s) for s in self.client.zrangebyscore(self.global_key("segments"), since, "+inf")]
+        key = self.global_key("segments")
+        try:
+            members = self.client.zrangebyscore(key, since, "+inf")
+        except redis.ResponseError as e:  # WRONGTYPE: not a connection problem, nothing a retry would fix
+            self.skipped.add(key, f"not a sorted set ({e})")
+            return []
+        return [s for s in (_text(m) for m in members) if s is not None and valid_segment(s)]
 
     def read_snapshot(self, segments: Sequence[str], since: Mapping[str, int] | None = None) -> Snapshot:
         """Decayed counts of ``segments`` and of the costs, reading each closed bucket rarely. A segment named in
@@ -380,12 +390,43 @@ class TelemetryStore:
             snapshot.costs.add_fields(fields[self.global_key("cost", b)], weights[b])
         return snapshot
 
-    def read_samples(self, limit: int) -> list[dict[str, float]]:
-        return [json.loads(row) for row in self.client.lrange(self.global_key("samples"), 0, limit - 1)]
+    def read_samples(self, limit: int) -> list[dict[str, Any]]:
+        """The prior's training rows; a row that is not one (not JSON, a field missing or out of range) is skipped
+        and counted, as is a key of the wrong type."""
+        key = self.global_key("samples")
+        try:
+            raw_rows = self.client.lrange(key, 0, limit - 1)
+        except redis.ResponseError as e:
+            self.skipped.add(key, f"not a list ({e})")
+            return []
+        rows = []
+        for raw in raw_rows:
+            row = sample_row(raw)
+            if row is None:
+                self.skipped.add(key, "a row that is not a training sample")
+            else:
+                rows.append(row)
+        return rows
 
     def read_prior(self) -> dict[str, Any] | None:
-        raw = self.client.get(self.key("prior"))
-        return json.loads(raw) if raw else None
+        """The stored prior model's document, or None (none stored, or one that is not a JSON object: skipped and
+        counted; the prior is refitted from the samples at its next due time)."""
+        key = self.key("prior")
+        try:
+            raw = self.client.get(key)
+        except redis.ResponseError as e:
+            self.skipped.add(key, f"not a string ({e})")
+            return None
+        if not raw:
+            return None
+        try:
+            document = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            document = None
+        if not isinstance(document, dict):
+            self.skipped.add(key, "not a JSON object")
+            return None
+        return document
 
     def _read_buckets(self, keys: list[str], current_suffix: str, now: float) -> dict[str, dict[str, float]]:
         """HGETALL every key, but closed buckets only once a bucket period (other replicas' late writes)."""
@@ -399,7 +440,14 @@ class TelemetryStore:
         for k in to_read:
             pipe.hgetall(k)
         result: dict[str, dict[str, float]] = {}
-        for k, raw in zip(to_read, pipe.execute(), strict=True):
+        # A reply that is an error (WRONGTYPE: a key of another type at a bucket's name) spoils that key only; a
+        # connection error still raises (the learner then answers from memory, marked stale).
+        for k, raw in zip(to_read, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(raw, redis.ResponseError):
+                self.skipped.add(k, f"not a hash ({raw})")
+                raw = {}
+            elif isinstance(raw, Exception):
+                raise raw
             parsed = _numbers(raw)
             result[k] = parsed
             if not k.endswith(current_suffix):
@@ -409,6 +457,62 @@ class TelemetryStore:
             if k not in keep:  # fell out of the window
                 del self._closed[k], self._closed_read_at[k]
         return {k: result[k] if k in result else self._closed[k] for k in keys}
+
+
+class SkippedEntries:
+    """Stored entries a read had to skip (DESIGN contract 7: stored data never stops the controller): counted per
+    key, each key logged once (a bad key is read at every refresh)."""
+
+    MAX_LOGGED = 10_000  # keys remembered as logged (beyond, a bad key may be logged again: never unbounded memory)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, why: str) -> None:
+        with self._lock:
+            self.count += 1
+            first = key not in self._logged
+            if first and len(self._logged) < self.MAX_LOGGED:
+                self._logged.add(key)
+        if first:
+            log.warning("skipping stored data the controller cannot read at %s: %s (counted; logged once)", key, why)
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+    return str(value)
+
+
+SAMPLE_NUMBERS = {
+    "temperature": 100.0,
+    "prompt_tokens": 1e9,
+    "self_repetition": 1.0,
+    "verified": 1e12,
+    "accepted": 1e12,
+}
+
+
+def sample_row(raw: object) -> dict[str, Any] | None:
+    """One stored training row as the prior reads it, or None when it is not one."""
+    try:
+        row = json.loads(raw)  # type: ignore[arg-type]
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("drafter"), str):
+        return None
+    for name, high in SAMPLE_NUMBERS.items():
+        value = row.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value <= high):
+            return None  # NaN fails the comparison too
+    if row["accepted"] > row["verified"]:
+        return None
+    return row
 
 
 def upgrade_keys(store: TelemetryStore) -> None:

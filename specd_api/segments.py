@@ -19,3 +19,8 @@ def validate_segment(name: str) -> str:
     if not _SEGMENT_RE.fullmatch(name):
         raise ValueError(f"segment {name[:64]!r} has characters outside [A-Za-z0-9_.:/-]")
     return name
+
+
+def valid_segment(name: str) -> bool:
+    """Is ``name`` a usable segment label (``validate_segment`` without the message)?"""
+    return 0 < len(name) <= MAX_SEGMENT_LENGTH and _SEGMENT_RE.fullmatch(name) is not None

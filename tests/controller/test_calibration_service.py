@@ -57,9 +57,9 @@ def batch_one(stub: pb_grpc.ControllerStub) -> pb.BucketCosts | None:
 
 @pytest.fixture(scope="module")
 def stub(embedded_redis_url, tmp_path_factory):
-    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("calibration"), DEFAULT_POLICY.read_text()) as d:
-        with connected(d) as channel:
-            yield pb_grpc.ControllerStub(channel)
+    folder = tmp_path_factory.mktemp("calibration")
+    with running_daemon(embedded_redis_url, folder, DEFAULT_POLICY.read_text()) as d, connected(d) as channel:
+        yield pb_grpc.ControllerStub(channel)
 
 
 def test_a_stalled_report_moves_no_learned_cost_and_calibration_is_served(stub) -> None:

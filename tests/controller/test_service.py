@@ -39,7 +39,7 @@ def running_daemon(redis_url: str, folder: Path, policy_text: str, **learning) -
     """A daemon on a free loopback port with its own policy file, state dir and Redis key prefix (deleted after)."""
     policy_path = folder / "policy.yaml"
     policy_path.write_text(policy_text)
-    prefix = f"t{uuid.uuid4().hex[:12]}"
+    prefix = learning.pop("prefix", None) or f"t{uuid.uuid4().hex[:12]}"
     config = ControllerConfig(
         listen="127.0.0.1:0",
         redis_url=redis_url,

@@ -3,6 +3,8 @@ the segment cap, the samples and the dedup markers carry over, merged with whate
 
 from __future__ import annotations
 
+import json
+
 import redis
 
 from controller.store import GLOBAL_TAG, StoreConfig, TelemetryStore
@@ -17,7 +19,7 @@ def write_untagged_layout(client: redis.Redis, prefix: str, bucket: int) -> None
     client.zadd(f"{prefix}:v1:segments", {"chat:eu": T0})
     client.hset(f"{prefix}:v1:cost:{bucket}", mapping={"e|draft|1|s": 1.0, "e|draft|1|n": 8})
     client.expire(f"{prefix}:v1:cost:{bucket}", 3000)
-    client.rpush(f"{prefix}:v1:samples", '{"old": 2}', '{"old": 1}')
+    client.rpush(f"{prefix}:v1:samples", old_row(2), old_row(1))
     client.set(f"{prefix}:v1:report:old-1", "1", ex=3000)
     client.set(f"{prefix}:v1:prior", '{"kept": true}')
 
@@ -52,7 +54,7 @@ def test_untagged_keys_move_and_merge(redis_client: redis.Redis, prefix: str) ->
     assert store.active_segments() == ["chat:eu"]
     assert dict(store.read_snapshot(["chat:eu"]).costs.drafted)[("draft", 1)] == 8 + 6, "old costs + new (3 x K 2)"
     samples = store.read_samples(10)
-    assert len(samples) == 3 and samples[1:] == [{"old": 2}, {"old": 1}], "newest first, trimmed to samples_max"
+    assert len(samples) == 3 and [s["at"] for s in samples[1:]] == [2, 1], "newest first, trimmed to samples_max"
     assert redis_client.ttl(store.report_key("old-1")) > 2990
     assert store.read_prior() == {"kept": True}
 
@@ -69,3 +71,9 @@ def test_an_unreachable_redis_does_not_stop_a_start(caplog) -> None:
     store = TelemetryStore(make_client("redis://127.0.0.1:1/0", 0.3), StoreConfig(prefix="unused"), FakeClock())
     upgrade_keys(store)  # a start with Redis down goes on (contract 3)
     assert "a later start will" in caplog.text
+
+
+def old_row(at: int) -> str:
+    """A training row as a controller before hash tags stored it (``at`` tells them apart)."""
+    return json.dumps({"drafter": "draft", "temperature": 0.0, "prompt_tokens": 5, "self_repetition": 0.0,
+                       "verified": 4, "accepted": 2, "at": at})  # fmt: skip

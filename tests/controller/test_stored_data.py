@@ -1,0 +1,102 @@
+"""Stored data the controller cannot read never stops it (DESIGN contract 7; issue 22): a non-JSON prior, bad sample
+rows, a position field of 3,000,000, a key of the wrong type at one segment's bucket. Real Redis, and a real daemon
+for the start-up case."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from controller.counts import SegmentCounts
+from controller.journal import Journal
+from controller.learner import Learner
+from controller.store import StoreConfig, TelemetryStore, sample_row
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.controller.test_service import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
+from tests.controller.test_store import small
+
+T0 = 1_700_000_000.0
+
+
+def make(redis_client, prefix: str, tmp_path) -> tuple[TelemetryStore, Learner]:
+    store = TelemetryStore(redis_client, StoreConfig(prefix=prefix), lambda: T0)
+    return store, Learner(store, Journal(tmp_path / "journal.jsonl", 100, 2**20), clock=lambda: T0)
+
+
+@pytest.mark.parametrize("value", [b"{not json", b"[1, 2]", b"\xff\xfe", b"null", b'"a string"'])
+def test_an_unreadable_prior_is_skipped_and_learning_goes_on(redis_client, prefix, tmp_path, value) -> None:
+    store, learner = make(redis_client, prefix, tmp_path)
+    store.ingest("r1", [small("chat", rounds=3)])
+    redis_client.set(store.key("prior"), value)
+    assert learner.refresh() is True and not learner.stale
+    assert learner.segment_counts("chat").rounds == 3
+    assert learner.prior is None and store.skipped.count >= 1
+
+
+def test_a_prior_key_of_another_type_is_skipped(redis_client, prefix, tmp_path) -> None:
+    store, learner = make(redis_client, prefix, tmp_path)
+    redis_client.rpush(store.key("prior"), "x")
+    assert learner.refresh() is True and store.skipped.count == 1
+    assert learner.refresh() is True and store.skipped.count == 2  # counted at each read, logged once
+
+
+def test_bad_sample_rows_are_skipped_and_the_good_ones_kept(redis_client, prefix, tmp_path) -> None:
+    store, _ = make(redis_client, prefix, tmp_path)
+    good = '{"drafter": "draft", "temperature": 0, "prompt_tokens": 10, "self_repetition": 0.1, "verified": 5, ' \
+           '"accepted": 3, "at": 1}'  # fmt: skip
+    bad = ["{oops", "[1]", '{"drafter": 3}', good.replace('"verified": 5', '"verified": -5'),
+           good.replace('"accepted": 3', '"accepted": 9'), good.replace('"temperature": 0', '"temperature": NaN'),
+           good.replace('"prompt_tokens": 10', '"prompt_tokens": "10"')]  # fmt: skip
+    redis_client.rpush(store.global_key("samples"), good, *bad, good)
+    rows = store.read_samples(100)
+    assert len(rows) == 2 and store.skipped.count == len(bad)
+    assert sample_row(good) == rows[0]
+
+
+def test_a_position_far_past_any_k_is_ignored() -> None:
+    counts = SegmentCounts()
+    counts.add_fields({"p|draft|3000000|offered": 5.0, "q|draft|3000000|verified": 5.0, "k|draft|3000000|rounds": 1.0,
+                       "p|draft|0|offered": 2.0, "k|draft|4|rounds": 2.0})  # fmt: skip
+    assert [i for _, i in counts.positions] == [0] and not counts.counterfactual
+    assert list(counts.by_k) == [("draft", 4)]
+    assert len(counts.position_list("draft")) == 1
+
+
+def test_a_bucket_of_the_wrong_type_spoils_that_bucket_only(redis_client, prefix, tmp_path) -> None:
+    store, learner = make(redis_client, prefix, tmp_path)
+    store.ingest("r1", [small("good", rounds=3), small("bad", rounds=2)])
+    redis_client.delete(store.segment_key("bad", store.bucket(T0)))
+    redis_client.rpush(store.segment_key("bad", store.bucket(T0)), "x")  # a list where a hash belongs
+    assert learner.refresh() is True and not learner.stale
+    assert learner.segment_counts("good").rounds == 3  # every other segment still learns
+    assert store.skipped.count >= 1
+    redis_client.delete(store.global_key("segments"))
+    redis_client.set(store.global_key("segments"), "x")
+    assert learner.refresh() is True and not learner.stale and learner.segments() == []
+
+
+def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_redis_url, tmp_path) -> None:
+    from controller.redis_conn import make_client
+
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    with running_daemon(embedded_redis_url, tmp_path / "first", DEFAULT_POLICY.read_text()) as daemon:
+        prefix = daemon.config.learning.prefix
+    client = make_client(embedded_redis_url, 2.0)
+    try:
+        client.set(f"{prefix}:v1:prior", b"\x00 not json")
+        client.rpush(f"{prefix}:v1:samples:{{#global}}", "{broken")
+        started = time.monotonic()
+        config_prefix = {"prefix": prefix}
+        with running_daemon(embedded_redis_url, tmp_path / "second", DEFAULT_POLICY.read_text(),
+                            **config_prefix) as daemon, connected(daemon) as channel:  # fmt: skip
+            stub = pb_grpc.ControllerStub(channel)
+            request = pb.DecideRequest(segment="chat", batch_size=1, drafters=["draft"], max_new_tokens=64)
+            decision = stub.Decide(request, timeout=RPC_TIMEOUT)
+            assert decision.drafter in ("draft", "none") and not decision.stale
+            assert time.monotonic() - started < 30
+    finally:
+        client.delete(f"{prefix}:v1:prior", f"{prefix}:v1:samples:{{#global}}")
+        client.close()
