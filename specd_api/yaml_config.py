@@ -14,6 +14,9 @@ says so with `{}`. Messages quote at most a short piece of the file.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -124,11 +127,23 @@ def read_stable_text(
     raise ConfigError([ConfigIssue(source, None, "", message)])
 
 
+def read_regular_file(path: str | Path, max_bytes: int) -> bytes:
+    """At most ``max_bytes`` of a regular file. Anything else (a FIFO, a device, a directory) raises OSError at once:
+    it is opened without blocking and refused on what fstat says, so a FIFO at a config path cannot hang a reader."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a directory)")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            return file.read(max_bytes)
+    finally:
+        os.close(fd)
+
+
 def _read_bytes(path: str | Path, limits: YamlLimits) -> bytes:
     source = str(path)
     try:
-        with open(path, "rb") as file:
-            data = file.read(limits.max_bytes + 1)
+        data = read_regular_file(path, limits.max_bytes + 1)
     except OSError as exc:
         message = f"cannot read file: {exc.strerror or exc}"
         raise ConfigError([ConfigIssue(source, None, "", message)]) from exc

@@ -1,0 +1,105 @@
+"""Issue 22, the controller's own inputs: a FIFO at the policy path, a max_batch_size past int32, a policy of 25,000
+glob rules, an embedded server whose socket path is too long."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.policy import MAX_RULES, PolicyStore, file_version, load_policy, parse_policy
+from controller.redis_conn import _MAX_UNIX_PATH, make_client, start_embedded
+from specd_api.yaml_config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_fifo_at_the_policy_path_is_refused_at_once(tmp_path: Path) -> None:
+    good = tmp_path / "policy.yaml"
+    good.write_text("defaults:\n  min_speedup: 1.1\n")
+    store = PolicyStore(load_policy(good))
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    outcome: list[object] = []
+
+    def read_it() -> None:
+        try:
+            load_policy(fifo)
+        except ConfigError as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=read_it, daemon=True)
+    reader.start()
+    reader.join(timeout=5)
+    assert not reader.is_alive(), "reading a FIFO policy hangs"
+    assert outcome and "not a regular file" in str(outcome[0])
+    assert file_version(fifo) is None  # the watcher sees no change instead of blocking
+
+    good.unlink()
+    os.mkfifo(good)  # the file in force becomes a FIFO: the reload is refused, the policy in force stays
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        store.reload(settle_seconds=0.01)
+    assert time.monotonic() - started < 2 and store.current.document.defaults.min_speedup == 1.1
+
+
+def test_specd_policy_check_refuses_a_fifo_quickly(tmp_path: Path) -> None:
+    fifo = tmp_path / "p.yaml"
+    os.mkfifo(fifo)
+    done = subprocess.run([sys.executable, "-m", "specd", "policy", "check", str(fifo)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert done.returncode != 0 and "not a regular file" in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("where", ["defaults:\n  max_batch_size: 2147483648\n",
+                                   'segments:\n  - match: "a*"\n    max_batch_size: 99999999999\n'])  # fmt: skip
+def test_a_batch_threshold_past_int32_is_refused(where: str) -> None:
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        parse_policy(where)
+
+
+def test_too_many_rules_are_refused_and_matching_is_resolved_once(tmp_path: Path) -> None:
+    rules = "".join(f'  - match: "tenant-{i}-*"\n    min_speedup: 1.2\n' for i in range(MAX_RULES + 1))
+    with pytest.raises(ConfigError, match=f"at most {MAX_RULES}"):
+        parse_policy("segments:\n" + rules)
+    rules = "".join(f'  - match: "tenant-{i}-*"\n    min_speedup: 1.2\n' for i in range(MAX_RULES))
+    policy = parse_policy("segments:\n" + rules)
+    first = time.perf_counter()
+    settings = policy.for_segment("unmatched")  # every glob tried once
+    once = time.perf_counter() - first
+    again = time.perf_counter()
+    for _ in range(1000):
+        assert policy.for_segment("unmatched") is settings
+    per_call = (time.perf_counter() - again) / 1000
+    assert per_call < max(once / 10, 50e-6), (once, per_call)
+    assert policy.for_segment(f"tenant-{MAX_RULES - 1}-x").min_speedup == 1.2
+
+
+def test_an_embedded_server_with_a_long_state_dir_listens_on_a_private_socket(tmp_path: Path) -> None:
+    # Before: past the Unix-socket path limit the server listened on loopback TCP without a password.
+    deep = tmp_path / ("d" * max(1, _MAX_UNIX_PATH - len(str(tmp_path)) + 8))
+    server, url = start_embedded(deep)
+    try:
+        assert url.startswith("unix://") and make_client(url, 2.0).ping()
+        socket_dir = Path(url.removeprefix("unix://")).parent
+        assert socket_dir.stat().st_mode & 0o077 == 0 and socket_dir.stat().st_uid == os.getuid()
+        assert server.port in (0, None) or not _tcp_open(server.port)
+    finally:
+        server.stop()
+    again, url_again = start_embedded(deep)  # a restart finds the same socket
+    again.stop()
+    assert url_again == url
+
+
+def _tcp_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
