@@ -40,12 +40,14 @@ def running_daemon(redis_url: str, folder: Path, policy_text: str, **learning) -
     policy_path = folder / "policy.yaml"
     policy_path.write_text(policy_text)
     prefix = learning.pop("prefix", None) or f"t{uuid.uuid4().hex[:12]}"
+    max_watchers = learning.pop("max_watchers", None)
     config = ControllerConfig(
         listen="127.0.0.1:0",
         redis_url=redis_url,
         policy_path=policy_path,
         state_dir=folder / "state",
         max_workers=4,
+        **({} if max_watchers is None else {"max_watchers": max_watchers}),
         shutdown_grace_seconds=1.0,
         learning=LearningConfig(prefix=prefix, refresh_seconds=0.1, half_life_seconds=1e7, **learning),
     )
