@@ -30,6 +30,7 @@ from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore, upgrade_keys
 from controller.systemd import Notifier, WatchdogPinger
 from controller.tables import DecisionPublisher
+from specd_api.checks import MAX_REPORT_BYTES
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, serve
 from specd_api.tracing import make_exporter, make_provider, no_tracer
@@ -142,7 +143,12 @@ class ControllerDaemon:
             interceptors=[*self._token_check(), self._in_flight, RefuseUndecodable()],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
             # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),
+                # every request is small (a report of 500 aggregates is ~250 KB): a larger one is refused before it
+                # is parsed, so no client can hand the controller seconds of parsing under the GIL
+                ("grpc.max_receive_message_length", MAX_REPORT_BYTES),
+            ],
         )
         controller_pb2_grpc.add_ControllerServicer_to_server(servicer, self._server)
         self._health = health.HealthServicer()

@@ -11,7 +11,15 @@ import re
 
 from controller.counts import Aggregate
 from controller.decide import Request
-from specd_api.checks import MAX_AGGREGATES, MAX_BATCH_SIZE, check_aggregate, count, drafter_name, finite
+from specd_api.checks import (
+    MAX_AGGREGATES,
+    MAX_BATCH_SIZE,
+    MAX_REPORT_POSITIONS,
+    check_aggregate,
+    count,
+    drafter_name,
+    finite,
+)
 from specd_api.segments import validate_segment as validate_segment
 from specd_api.v1 import controller_pb2 as pb
 
@@ -56,6 +64,12 @@ def report(msg: pb.ReportRoundsRequest) -> tuple[str, list[Aggregate]]:
         raise ValueError("report_id must be 1..128 characters of [A-Za-z0-9_.:-]")
     if len(msg.aggregates) > MAX_AGGREGATES:
         raise ValueError(f"a report holds at most {MAX_AGGREGATES} aggregates, got {len(msg.aggregates)}")
+    positions = sum(max(a.k, 0) for a in msg.aggregates)
+    if positions > MAX_REPORT_POSITIONS:
+        raise ValueError(
+            f"a report's aggregates hold at most {MAX_REPORT_POSITIONS} draft positions (the sum of their k), got "
+            f"{positions}: send it in smaller reports"
+        )
     aggregates = []
     for i, a in enumerate(msg.aggregates):
         try:

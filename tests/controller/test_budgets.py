@@ -43,3 +43,27 @@ def _open_watches(address: str, count: int):
         channel.close()
 
     return close
+
+
+def test_a_report_is_bounded_in_positions_and_bytes(embedded_redis_url, tmp_path) -> None:
+    import grpc as g
+    import pytest
+
+    from specd_api.checks import MAX_REPORT_BYTES, MAX_REPORT_POSITIONS
+    from tests.controller.test_service import draft_aggregate
+
+    with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as daemon, connected(daemon) as ch:
+        stub = pb_grpc.ControllerStub(ch)
+        wide = draft_aggregate("wide", k=64, proposed_per_position=[10] * 64, num_drafted=640,
+                               verified_per_position=[10, 8], accepted_per_position=[8, 4])  # fmt: skip
+        count = MAX_REPORT_POSITIONS // 64 + 1
+        with pytest.raises(g.RpcError) as refused:
+            stub.ReportRounds(pb.ReportRoundsRequest(report_id="wide", worker_id="w", aggregates=[wide] * count),
+                              timeout=10)  # fmt: skip
+        assert refused.value.code() == g.StatusCode.INVALID_ARGUMENT and "draft positions" in refused.value.details()
+        huge = pb.ReportRoundsRequest(report_id="huge", worker_id="w" * (MAX_REPORT_BYTES + 1))
+        with pytest.raises(g.RpcError) as too_big:
+            stub.ReportRounds(huge, timeout=10)
+        assert too_big.value.code() == g.StatusCode.RESOURCE_EXHAUSTED
+        fine = pb.ReportRoundsRequest(report_id="fine", worker_id="w", aggregates=[draft_aggregate("fine")] * 500)
+        assert stub.ReportRounds(fine, timeout=10).rounds_accepted == 5000

@@ -308,7 +308,7 @@ BAD_CONFIGS = [
     pytest.param({"default_drafter": "draft"}, "default_k", id="draft-with-k0"),
     pytest.param({"max_buffered_aggregates": 0}, "max_buffered_aggregates", id="no-buffer"),
     # the controller refuses reports of more than 10 000 aggregates
-    pytest.param({"max_aggregates_per_report": 10_001}, "max_aggregates_per_report", id="report-too-big"),
+    pytest.param({"max_aggregates_per_report": 1_001}, "max_aggregates_per_report", id="report-too-big"),
     pytest.param({"retry_backoff_s": (1.0, 0.5)}, "retry_backoff_s", id="backoff-max-below-min"),
     pytest.param({"worker_id": ""}, "worker_id", id="no-worker-id"),
     # replicas are listed as IP:port (test_targets.py has the rest of the rules)
