@@ -220,6 +220,7 @@ class Aggregate:
     by_drafted: tuple[tuple[int, float], ...] = ()  # (rounds, verify seconds) per number drafted n = 0..
     counterfactual: bool = False  # scored, not served: position counts only
     expected_speedup: float = 0.0  # what the plan promised (0: not known)
+    calibration: bool = False  # measured by the worker before serving: costs only, in no segment
 
     def realised_speedup(self, step_seconds: float) -> float:
         """Tokens emitted per plain step's worth of this aggregate's time (drafting and verification): its speedup
@@ -242,6 +243,8 @@ class Aggregate:
         """Increments for the segment's bucket hash."""
         d, k = self.drafter, self.k
         fields: dict[str, float] = {}
+        if self.calibration:
+            return fields
         if not self.counterfactual:
             fields |= {
                 f"k|{d}|{k}|rounds": self.rounds,

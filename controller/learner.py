@@ -329,5 +329,6 @@ def _clamp_values(values: MutableMapping[Any, float]) -> None:
 def _add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate], weight: float = 1.0) -> None:
     """Add (weight 1) or take off (weight -1) a report's counts."""
     for agg in aggregates:
-        snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields(), weight)
+        if not agg.calibration:  # the worker's start-up timings: costs only, in no segment
+            snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields(), weight)
         snapshot.costs.add_fields(agg.cost_fields(), weight)

@@ -236,7 +236,7 @@ class TelemetryStore:
         too (``cal|`` fields)."""
         now = self.clock()
         c = self.config
-        segments = list(dict.fromkeys(a.segment for a in aggregates))  # in order, each once
+        segments = list(dict.fromkeys(a.segment for a in aggregates if not a.calibration))  # in order, each once
         duplicate, verdict = self._ingest_head(report_id, aggregates, segments, now)
         counted_as = dict(pair.split("=", 1) for pair in verdict.split() if "=" in pair)
         parts: dict[str, list[dict[str, float]]] = {}
@@ -269,7 +269,11 @@ class TelemetryStore:
         payload = {
             "segments": segments,
             "cost": _nonzero(cost),
-            "samples": [json.dumps(_sample_row(a, now)) for a in aggregates if a.drafter != "none" and a.rounds],
+            "samples": [
+                json.dumps(_sample_row(a, now))
+                for a in aggregates
+                if a.drafter != "none" and a.rounds and not a.calibration
+            ],
         }
         c = self.config
         seen, verdict = self._head(
@@ -551,6 +555,11 @@ def first_position(fields: Mapping[str, float]) -> list[tuple[str, float, float]
 
 def _nonzero(fields: dict[str, float]) -> dict[str, float]:
     return {name: value for name, value in fields.items() if value}
+
+
+def _a_sample(agg: Aggregate) -> bool:
+    """Does ``agg`` train the prior? Served traffic that speculated (not a worker's start-up calibration)."""
+    return agg.drafter != "none" and agg.rounds > 0 and not agg.calibration
 
 
 def _sample_row(agg: Aggregate, now: float) -> dict[str, float | str]:

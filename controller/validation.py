@@ -105,4 +105,5 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
         by_drafted=by_drafted,
         counterfactual=a.counterfactual,
         expected_speedup=a.expected_speedup,
+        calibration=a.calibration,
     )

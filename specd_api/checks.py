@@ -71,6 +71,8 @@ def check_aggregate(a: pb.RoundsAggregate) -> None:
     finite("self_repetition", a.self_repetition, high=1.0)
     finite("expected_speedup", a.expected_speedup, high=MAX_EXPECTED_SPEEDUP)
     _check_positions(a, k, rounds, drafted, accepted)
+    if a.counterfactual and a.calibration:
+        raise ValueError("calibration: a worker's start-up timings are served rounds, never counterfactual")
     if a.counterfactual:
         _check_counterfactual(a)
     else:

@@ -309,13 +309,14 @@ class ControllerClient:
         self_repetition: float,
         scored: Sequence[ScoredLike] = (),
         expected_speedup: float = 0.0,
+        calibration: bool = False,
     ) -> None:
         """Convert one request's rounds (and its counterfactually ``scored`` drafters) and enqueue them for the
         background sender. Never blocks on the network, never raises: rounds the controller would refuse are
         logged, counted and left out."""
         try:
             aggregates = rounds_to_aggregates(
-                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup
+                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup, calibration
             )
             for aggregate in aggregates:
                 check_aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report

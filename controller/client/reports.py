@@ -127,10 +127,12 @@ def rounds_to_aggregates(
     self_repetition: float,
     scored: Sequence[ScoredLike] = (),
     expected_speedup: float = 0.0,
+    calibration: bool = False,
 ) -> list[pb.RoundsAggregate]:
     """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds``, in order of first appearance, then one
     counterfactual aggregate per drafter in ``scored``. Served aggregates that speculated carry the plan's
-    ``expected_speedup`` (the controller checks it against what the rounds realised).
+    ``expected_speedup`` (the controller checks it against what the rounds realised). ``calibration``: the rounds
+    are the worker's start-up timings (decoder.calibration), counted in the costs only.
 
     Raises ValueError naming the first impossible round.
     """
@@ -165,6 +167,7 @@ def rounds_to_aggregates(
             prompt_tokens=prompt_tokens,
             self_repetition=self_repetition,
             expected_speedup=expected_speedup if drafter != "none" and _usable_speedup(expected_speedup) else 0.0,
+            calibration=calibration,
         )
         for (drafter, _, _), g in groups.items()
     ]

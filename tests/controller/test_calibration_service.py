@@ -104,3 +104,27 @@ def test_a_new_segment_starts_from_the_fleets_acceptance(stub) -> None:
     decision = until(fresh, lambda d: d.drafter == "none" or d.exploration)
     decisions = [decision] + [fresh() for _ in range(20)]
     assert sum(d.drafter == "none" for d in decisions) >= 15, [(d.drafter, d.reason) for d in decisions]
+
+
+def test_a_workers_start_up_calibration_sets_the_costs_and_no_segment(embedded_redis_url, tmp_path) -> None:
+    # A fresh controller: the calibration aggregates (decoder.calibration) are its first costs, before any traffic,
+    # and they make no segment (not listed, not counted against the cap).
+    with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as d, connected(d) as channel:
+        fresh = pb_grpc.ControllerStub(channel)
+        assert batch_one(fresh) is None
+        calibration = [_calibration(draft_request("_calibration")) for _ in range(4)]
+        send(fresh, *calibration)
+        costs = until(lambda: batch_one(fresh), lambda b: b is not None and b.measured)
+        assert costs is not None and costs.step_seconds == pytest.approx(STEP, rel=0.05)
+        assert costs.verify_cost[4] == pytest.approx(V4, rel=0.05)
+        segments = fresh.ListSegments(pb.ListSegmentsRequest(), timeout=RPC_TIMEOUT).segments
+        assert [s.segment for s in segments] == []
+        stats = fresh.GetSegmentStats(pb.GetSegmentStatsRequest(segment="_calibration"), timeout=RPC_TIMEOUT)
+        assert stats.rounds == 0
+
+
+def _calibration(message: pb.RoundsAggregate) -> pb.RoundsAggregate:
+    marked = pb.RoundsAggregate()
+    marked.CopyFrom(message)
+    marked.calibration = True
+    return marked
