@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from controller.timing_histogram import MAX_BIN, MIN_BIN, bin_of
 from specd_api.checks import MAX_K
@@ -22,6 +23,7 @@ SERVED, COUNTERFACTUAL = "p", "q"  # position fields of served rounds, and of co
 # Cost histogram fields (timing_histogram.py): he|{drafter}|{batch bucket}|{bin}, hw|{n}|{batch bucket}|{bin}.
 DRAFT_HIST, VERIFY_HIST = "he", "hw"
 CALIBRATION = "cal"  # cal|{drafter}|{bin}: requests whose realised / expected speedup fell in that bin
+PLAIN_STEP = "st"  # st|{batch bucket}|{bin}: requests whose plain rounds (n = 0) took that many seconds each
 
 
 @dataclass
@@ -57,6 +59,8 @@ class SegmentCounts:
     counterfactual: dict[tuple[str, int], PositionCounts] = field(default_factory=lambda: defaultdict(PositionCounts))
     # drafter -> bin -> requests whose realised / expected speedup fell there (Aggregate.calibration_fields)
     calibration: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    # batch bucket -> bin -> requests whose plain steps took that long: the segment's own plain pace (its contexts)
+    plain_step: dict[int, dict[int, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     last_update: float = 0.0
 
     @property
@@ -86,10 +90,8 @@ class SegmentCounts:
             _add_dataclass(self.positions[key], p)
         for key, p in other.counterfactual.items():
             _add_dataclass(self.counterfactual[key], p)
-        for drafter, hist in other.calibration.items():
-            into = self.calibration[drafter]
-            for b, w in hist.items():
-                into[b] += w
+        _add_histograms(self.calibration, other.calibration)
+        _add_histograms(self.plain_step, other.plain_step)
         self.last_update = max(self.last_update, other.last_update)
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
@@ -106,10 +108,13 @@ class SegmentCounts:
                         continue  # a draft position past any K: corrupt (position 3,000,000 cost 7.7 s a read)
                     table = self.positions if parts[0] == SERVED else self.counterfactual
                     target = table[(parts[1], int(parts[2]))]
-                elif parts[0] == CALIBRATION and len(parts) == 3:
+                elif parts[0] in (CALIBRATION, PLAIN_STEP) and len(parts) == 3:
                     b = int(parts[2])
                     if MIN_BIN <= b <= MAX_BIN:
-                        self.calibration[parts[1]][b] += weight * _number(value)
+                        if parts[0] == CALIBRATION:
+                            self.calibration[parts[1]][b] += weight * _number(value)
+                        else:
+                            self.plain_step[int(parts[1])][b] += weight * _number(value)
                     continue
                 elif name == "updated":
                     self.last_update = max(self.last_update, float(value))
@@ -177,6 +182,13 @@ class CostCounts:
                     (self.verify_s if parts[3] == "s" else self.verify_rounds)[(int(parts[1]), int(parts[2]))] += v
             except ValueError:
                 continue
+
+
+def _add_histograms(into: dict[Any, dict[int, float]], other: Mapping[Any, Mapping[int, float]]) -> None:
+    for key, hist in other.items():
+        mine = into[key]
+        for b, w in hist.items():
+            mine[b] += w
 
 
 def _add_dataclass(into: KCounts | PositionCounts, other: KCounts | PositionCounts) -> None:
@@ -254,6 +266,10 @@ class Aggregate:
                 f"k|{d}|{k}|draft_s": self.draft_seconds,
                 f"k|{d}|{k}|verify_s": self.verify_seconds,
             }
+        plain = self.by_drafted[0] if self.by_drafted and not self.counterfactual else (0, 0.0)
+        step_bin = bin_of(plain[1] / plain[0]) if plain[0] else None
+        if step_bin is not None:
+            fields[f"{PLAIN_STEP}|{batch_bucket(self.batch_size)}|{step_bin}"] = 1.0
         kind = COUNTERFACTUAL if self.counterfactual else SERVED
         for i in range(k):
             fields[f"{kind}|{d}|{i}|offered"] = self.rounds

@@ -15,6 +15,7 @@ position for every K; as the posteriors narrow, draws stop disagreeing and probi
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -73,6 +74,7 @@ class DrafterEstimate:
     proposal: tuple[Beta, ...]  # π_i: the drafter had a token for position i
     cost_ratio: float  # c
     prior_weight: float = 0.0  # pseudo-counts of the prior in each position's posterior
+    calibration: float = 1.0  # realised / model speedup in this segment (calibration_factor): scales every arm
 
     @cached_property
     def _means(self) -> tuple[list[float], list[float]]:
@@ -131,7 +133,22 @@ def best_arm(
     conditional, proposal = rates
     curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, costs.verify_table(k_max))
     k, value = best_k(curve, k_min)
-    return Arm(estimate.drafter, k, value)
+    return Arm(estimate.drafter, k, value * estimate.calibration)
+
+
+CALIBRATION_PRIOR_REQUESTS = 8.0  # pseudo-requests at calibration 1: a few requests move it little
+CALIBRATION_BOUNDS = (0.25, 2.0)
+
+
+def calibration_factor(realised_over_model: float, requests: float) -> float:
+    """The factor a segment's speedup model is scaled by: the median realised / model speedup of its recent
+    requests, shrunk towards 1 in log space by CALIBRATION_PRIOR_REQUESTS pseudo-requests, within CALIBRATION_BOUNDS.
+    Whatever the model misses for this segment (acceptance shrunk towards a prior that flatters it, costs that differ
+    at its context lengths, rounds the K rule cuts short) is then corrected by what its requests realised."""
+    if not (realised_over_model > 0 and requests > 0 and math.isfinite(realised_over_model * requests)):
+        return 1.0
+    log_factor = requests * math.log(realised_over_model) / (requests + CALIBRATION_PRIOR_REQUESTS)
+    return min(max(math.exp(log_factor), CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
 
 
 def repays_drafting(arm: Arm, request: Request, settings: Settings, cost_ratio: float) -> bool:
@@ -260,6 +277,7 @@ class _PlanMaker:
             verify_cost=self.costs.verify_table(k),
             probe_rounds=probe_rounds,
             counterfactual_k=self.lookup_k,
+            calibration=estimate.calibration,
         )
 
 

@@ -25,12 +25,14 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controller.cost_model import CostModel, build_cost_model
+from controller.cost_model import MIN_REQUESTS, CostModel, build_cost_model
 from controller.counts import Aggregate, CostCounts, SegmentCounts
 from controller.drift import page_hinkley
 from controller.journal import Journal
 from controller.prior import PriorModel, train_prior
 from controller.store import IngestResult, Snapshot, TelemetryStore
+from controller.timing_histogram import median, total
+from specd_api.plan import batch_bucket
 from specd_api.segments import OVERFLOW_SEGMENT
 
 log = logging.getLogger(__name__)
@@ -151,8 +153,13 @@ class Learner:
         except redis.RedisError as e:
             log.debug("prior not refitted, Redis did not answer: %s", e)
 
-    def _step_seconds(self, batch_size: int) -> float:
-        """A plain step's measured seconds at ``batch_size`` (0: not measured): what realised speedups are read at."""
+    def _step_seconds(self, segment: str, batch_size: int) -> float:
+        """A plain step's seconds at ``batch_size`` in ``segment`` (0: not measured), what its realised speedups are
+        read at: the segment's own median where 3 requests measured it (a plain step grows with the context, and
+        segments differ in theirs), else every segment's."""
+        own = self.segment_counts(segment).plain_step.get(batch_bucket(batch_size), {})
+        if total(own) >= MIN_REQUESTS:
+            return median(own)
         return self.cost_model.at(batch_size).step_seconds
 
     def _send_journaled(self, report_id: str, aggregates: list[Aggregate]) -> None:
@@ -310,7 +317,7 @@ def _clamp(snapshot: Snapshot) -> None:
                 for f in fields(item):
                     if getattr(item, f.name) < 0:
                         setattr(item, f.name, 0.0)
-        for hist in counts.calibration.values():
+        for hist in (*counts.calibration.values(), *counts.plain_step.values()):
             _clamp_values(hist)
     costs = snapshot.costs
     for values in (costs.draft_s, costs.drafted, costs.verify_s, costs.verify_rounds):

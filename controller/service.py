@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from controller import validation
 from controller.cost_model import BucketCosts
 from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import DrafterEstimate, Request, decide, deliberate, estimate_drafter
+from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
 from controller.journal import JournalFull
 from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
@@ -76,9 +76,13 @@ class Controller:
         if cached is not None:
             return cached
         estimates: dict[str, DrafterEstimate] = {
-            d: estimate_drafter(
-                counts, d, settings.drafter(d).k_max, alpha, proposal, settings.prior_strength,
-                costs.c(d, settings.drafter(d).cost_ratio),
+            d: replace(
+                estimate_drafter(
+                    counts, d, settings.drafter(d).k_max, alpha, proposal, settings.prior_strength,
+                    costs.c(d, settings.drafter(d).cost_ratio),
+                ),
+                calibration=calibration_factor(median(counts.calibration.get(d, {})),
+                                               total(counts.calibration.get(d, {}))),
             )
             for d, alpha, proposal in inputs
         }  # fmt: skip

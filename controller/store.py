@@ -228,12 +228,12 @@ class TelemetryStore:
     # --- writes -------------------------------------------------------------------------------------
 
     def ingest(
-        self, report_id: str, aggregates: Sequence[Aggregate], step_seconds: Callable[[int], float] | None = None
+        self, report_id: str, aggregates: Sequence[Aggregate], step_seconds: Callable[[str, int], float] | None = None
     ) -> IngestResult:
         """Apply one report, each part atomically (module docstring); a report_id seen before (within the TTL)
         changes nothing, but completes the parts an earlier delivery did not get to. With ``step_seconds`` (a plain
-        step's seconds at a batch size, 0 when not known), each aggregate's realised / expected speedup is recorded
-        too (``cal|`` fields)."""
+        step's seconds in a segment at a batch size, 0 when not known), each aggregate's realised / expected speedup
+        is recorded too (``cal|`` fields)."""
         now = self.clock()
         c = self.config
         segments = list(dict.fromkeys(a.segment for a in aggregates if not a.calibration))  # in order, each once
@@ -244,7 +244,7 @@ class TelemetryStore:
             if a.segment in counted_as:  # else a report id reused for other segments: not part of that report
                 fields = a.segment_fields()
                 if step_seconds is not None:
-                    fields |= a.calibration_fields(step_seconds(a.batch_size))
+                    fields |= a.calibration_fields(step_seconds(a.segment, a.batch_size))
                 parts.setdefault(counted_as[a.segment], []).append(_nonzero(fields))
         self._ingest_segments(
             [

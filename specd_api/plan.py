@@ -52,6 +52,7 @@ class Plan:
     counterfactual_k: int = 0  # prompt lookup's would-be proposals scored per round (0: off)
     # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
     # controller did not answer in time.
+    calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
     source: Source = "controller"
     fallback: Fallback | None = None
     latency_s: float = 0.0
@@ -87,8 +88,14 @@ class Plan:
             counterfactual_k=self.counterfactual_k,
         )
 
+            calibration=self.calibration,
     @classmethod
     def from_proto(cls, msg: pb.Decision, latency_s: float = 0.0) -> Plan:
+    @property
+    def model_speedup(self) -> float:
+        """The speedup model's expectation before calibration (what realised speedups are checked against)."""
+        return self.expected_speedup / self.calibration if self.calibration > 0 else self.expected_speedup
+
         return cls(
             drafter=msg.drafter,
             k=msg.k,
@@ -108,6 +115,7 @@ class Plan:
             counterfactual_k=msg.counterfactual_k,
             source="controller",
             latency_s=latency_s,
+            calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
         )
 
 

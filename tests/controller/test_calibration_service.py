@@ -87,6 +87,12 @@ def test_a_stalled_report_moves_no_learned_cost_and_calibration_is_served(stub) 
     )
     draft = next(d for d in stats.drafters if d.drafter == "draft")
     assert draft.calibration_requests == pytest.approx(5) and draft.calibration == pytest.approx(0.8, rel=0.05)
+    # and the segment's decisions carry it: the model's expectation scaled by the factor (shrunk: 5 requests)
+    from controller.decide import calibration_factor
+
+    request = pb.DecideRequest(segment="calibrated", batch_size=1, drafters=["draft"], max_new_tokens=128)
+    decision = stub.Decide(request, timeout=RPC_TIMEOUT)
+    assert decision.calibration == pytest.approx(calibration_factor(draft.calibration, 5), rel=0.01)
 
 
 def test_a_new_segment_starts_from_the_fleets_acceptance(stub) -> None:

@@ -231,3 +231,45 @@ def test_a_k_never_measured_is_priced_at_the_measured_slope() -> None:
     assert bucket.verify[4] == pytest.approx(1.5, rel=0.05)
     assert bucket.verify[8] == pytest.approx(1.5 + 4 * 0.125, rel=0.05)
     assert bucket.verify[2] == pytest.approx(1.25, rel=0.05)  # between measured points: linear (v(0) and v(4))
+
+
+def test_the_calibration_factor_is_shrunk_and_bounded() -> None:
+    from controller.decide import CALIBRATION_BOUNDS, CALIBRATION_PRIOR_REQUESTS, calibration_factor
+
+    assert calibration_factor(0.5, 0.0) == 1.0  # no request: the model as it is
+    assert calibration_factor(0.5, CALIBRATION_PRIOR_REQUESTS) == pytest.approx(0.5**0.5)  # half way, in log space
+    assert calibration_factor(0.5, 1e6) == pytest.approx(0.5, rel=1e-4)  # many requests: what they realised
+    assert (
+        calibration_factor(1e-9, 1e6) == CALIBRATION_BOUNDS[0] and calibration_factor(1e9, 1e6) == CALIBRATION_BOUNDS[1]
+    )
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert calibration_factor(bad, 10.0) == 1.0
+
+
+def test_a_segment_whose_requests_realise_less_than_the_model_is_switched_off() -> None:
+    # The model expects the draft at about 1.2x; the segment's requests realised 0.7 of what it expected, over many
+    # requests: the decision scales the arm by that and switches speculation off, saying so in the plan.
+    from dataclasses import replace
+
+    from controller.cost_model import BucketCosts
+    from controller.counts import PositionCounts
+    from controller.decide import calibration_factor
+
+    seg = SegmentCounts()
+    for i in range(16):
+        seg.positions[("draft", i)] = PositionCounts(1e5, 1e5, 1e5 * 0.6**i, 1e5 * 0.6 ** (i + 1))
+    settings = Settings(exploration_rate=0.0)
+    costs = BucketCosts(1, 0.001, verify=tuple(1.0 + 0.1 * i for i in range(65)))
+    req = Request("s", 1, ("draft",), 128)
+    model = estimate_drafter(seg, "draft", 8, 0.5, 1.0, settings.prior_strength, 0.2)
+    trusted = decide(settings, "v1", req, {"draft": model}, costs, None, random.Random(0))
+    assert trusted.drafter == "draft" and 1.1 < trusted.expected_speedup < 1.4 and trusted.calibration == 1.0
+    factor = calibration_factor(0.7, 500.0)
+    calibrated = replace(model, calibration=factor)
+    plan = decide(settings, "v1", req, {"draft": calibrated}, costs, None, random.Random(0))
+    assert plan.drafter == "none" and plan.reason == "low_expected_speedup"
+    assert plan.expected_speedup == pytest.approx(trusted.expected_speedup * factor, rel=1e-6)
+    mild = replace(model, calibration=calibration_factor(0.95, 500.0))
+    kept = decide(settings, "v1", req, {"draft": mild}, costs, None, random.Random(0))
+    assert kept.drafter == "draft" and kept.calibration == pytest.approx(mild.calibration)
+    assert kept.model_speedup == pytest.approx(trusted.expected_speedup, rel=1e-6)  # what the worker reports back
