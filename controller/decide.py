@@ -137,15 +137,19 @@ def best_arm(
 
 
 CALIBRATION_PRIOR_REQUESTS = 8.0  # pseudo-requests at calibration 1: a few requests move it little
+CALIBRATION_MIN_REQUESTS = 3.0  # below this, no calibration: the median of one or two requests is a stall's
 CALIBRATION_BOUNDS = (0.25, 2.0)
 
 
 def calibration_factor(realised_over_model: float, requests: float) -> float:
     """The factor a segment's speedup model is scaled by: the median realised / model speedup of its recent
-    requests, shrunk towards 1 in log space by CALIBRATION_PRIOR_REQUESTS pseudo-requests, within CALIBRATION_BOUNDS.
-    Whatever the model misses for this segment (acceptance shrunk towards a prior that flatters it, costs that differ
-    at its context lengths, rounds the K rule cuts short) is then corrected by what its requests realised."""
-    if not (realised_over_model > 0 and requests > 0 and math.isfinite(realised_over_model * requests)):
+    requests, shrunk towards 1 in log space by CALIBRATION_PRIOR_REQUESTS pseudo-requests, within CALIBRATION_BOUNDS;
+    1 below CALIBRATION_MIN_REQUESTS (the median of one request is that request, stalled or not). Whatever the model
+    misses for this segment (acceptance shrunk towards a prior that flatters it, costs that differ at its context
+    lengths, rounds the K rule cuts short) is then corrected by what its requests realised."""
+    if not (realised_over_model > 0 and requests >= CALIBRATION_MIN_REQUESTS):
+        return 1.0
+    if not math.isfinite(realised_over_model * requests):
         return 1.0
     log_factor = requests * math.log(realised_over_model) / (requests + CALIBRATION_PRIOR_REQUESTS)
     return min(max(math.exp(log_factor), CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
