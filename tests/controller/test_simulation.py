@@ -75,8 +75,9 @@ class Served:
     aggregates: list[pb.RoundsAggregate]
 
 
-def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random) -> Served:
-    """One request run as the worker runs a plan: each round's K by ``round_k`` under the plan's ceiling."""
+def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random, stall: float = 0.0) -> Served:
+    """One request run as the worker runs a plan: each round's K by ``round_k`` under the plan's ceiling; ``stall``
+    seconds added to its second round (the machine's, not the work's)."""
     observed, rounds, emitted, seconds = Observed(), [], 0, 0.0
     while emitted < TOKENS_PER_REQUEST:
         ceiling = min(plan.k, TOKENS_PER_REQUEST - emitted - 1)
@@ -86,13 +87,13 @@ def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random) -> Served
         while accepted < n and rng.random() < truth.acceptance(plan.drafter):
             accepted += 1
         draft_s = STEP_SECONDS * COST_RATIO.get(plan.drafter, 0.0) * n
-        verify_s = STEP_SECONDS * VERIFY[n] * rng.uniform(0.97, 1.03)  # timing noise
+        verify_s = STEP_SECONDS * VERIFY[n] * rng.uniform(0.97, 1.03) + (stall if len(rounds) == 1 else 0.0)
         rounds.append(Round(plan.drafter if k else "none", k, n, accepted, accepted + 1, draft_s, verify_s))
         observed.observe(n, accepted)
         emitted += accepted + 1
         seconds += draft_s + verify_s
     scored = replay_lookup(truth, emitted, rng) if plan.counterfactual_k and plan.drafter != "prompt_lookup" else []
-    aggregates = rounds_to_aggregates(segment, rounds, 0.0, 200, truth.self_repetition, scored)
+    aggregates = rounds_to_aggregates(segment, rounds, 0.0, 200, truth.self_repetition, scored, plan.model_speedup)
     return Served(emitted, seconds, aggregates)
 
 
@@ -180,7 +181,7 @@ class Worker:
         self.rng = random.Random(seed)
         self.reports = 0
 
-    def request(self, segment: str, truth: Truth) -> tuple[Plan, Served]:
+    def request(self, segment: str, truth: Truth, stall: float = 0.0) -> tuple[Plan, Served]:
         decision = self.stub.Decide(
             pb.DecideRequest(
                 segment=segment,
@@ -192,7 +193,7 @@ class Worker:
             )
         )
         plan = Plan.from_proto(decision)
-        served = decode(segment, truth, plan, self.rng)
+        served = decode(segment, truth, plan, self.rng, stall)
         self.reports += 1
         request = pb.ReportRoundsRequest(report_id=f"w{id(self)}-{self.reports}", aggregates=served.aggregates)
         self.stub.ReportRounds(request)
@@ -262,3 +263,24 @@ def test_decisions_converge_to_the_arms_best_switch_off_and_come_back(daemon):
             break
     assert back_on_at is not None, "the segment never came back on after its acceptance rose"
     print(f"drift segment back on after {back_on_at} requests")
+
+
+def test_a_new_segment_settles_within_six_requests_and_a_stalled_first_request_changes_nothing(daemon):
+    # The fleet is known (the other segments ran); two new segments whose draft pays modestly (mid: about 1.2x)
+    # arrive together, the first request of one of them stalled 1.5 s in a round (150 steps). From the 7th request
+    # on, both run the draft model, as the best static arm does, whatever the stall did to the first request.
+    d, clock = daemon
+    worker = Worker(d.address, seed=2)
+    drive(d, clock, worker, {s: TRUTHS[s] for s in ("code", "mid", "extractive", "creative")}, requests=40)
+    truth = TRUTHS["mid"]
+    plans: dict[str, list[Plan]] = {"quiet": [], "stalled": []}
+    for i in range(20):
+        for segment in plans:
+            stall = 1.5 if segment == "stalled" and i == 0 else 0.0
+            plans[segment].append(worker.request(f"new-{segment}", truth, stall)[0])
+        clock.now += 0.1
+        assert d.controller.learner.refresh()
+    best = ground_truth(truth)[0]
+    for segment, made in plans.items():
+        late = [p for p in made[6:] if not p.exploration]
+        assert late and all(p.drafter == best for p in late), (segment, [(p.drafter, p.k) for p in made])
