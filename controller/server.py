@@ -29,7 +29,7 @@ from controller.redis_conn import RedisHandle, connect, redact
 from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore, upgrade_keys
 from controller.systemd import Notifier, WatchdogPinger
-from controller.tables import DecisionPublisher
+from controller.table_publisher import DecisionPublisher
 from specd_api.checks import MAX_REPORT_BYTES
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, serve

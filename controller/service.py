@@ -21,7 +21,7 @@ from controller.decide import DrafterEstimate, Request, calibration_factor, deci
 from controller.journal import JournalFull
 from controller.learner import DriftAlarm, Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
-from controller.tables import DecisionPublisher, TooManyWatchers
+from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan

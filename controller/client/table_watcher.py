@@ -1,5 +1,5 @@
 """The worker's copy of the controller's decision tables, kept current by a WatchDecisions stream on a thread of its
-own, so that most decisions are a local lookup (``specd_api.table.plan_from_table``) and never wait on the network.
+own, so that most decisions are a local lookup (``specd_api.table_rule.plan_from_table``) and never wait on the network.
 
 A lookup answers None, and the client asks Decide, when the tables cannot say: a segment not in them, a request the
 table does not hold for, drafters other than those watched, or tables gone quiet (no message, not even a heartbeat,
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from specd_api.plan import Plan
-from specd_api.table import SegmentTable, plan_from_table
+from specd_api.table_rule import SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 

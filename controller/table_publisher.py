@@ -1,5 +1,5 @@
 """Decision tables pushed to workers (WatchDecisions): what each segment's requests get, per batch bucket, so that
-a worker decides locally (``specd_api.table``) and the controller leaves the hot path.
+a worker decides locally (``specd_api.table_rule``) and the controller leaves the hot path.
 
 The tables are built once per refresh for each set of drafters that open streams watch, whatever the number of
 streams; each stream then sends its worker only the segments whose table changed since its last message. A segment
