@@ -23,11 +23,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from controller.cost_model import MIN_REQUESTS, CostModel, build_cost_model
 from controller.counts import Aggregate, CostCounts, SegmentCounts
-from controller.drift import page_hinkley
+from controller.drift_watch import DriftAlarm, DriftWatch
 from controller.journal import Journal
 from controller.prior import PriorModel, train_prior
 from controller.store import IngestResult, Snapshot, TelemetryStore
@@ -43,33 +43,6 @@ class ReportOutcome:
     rounds: int
     duplicate: bool
     journaled: bool
-
-
-@dataclass(frozen=True)
-class DriftAlarm:
-    """An active α drift alarm of one segment and drafter (controller.drift)."""
-
-    segment: str
-    drafter: str
-    direction: str  # "down" | "up"
-    since_unix: float  # start of the bucket the new regime began in
-    raised_unix: float
-    alpha_before: float
-    alpha_since: float
-
-
-class DriftMetrics:
-    """Prometheus series of the drift alarms (segments are capped by the store, so the label set is bounded)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.raised = Counter(
-            "specd_controller_alpha_drift_alarms", "α drift alarms raised", ["segment", "drafter", "direction"],
-            registry=registry,
-        )  # fmt: skip
-        self.active = Gauge(
-            "specd_controller_alpha_drift_active", "1 while a segment's α drift alarm is active",
-            ["segment", "drafter"], registry=registry,
-        )  # fmt: skip
 
 
 class Learner:
@@ -96,9 +69,7 @@ class Learner:
         self.cost_model = CostModel()
         self.version = 0  # changes whenever what decisions read changes (snapshot, journal, prior)
         self.registry = CollectorRegistry()
-        self.drift_metrics = DriftMetrics(self.registry)
-        self._alarms: dict[tuple[str, str], DriftAlarm] = {}
-        self._regime: dict[str, int] = {}  # segment -> first time bucket of its current regime (after a drift)
+        self.drift_watch = DriftWatch(self.registry, store.config.bucket_seconds, store.config.window_buckets)
         self._fleet: dict[str, tuple[int, tuple[float, float]]] = {}  # drafter -> (version, fleet acceptance)
 
     # --- telemetry in -------------------------------------------------------------------------------
@@ -180,9 +151,9 @@ class Learner:
     def _refresh_snapshot(self) -> bool:
         try:
             segments = self.store.active_segments()
-            snapshot = self.store.read_snapshot(segments, self._regime)
-            if self._watch_drift(snapshot):  # a new regime began: count only its traffic from now on
-                snapshot = self.store.read_snapshot(segments, self._regime)
+            snapshot = self.store.read_snapshot(segments, self.drift_watch.regime)
+            if self.drift_watch.watch(snapshot):  # a new regime began: count only its traffic from now on
+                snapshot = self.store.read_snapshot(segments, self.drift_watch.regime)
             stored_prior = self.store.read_prior()
         except redis.RedisError as e:
             return self._unreachable(e)
@@ -209,42 +180,9 @@ class Learner:
         self.version += 1
         return True
 
-    def _watch_drift(self, snapshot: Snapshot) -> bool:
-        """Run the drift test on each segment's current regime; True when an alarm moved a regime's start."""
-        first_bucket = self.store.bucket(snapshot.taken_at) - self.store.config.window_buckets + 1
-        moved = False
-        for (segment, drafter), alarm in list(self._alarms.items()):  # a regime older than the window: all new
-            if self.store.bucket(alarm.since_unix) < first_bucket or segment not in snapshot.series:
-                del self._alarms[(segment, drafter)]
-                self.drift_metrics.active.labels(segment, drafter).set(0)
-        for segment in list(self._regime):
-            if self._regime[segment] < first_bucket or segment not in snapshot.series:
-                del self._regime[segment]
-        for segment, by_drafter in snapshot.series.items():
-            start = self._regime.get(segment, first_bucket)
-            for drafter, series in by_drafter.items():
-                drift = page_hinkley([point for point in series if point[0] >= start])
-                if drift is None:
-                    continue
-                alarm = DriftAlarm(
-                    segment, drafter, drift.direction, drift.since_bucket * self.store.config.bucket_seconds,
-                    snapshot.taken_at, drift.alpha_before, drift.alpha_since,
-                )  # fmt: skip
-                log.warning(
-                    "α drift in segment %s, drafter %s: %s from %.2f to %.2f since %s (the controller now learns "
-                    "from this traffic only)", segment, drafter, alarm.direction, alarm.alpha_before,
-                    alarm.alpha_since, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(alarm.since_unix)),
-                )  # fmt: skip
-                self._alarms[(segment, drafter)] = alarm
-                self.drift_metrics.raised.labels(segment, drafter, alarm.direction).inc()
-                self.drift_metrics.active.labels(segment, drafter).set(1)
-                self._regime[segment] = max(self._regime.get(segment, first_bucket), drift.since_bucket)
-                moved = True
-        return moved
-
     def drift(self, segment: str) -> list[DriftAlarm]:
         """The segment's active drift alarms."""
-        return [a for (s, _), a in sorted(self._alarms.items()) if s == segment]
+        return self.drift_watch.alarms(segment)
 
     def _refit_prior(self) -> None:
         self._last_prior_fit = self.clock()

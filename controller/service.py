@@ -18,8 +18,9 @@ from controller import validation
 from controller.cost_model import BucketCosts
 from controller.counts import PositionCounts, SegmentCounts
 from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
+from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
-from controller.learner import DriftAlarm, Learner
+from controller.learner import Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
