@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from controller import validation
 from controller.cost_model import BucketCosts
-from controller.counts import PositionCounts, SegmentCounts
+from controller.counts import SegmentCounts
 from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
@@ -24,10 +24,11 @@ from controller.learner import Learner
 from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
+from controller.views import SegmentView, cost_model, segment_stats
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan
 from specd_api.spans import plan_attributes
-from specd_api.speedup import ratio, runs_draft_model, speedup_curve, wilson_interval
+from specd_api.speedup import runs_draft_model
 from specd_api.tracing import context_from_metadata
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -155,57 +156,17 @@ class Controller:
                 fresh.append(alarm)
         return fresh
 
-    def segment_stats(self, segment: str) -> pb.SegmentStats:
-        segment = self.learner.tracked_segment(segment)  # over the cap: the overflow segment's statistics
+    def segment_view(self, segment: str) -> SegmentView:
+        """What GetSegmentStats shows of ``segment`` (the overflow segment's past the cap): its counts, estimates,
+        costs at batch 1, the decision Decide would make now, and its drift alarms."""
+        segment = self.learner.tracked_segment(segment)
         counts = self.learner.segment_counts(segment)
         request = Request(segment, 1, DRAFTERS, TYPICAL_MAX_NEW_TOKENS)
         settings = self.policies.current.for_segment(segment)
         costs = self.learner.cost_model.at(1)
         estimates = self.estimates(settings, counts, request, costs)
-        msg = pb.SegmentStats(
-            segment=segment, rounds=counts.rounds, last_update_unix=counts.last_update, stale=self.learner.stale
-        )
-        for d in sorted(set(counts.drafters()) | set(DRAFTERS)):
-            drafter = msg.drafters.add(drafter=d)
-            curve: list[float] = []
-            if d in estimates:
-                drafter.cost_ratio = estimates[d].cost_ratio
-                conditional, proposal = estimates[d].means()
-                drafter.acceptance.extend(conditional)
-                drafter.proposal.extend(proposal)
-                curve = speedup_curve(
-                    conditional, proposal, len(conditional), estimates[d].cost_ratio,
-                    costs.verify_table(len(conditional)),
-                )  # fmt: skip
-            calibration = counts.calibration.get(d, {})
-            drafter.calibration, drafter.calibration_requests = median(calibration), total(calibration)
-            for i, pos in enumerate(counts.position_list(d)):
-                drafter.positions.append(position_stats(i, pos))
-            for i, pos in enumerate(counts.position_list(d, counterfactual=True)):
-                drafter.counterfactual_positions.append(position_stats(i, pos))
-            for (name, k), kc in sorted(counts.by_k.items()):
-                if name != d:
-                    continue
-                low, high = wilson_interval(kc.accepted, kc.proposed)
-                drafter.by_k.add(
-                    drafter=d,
-                    k=k,
-                    rounds=kc.rounds,
-                    proposed=kc.proposed,
-                    accepted=kc.accepted,
-                    alpha=ratio(kc.accepted, kc.proposed),
-                    alpha_ci_low=low,
-                    alpha_ci_high=high,
-                    mean_accepted_length=ratio(kc.accepted + kc.rounds, kc.rounds),
-                    expected_speedup=curve[k - 1] if 0 < k <= len(curve) else 1.0,
-                )
-        msg.decision.CopyFrom(self.decide_quietly(request, settings, estimates, costs).to_proto())
-        for alarm in self.learner.drift(segment):
-            msg.drift.add(
-                drafter=alarm.drafter, direction=alarm.direction, since_unix=alarm.since_unix,
-                raised_unix=alarm.raised_unix, alpha_before=alarm.alpha_before, alpha_since=alarm.alpha_since,
-            )  # fmt: skip
-        return msg
+        decision = self.decide_quietly(request, settings, estimates, costs)
+        return SegmentView(segment, counts, estimates, costs, decision, self.learner.drift(segment), self.learner.stale)
 
     def decide_quietly(
         self, request: Request, settings: Settings, estimates: dict[str, DrafterEstimate], costs: BucketCosts
@@ -215,33 +176,6 @@ class Controller:
         exploit = settings.model_copy(update={"exploration_rate": 0.0})
         plan = decide(exploit, self.policies.current.version, request, estimates, costs, previous, self.rng())
         return replace(plan, stale=self.learner.stale)
-
-    def costs(self) -> pb.CostModel:
-        msg = pb.CostModel(stale=self.learner.stale)
-        for bucket, bc in sorted(self.learner.cost_model.buckets.items()):
-            measured_n = len(bc.rounds)
-            msg.buckets.add(
-                batch_bucket=bucket,
-                step_seconds=bc.step_seconds,
-                cost_ratio=dict(bc.cost_ratio),
-                verify_cost=bc.verify[: max(measured_n, 1)],
-                verify_rounds=bc.rounds,
-                measured=bc.measured,
-                spread=bc.timings.spread() if bc.timings is not None else 0.0,
-            )
-        return msg
-
-
-def position_stats(i: int, pos: PositionCounts) -> pb.PositionStats:
-    return pb.PositionStats(
-        position=i,
-        offered=pos.offered,
-        proposed=pos.proposed,
-        verified=pos.verified,
-        accepted=pos.accepted,
-        conditional_alpha=ratio(pos.accepted, pos.verified),
-        alpha=ratio(pos.accepted, pos.offered),
-    )
 
 
 class ControllerServicer(pb_grpc.ControllerServicer):
@@ -335,12 +269,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             except ValueError as e:
                 self._invalid(span, context, e)
             span.set_attribute("specd.segment", segment)
-            return self.controller.segment_stats(segment)
+            return segment_stats(self.controller.segment_view(segment))
 
     def ListSegments(self, request: pb.ListSegmentsRequest, context: grpc.ServicerContext) -> pb.ListSegmentsResponse:
         with self._span("ListSegments", context):
             return pb.ListSegmentsResponse(
-                segments=[self.controller.segment_stats(s) for s in self.controller.learner.segments()]
+                segments=[segment_stats(self.controller.segment_view(s)) for s in self.controller.learner.segments()]
             )
 
     def GetPolicy(self, request: pb.GetPolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
@@ -351,7 +285,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     def GetCosts(self, request: pb.GetCostsRequest, context: grpc.ServicerContext) -> pb.CostModel:
         with self._span("GetCosts", context):
-            return self.controller.costs()
+            return cost_model(self.controller.learner.cost_model, self.controller.learner.stale)
 
     def ReloadPolicy(self, request: pb.ReloadPolicyRequest, context: grpc.ServicerContext) -> pb.PolicyInfo:
         with self._span("ReloadPolicy", context) as span:
