@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.waiting import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("specd", "specd_api", "decoder", "controller", "workloads", "refmodels")  # pyproject's packages.find
@@ -46,12 +47,6 @@ def run(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.Comple
     done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{args}\n{done.stdout}\n{done.stderr}"
     return done
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import logging
 import re
 import secrets
 import socket
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError, parse_yaml_model
 from tests.tls_certs import Pki, encrypted_copy, make_pki, uncomment
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0
@@ -340,19 +340,12 @@ def report(client: ControllerClient) -> None:
     client.report(segment="auth-client", rounds=[Round()] * 3, temperature=0.0, prompt_tokens=10, self_repetition=0.0)
 
 
-def wait_until(condition: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.02)
-
-
 def test_the_client_decides_and_reports_with_the_right_credentials(secured, pki, tokens):
     with client_for(secured, credentials(pki, token=tokens.write)) as client:
         assert client.wait_until_ready(TIMEOUT)
         assert decide(client).source == "controller"
         report(client)
-        wait_until(lambda: client.stats().reports_sent == 1, "report acknowledged")
+        wait_until(lambda: client.stats().reports_sent == 1, what="report acknowledged")
         assert client.stats().aggregates_dropped == 0
 
 
@@ -373,7 +366,7 @@ def test_reports_refused_for_the_read_token_stay_buffered_and_are_logged_once(se
     with client_for(secured, credentials(pki, token=tokens.read)) as client:
         assert decide(client).source == "controller"  # the read token decides
         report(client)
-        wait_until(lambda: client.stats().send_failures >= 3, "three refused sends")
+        wait_until(lambda: client.stats().send_failures >= 3, what="three refused sends")
         stats = client.stats()
         assert stats.reports_sent == 0 and stats.aggregates_dropped == 0 and stats.buffered > 0
         refused = [r for r in caplog.records if "for ReportRounds" in r.getMessage()]

@@ -12,13 +12,12 @@ import math
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from specd_api.checks import check_aggregate
 from specd_api.plan import Plan
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.waiting import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_POLICY = REPO / "policies" / "default.yaml"
@@ -325,12 +325,6 @@ def test_bad_config_is_refused_with_the_field_named(changes, named):
 # --- daemons and fakes ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def policy_with_a_forced_rule(folder: Path) -> Path:
     """The default policy plus one rule that switches `forced-off*` segments off."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -405,15 +399,6 @@ def started(client_config: ClientConfig, **kwargs) -> Iterator[ControllerClient]
 
 def stub_for(address: str) -> pb_grpc.ControllerStub:
     return pb_grpc.ControllerStub(grpc.insecure_channel(address))
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def segment_stats(stub: pb_grpc.ControllerStub, segment: str, rounds: float) -> pb.SegmentStats:

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +38,7 @@ from controller.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError
+from tests.waiting import wait_until
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
 UNREACHABLE_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
@@ -81,15 +82,6 @@ def stored_rounds(client: redis.Redis, prefix: str) -> float:
             float(v) for name, v in client.hgetall(key).items() if name.startswith("k|") and name.endswith("|rounds")
         )
     return total
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 20.0, every: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(every)
-    return bool(condition())
 
 
 @contextmanager
@@ -333,7 +325,7 @@ def test_a_torn_last_line_is_skipped_with_one_log_line(
     rounds = write_journal(state / "journal.jsonl", reports=3, per_report=2, torn_tail=True)
     with caplog.at_level(logging.INFO), running_daemon(state, embedded_redis_url) as daemon:
         learner = daemon.controller.learner
-        assert wait_until(lambda: not len(learner.journal))
+        assert wait_until(lambda: not len(learner.journal), timeout=20)
         check = make_client(embedded_redis_url, 2.0)
         assert stored_rounds(check, daemon.config.learning.prefix) == rounds
         check.close()

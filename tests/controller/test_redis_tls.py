@@ -12,13 +12,11 @@ from __future__ import annotations
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -34,6 +32,7 @@ from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError, parse_yaml_model
 from tests.tls_certs import Pki, make_pki, uncomment
+from tests.waiting import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -68,19 +67,13 @@ class TlsRedis:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
     if not Path(REDIS_SERVER).exists():
         pytest.skip("no redis-server on this machine (the embedded valkey has no TLS)")
     folder = tmp_path_factory.mktemp("tls-redis")
     pki = make_pki(folder / "pki")
-    port, password, admin_password = _free_port(), secrets.token_hex(16), secrets.token_hex(16)
+    port, password, admin_password = free_port(), secrets.token_hex(16), secrets.token_hex(16)
     config = folder / "redis.conf"
     config.write_text(
         f"port 0\nbind 127.0.0.1\ntls-port {port}\ntls-cert-file {pki.server.cert}\ntls-key-file {pki.server.key}\n"
@@ -151,13 +144,6 @@ def stored_rounds(admin: redis.Redis) -> float:
     return store.read_snapshot([SEGMENT]).segments[SEGMENT].rounds
 
 
-def wait_until(condition: Any, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.02)
-
-
 def denied(admin: redis.Redis) -> list[str]:
     """What the ACL refused since the last reset, as 'user: command on key'."""
     entries = admin.acl_log()
@@ -190,7 +176,7 @@ def test_controller_reports_and_decides_over_tls_as_the_acl_user(server: TlsRedi
             assert stub.ReportRounds(report("r1", 3), timeout=5).duplicate is True  # a worker's retry
             wait_until(
                 lambda: stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=SEGMENT), timeout=5).rounds == 8,
-                "the daemon reads back what it stored",
+                what="the daemon reads back what it stored",
             )
             stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=SEGMENT), timeout=5)
             assert not stats.stale
@@ -258,15 +244,15 @@ def test_credentials_refused_while_running_count_as_an_outage(server: TlsRedis, 
             assert stub.ReportRounds(report("before", 3), timeout=5).journaled is False
             server.admin.acl_setuser("specd", enabled=False)
             server.admin.client_kill_filter(user="specd")  # a user switched off keeps its open connections
-            wait_until(lambda: redis_health() == health_pb2.HealthCheckResponse.NOT_SERVING, "specd.redis down")
+            wait_until(lambda: redis_health() == health_pb2.HealthCheckResponse.NOT_SERVING, what="specd.redis down")
             during = stub.ReportRounds(report("during", 5), timeout=5)
             assert (during.rounds_accepted, during.journaled) == (5, True)
             request = pb.DecideRequest(segment=SEGMENT, batch_size=1, drafters=["prompt_lookup"])
             assert stub.Decide(request, timeout=5).stale is True
 
             server.admin.acl_setuser("specd", enabled=True)
-            wait_until(lambda: redis_health() == health_pb2.HealthCheckResponse.SERVING, "specd.redis back")
-            wait_until(lambda: stored_rounds(server.admin) == 8, "the journal replayed")
+            wait_until(lambda: redis_health() == health_pb2.HealthCheckResponse.SERVING, what="specd.redis back")
+            wait_until(lambda: stored_rounds(server.admin) == 8, what="the journal replayed")
             assert stub.Decide(request, timeout=5).stale is False
     finally:
         daemon.shutdown()

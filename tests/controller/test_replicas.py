@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_client import DECIDE_ARGS, REPORT_ARGS, REQUEST_ROUNDS, FakeController, k_stats, wait_until
 from tests.tls_certs import make_pki
+from tests.waiting import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_POLICY = REPO / "policies" / "default.yaml"
@@ -55,12 +55,6 @@ class Replica:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def policy_file(folder: Path, exploration: bool) -> Path:
