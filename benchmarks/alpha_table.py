@@ -1,8 +1,9 @@
 """α, τ and measured speedup per segment × drafter × K, greedy and sampled, on the segment workloads.
 
-For each segment, each prompt is decoded with every arm (no speculation, the draft model and prompt lookup
-at each K) back to back, so the speedups compare runs made under the same machine load. Writes a Markdown
-table and a JSON file, and prints the best arm per segment.
+For each segment, each prompt is decoded with every arm (no speculation, the draft model, prompt lookup and suffix
+decoding at each K; suffix decoding's cache holds the segment's earlier prompts' outputs) back to back, so the
+speedups compare runs made under the same machine load. Writes a Markdown table and a JSON file, and prints the best
+arm per segment.
 
     python benchmarks/alpha_table.py --target PATH --draft PATH [--ks 1,2,4,8] [--temperatures 0,0.8]
         [--prompts 12] [--out docs/alpha_table]
@@ -23,6 +24,7 @@ from decoder.engine import SpeculativeDecoder
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import Plan
 from workloads import Prompt, load_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +67,7 @@ class Cell:
 
 
 def arms(ks: list[int]) -> list[tuple[str, int]]:
-    return [("none", 0)] + [(d, k) for d in ("draft", "prompt_lookup") for k in ks]
+    return [("none", 0)] + [(d, k) for d in ("draft", "prompt_lookup", "suffix") for k in ks]
 
 
 def measure(
@@ -77,10 +79,16 @@ def measure(
             for n, prompt in enumerate(items):
                 ids = decoder.encode(prompt.prompt)
                 rules = StopRules(prompt.max_new_tokens)  # no EOS: every arm decodes the same length
+                served: list[int] = []
                 for drafter, k in arms(ks):
                     params = SamplingParams(temperature=temperature, seed=seed + n if temperature else None)
-                    result = decoder.generate(ids, drafter, k, params, rules)
+                    plan = Plan(drafter, k, segment=f"{segment}@{temperature}")  # suffix reads this segment's outputs
+                    result = decoder.generate(ids, drafter, k, params, rules, plan)
                     cells[(segment, temperature, drafter, k)].add(result.stats)
+                    served = served or result.token_ids
+                # Served only now: suffix decoding proposes from the segment's earlier prompts' outputs, as a worker
+                # that served them would, never from this prompt's own (every arm decodes the same prompt).
+                decoder.suffix_cache.add(f"{segment}@{temperature}", served)
             print(f"  {segment} at temperature {temperature}: {len(items)} prompts done", flush=True)
     return cells
 

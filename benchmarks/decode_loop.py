@@ -7,6 +7,7 @@ Variants, each on the same prompts with the same greedy settings:
   ours-none       our loop, drafter none                             (target only)
   ours-draft      our loop, draft model
   ours-lookup     our loop, prompt lookup
+  ours-suffix     our loop, suffix decoding (the request's own text: the loop fills no cache)
   ours-self       our loop, the target as its own draft (α = 1)      (pure loop overhead)
 
 It prints tokens/s and ratios, checks every variant's tokens against ours-none, and for our speculative
@@ -37,11 +38,13 @@ from decoder.choices import RUNNER_NAMES
 from decoder.engine import SpeculativeDecoder
 from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, resolve_device
-from decoder.native.llama import NativeLlama
+from decoder.runners import KVPool
+from decoder.runners.native import NativePass
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats, RoundRecord
 from specd.bench.isolated import engine_costs
+from specd.bench.suffix_cost import describe, measure_suffix_cost
 
 PROMPTS = [
     "def parse_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    return",
@@ -217,6 +220,7 @@ def main() -> None:
         "ours-none": ours_runner(ours, "none", 0, n),
         "ours-draft": ours_runner(ours, "draft", k, n),
         "ours-lookup": ours_runner(ours, "prompt_lookup", k, n),
+        "ours-suffix": ours_runner(ours, "suffix", k, n),
         "ours-self": ours_runner(ours_self, "draft", k, n),
     }
     prompts = [ours.encode(p) for p in PROMPTS]
@@ -244,17 +248,18 @@ def main() -> None:
 
     mid_context = prompts[0] + reference[0][: n // 2]
     costs = measure_costs(target, draft, mid_context, k)
-    print(f"runner {target.runner} ({type(open_sequence(target)).__name__}), device {device}, dtype {dtype}, "
+    print(f"runner {target.runner} (the {KVPool(target, 1).forward_pass.name} pass), device {device}, dtype {dtype}, "
           f"threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, interleaved")  # fmt: skip
     print(f"target {target.name} ({params_millions(target):.1f}M params), "
           f"draft {draft.name} ({params_millions(draft):.1f}M params)")  # fmt: skip
     print(f"costs, one forward alone: target step {costs.target_step_seconds * 1e3:.2f} ms, "
           f"c(draft) = {costs.c_draft:.3f}, v(K) = " + ", ".join(f"{x:.2f}" for x in costs.v))  # fmt: skip
-    loop = engine_costs(BatchEngine(target, draft), prompts, n) if target.runner == "auto" else None
-    if loop is not None:  # what a worker reports to the controller, measured without one (specd costs to compare)
-        print(f"costs, in the engine's loop (as a worker reports them): target step {loop.step_seconds * 1e3:.2f} ms, "
-              f"c(draft) = {loop.c_draft:.3f}, v(n) = " + ", ".join(f"{x:.2f}" for x in loop.v))  # fmt: skip
+    loop = engine_costs(BatchEngine(target, draft), prompts, n)  # what a worker reports, measured without one
+    print(f"costs, in the engine's loop (as a worker reports them): target step {loop.step_seconds * 1e3:.2f} ms, "
+          f"c(draft) = {loop.c_draft:.3f}, v(n) = " + ", ".join(f"{x:.2f}" for x in loop.v))  # fmt: skip
+    suffix = measure_suffix_cost(target.vocab_size, loop.step_seconds)  # the worker's cache, full
+    print(f"costs, suffix decoding at the cache's full size: {describe(suffix)}")
     bandwidth = read_bandwidth_gbps(device)
     print(f"memory read bandwidth (a sum over 256 MB): {bandwidth:.1f} GB/s")
     report(tallies, costs, len(prompts) * args.repeats)
@@ -273,11 +278,13 @@ def main() -> None:
                 for name, t in tallies.items()
             },
             "costs": {
-                "target_step_ms": (loop.step_seconds if loop else costs.target_step_seconds) * 1e3,
-                "c_draft": loop.c_draft if loop else costs.c_draft,
-                "v": loop.v if loop else costs.v,
+                "target_step_ms": loop.step_seconds * 1e3,
+                "c_draft": loop.c_draft,
+                "v": loop.v,
                 "forward_alone": {"target_step_ms": costs.target_step_seconds * 1e3, "c_draft": costs.c_draft,
                                   "v": costs.v},
+                "c_suffix": suffix.c_suffix,  # one proposal at the cache's full size / a target step
+                "suffix": dataclasses.asdict(suffix),
             },
             "bandwidth_gbps": bandwidth,
             "roofline": lines,
@@ -302,10 +309,9 @@ def read_bandwidth_gbps(device: torch.device, megabytes: int = 256, repeats: int
 def streamed_bytes(lm: LoadedModel, ours: bool) -> int:
     """Weight bytes one forward pass reads: the native pass's packed matrices where ours runs it, else every
     parameter but an untied input embedding (a pass reads only its rows)."""
-    if ours and lm.runner in ("auto", "native"):
-        native = NativeLlama.create(lm.model)
-        if native is not None:
-            return native.weight_bytes
+    step = KVPool(lm, 1).forward_pass if ours else None
+    if isinstance(step, NativePass):
+        return step.native.weight_bytes
     embedding = lm.model.get_input_embeddings().weight
     tied = embedding is lm.model.get_output_embeddings().weight
     return sum(p.numel() * p.element_size() for p in lm.model.parameters() if tied or p is not embedding)
@@ -363,7 +369,7 @@ def report(tallies: dict[str, Tally], costs: Costs, runs_total: int) -> None:
 
     print("\noverhead efficiency = measured decode speedup / predicted from measured tau, c and v(K)")
     print("  (c as the loop measures it, i.e. as workers report it to the controller; v(K) measured in isolation)")
-    for name in ("ours-draft", "ours-lookup", "ours-self"):
+    for name in ("ours-draft", "ours-lookup", "ours-suffix", "ours-self"):
         t = tallies[name]
         rounds = rounds_of(t)
         c = (

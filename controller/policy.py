@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 MAX_RULES = 1_000  # segment rules in one policy file
 RESOLVED_SEGMENTS = 10_000  # segments whose settings a policy remembers (the controller's segment cap is 1,000)
 
-DrafterName = Literal["draft", "prompt_lookup", "chain"]
-DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain")  # specd_api.plan.DRAFTERS, typed for pydantic
+DrafterName = Literal["draft", "prompt_lookup", "chain", "suffix"]
+# specd_api.plan.DRAFTERS, typed for pydantic
+DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain", "suffix")
 
 
 class PolicyModel(Strict):
@@ -83,6 +84,8 @@ def _default_drafters() -> dict[DrafterName, DrafterSettings]:
         "prompt_lookup": DrafterSettings(k_min=1, k_max=10, prior_alpha=0.3, cost_ratio=0.0),
         # lookup's one-hot rounds when it finds a match (c ≈ 0), else the draft model's: c between the two
         "chain": DrafterSettings(k_min=1, k_max=8, prior_alpha=0.5, cost_ratio=0.05),
+        # model-free like lookup (c ≈ 0); its proposals stop where the matched continuation's frequency falls
+        "suffix": DrafterSettings(k_min=1, k_max=16, prior_alpha=0.3, cost_ratio=0.0),
     }
 
 
@@ -111,7 +114,7 @@ class Settings(PolicyModel):
     probe_rounds: int = Field(4, ge=0, le=64, description="rounds a probe runs at k_max before adapting")
     k_headroom: int = Field(2, ge=0, le=64, description="a plan's K ceiling: the best K plus this much room")
     counterfactual: bool = Field(True, description="score prompt lookup on every round, whatever drafter runs")
-    force: Literal["draft", "prompt_lookup", "chain", "none"] | None = None
+    force: Literal["draft", "prompt_lookup", "chain", "suffix", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
     drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)
 
@@ -145,7 +148,7 @@ class SettingsOverride(PolicyModel):
     probe_rounds: int | None = Field(None, ge=0, le=64)
     k_headroom: int | None = Field(None, ge=0, le=64)
     counterfactual: bool | None = None
-    force: Literal["draft", "prompt_lookup", "chain", "none"] | None = None
+    force: Literal["draft", "prompt_lookup", "chain", "suffix", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64)
     drafters: dict[DrafterName, DrafterOverride] = Field(default_factory=dict)
 

@@ -1,9 +1,10 @@
 """Continuous batching: several sequences decoded together, one round each per step, with ragged acceptance.
 
 Sequences join (prefill) and leave between steps. Each step drafts for every sequence (the draft model in
-one batched pass per draft position, prompt lookup per sequence), verifies all of them in one batched
-target pass, and lets each sequence accept and roll back on its own: each advances by its own accepted
-count, and no accepted token is ever recomputed (the KV slots are truncated, not rebuilt).
+one batched pass per draft position, a chain's rounds that lookup cannot serve included; prompt lookup per
+sequence), verifies all of them in one batched target pass, and lets each sequence accept and roll back on its
+own: each advances by its own accepted count, and no accepted token is ever recomputed (the KV slots are
+truncated, not rebuilt).
 A sequence asked to draft 0 tokens decodes one plain target step in the same pass.
 
 Costs are attributed per sequence, as the controller learns them: each sequence is charged an equal share of
@@ -18,15 +19,16 @@ from collections.abc import Sequence
 
 import torch
 
-from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig
+from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig, SuffixCache
 from decoder.drafters.draft_model import propose_together
 from decoder.engine import DecodeSession, SpeculativeDecoder, make_drafter
 from decoder.kv_cache import ModelSequence
-from decoder.llama_fast import LlamaKVPool, PooledSequence
 from decoder.models import LoadedModel
+from decoder.runners import KVPool, PooledSequence
 from decoder.sampling import SamplingParams, make_generator
 from decoder.stopping import StopRules
 from specd_api.plan import Plan
+from specd_api.speedup import runs_draft_model
 
 WARM_UP_MAX_K = 8  # the K ceilings the default policy lets the draft model run
 WARM_UP_BATCH_SIZES = (1, 2, 4)
@@ -42,11 +44,13 @@ class BatchEngine(SpeculativeDecoder):
         draft: LoadedModel | None = None,
         prompt_lookup: PromptLookupConfig | None = None,
         max_batch: int = 16,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
-        super().__init__(target, draft, prompt_lookup)
+        super().__init__(target, draft, prompt_lookup, suffix_cache)
         self.max_batch = max_batch
-        self.target_pool = LlamaKVPool(target, max_batch, capacity=target.max_context or 1024)
-        self.draft_pool = LlamaKVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None
+        self.target_pool = KVPool(target, max_batch, capacity=target.max_context or 1024)
+        self.draft_pool = KVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None
+        self._stalls: dict[DecodeSession, tuple[int, float]] = {}  # injected: session -> (round, seconds)
 
     @property
     def free_slots(self) -> int:
@@ -73,6 +77,7 @@ class BatchEngine(SpeculativeDecoder):
     def close(self, session: DecodeSession) -> None:
         """Give the sequence's KV slots back (finished or cancelled)."""
         assert isinstance(session.target, PooledSequence)
+        self._stalls.pop(session, None)
         self.target_pool.release(session.target)
         self._release_drafter(session.drafter)
 
@@ -92,12 +97,25 @@ class BatchEngine(SpeculativeDecoder):
             rows.append((s.target, s.verify_input(d)))
         started = time.perf_counter()
         logits = self.target_pool.forward_many(rows)  # [K_i + 1, vocab] each
+        self._stall(sessions)  # an injected stall lands inside the timed pass, as a real one would
         verify_share = (time.perf_counter() - started) / len(sessions)
         # 3-5. Accept, emit and roll back, each sequence on its own.
         return [
             s.finish_round(k, d, out, seconds, verify_share, len(sessions))
             for s, k, d, out, seconds in zip(sessions, ks, drafts, logits, draft_seconds, strict=True)
         ]
+
+    def inject_stall(self, session: DecodeSession, seconds: float, at_round: int) -> None:
+        """Fault injection (decoder.worker.fault_injection): sleep ``seconds`` once, inside the timed target pass of
+        ``session``'s round ``at_round`` (0-based), so that its round record and telemetry carry the stall."""
+        self._stalls[session] = (at_round, seconds)
+
+    def _stall(self, sessions: Sequence[DecodeSession]) -> None:
+        for s in sessions:
+            due = self._stalls.get(s)
+            if due is not None and s.stats.num_rounds >= due[0]:
+                del self._stalls[s]
+                time.sleep(due[1])
 
     def warm_up(self, max_k: int = WARM_UP_MAX_K, batch_sizes: Sequence[int] = WARM_UP_BATCH_SIZES) -> int:
         """Decode a few rounds of every drafter at every K up to ``max_k`` and at each batch size, before serving.
@@ -108,6 +126,8 @@ class BatchEngine(SpeculativeDecoder):
         rules = StopRules(max_new_tokens=2 * max_k * (max_k + 1) + 8)
         rounds = 0
         for drafter in self.drafters:
+            if drafter == "chain":
+                continue  # its rounds are prompt lookup's and the draft model's, in the shapes warmed for those
             for batch in sorted({min(b, self.free_slots) for b in batch_sizes if b >= 1}):
                 sessions = [self.open(prompt, drafter, SamplingParams(), rules) for _ in range(batch)]
                 try:
@@ -125,11 +145,20 @@ class BatchEngine(SpeculativeDecoder):
     def _draft(self, sessions: Sequence[DecodeSession], ks: Sequence[int], seconds: list[float]) -> list[Draft]:
         """Every session's draft; adds each one's share of the drafting time to ``seconds[i]``."""
         drafts: list[Draft | None] = [None] * len(sessions)
-        together = [i for i, s in enumerate(sessions) if isinstance(s.drafter, DraftModelDrafter) and ks[i] > 0]
+        # The sequences whose round the draft model drafts (a chain's when prompt lookup finds no match).
+        together: list[int] = []
+        models: list[DraftModelDrafter] = []
+        for i, s in enumerate(sessions):
+            started = time.perf_counter()
+            model = s.drafter.draft_model
+            if model is not None and s.drafter.drafts_with_model(s.context, ks[i]):
+                together.append(i)
+                models.append(model)
+            seconds[i] += time.perf_counter() - started
         if together:
             pool = self.draft_pool
             assert pool is not None
-            row_of = {id(sessions[i].drafter.seq): i for i in together}  # type: ignore[attr-defined]
+            row_of = {id(m.seq): i for i, m in zip(together, models, strict=True)}
 
             def forward(batch: list[tuple[ModelSequence, torch.Tensor]]) -> list[torch.Tensor]:
                 rows = [(seq, ids) for seq, ids in batch if isinstance(seq, PooledSequence)]
@@ -143,7 +172,7 @@ class BatchEngine(SpeculativeDecoder):
 
             started = time.perf_counter()
             made = propose_together(
-                [sessions[i].drafter for i in together],  # type: ignore[misc]
+                models,
                 [sessions[i].context for i in together],
                 [ks[i] for i in together],
                 forward,
@@ -164,10 +193,11 @@ class BatchEngine(SpeculativeDecoder):
         self, name: str, params: SamplingParams, generator: torch.Generator | None, plan: Plan | None
     ) -> Drafter:
         """Like ``_make_drafter``, with the draft model's cache in a slot of the pool (released by ``close``)."""
-        sequence = self.draft_pool.open() if name == "draft" and self.draft_pool is not None else None
-        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, sequence, plan)
+        sequence = self.draft_pool.open() if runs_draft_model(name) and self.draft_pool is not None else None
+        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, sequence, plan, self.suffix_cache)
 
     def _release_drafter(self, drafter: Drafter) -> None:
-        if isinstance(drafter, DraftModelDrafter) and self.draft_pool is not None:
-            assert isinstance(drafter.seq, PooledSequence)
-            self.draft_pool.release(drafter.seq)
+        model = drafter.draft_model
+        if model is not None and self.draft_pool is not None:
+            assert isinstance(model.seq, PooledSequence)
+            self.draft_pool.release(model.seq)

@@ -10,5 +10,5 @@ __all__ = ["DRAFTER_NAMES", "DTYPE_NAMES", "RUNNER_NAMES"]
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "float64")
 # auto: the native pass where it applies (decoder/native), else the lean PyTorch one, else transformers';
 # native: the native pass or an error; lean: the lean PyTorch pass (Llama); invariant: the lean pass in fixed shapes,
-# batch-invariant in any dtype (decoder/llama_invariant.py); transformers: always theirs
+# batch-invariant in any dtype; transformers: always theirs. decoder.runners.select_pass is the only reader
 RUNNER_NAMES = ("auto", "native", "lean", "invariant", "transformers")

@@ -13,13 +13,25 @@ from typing import Any
 import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
-from decoder.drafters import Draft, Drafter, DraftModelDrafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from decoder.drafters import (
+    ChainDrafter,
+    Draft,
+    Drafter,
+    DraftModelDrafter,
+    NoDrafter,
+    PromptLookupConfig,
+    PromptLookupDrafter,
+    SuffixCache,
+    SuffixConfig,
+    SuffixDrafter,
+)
 from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, trim_stop_string
 from decoder.telemetry import RequestStats, RoundRecord
 from specd_api.plan import DRAFTER_NAMES, Plan
+from specd_api.speedup import runs_draft_model
 
 
 def clamp_k(k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
@@ -130,6 +142,13 @@ class DecodeSession:
         """What the target runs this round: the last context token, then the draft.  # [K + 1] int64"""
         return torch.cat([self.context[-1:], draft.tokens])
 
+    def rewind(self) -> None:
+        """Put both caches back where the last whole round left them (a round that raised part-way may have fed the
+        target and the draft model tokens the context does not hold): then ``step`` can run again."""
+        if self.target.length >= self.context.shape[0]:
+            self.target.truncate(self.context.shape[0] - 1)
+        self.drafter.rollback(self.context)
+
     def finish_round(
         self,
         k: int,
@@ -196,24 +215,28 @@ class DecodeSession:
 
 
 class SpeculativeDecoder:
-    """A loaded target, optionally a draft model, and the drafters they make possible."""
+    """A loaded target, optionally a draft model, and the drafters they make possible. ``suffix_cache`` holds the
+    outputs suffix decoding proposes from (one per worker: whoever serves requests fills it); by default an empty
+    one, so suffix decoding reads the request's own text until something is added."""
 
     def __init__(
         self,
         target: LoadedModel,
         draft: LoadedModel | None = None,
         prompt_lookup: PromptLookupConfig | None = None,
+        suffix_cache: SuffixCache | None = None,
     ) -> None:
         if draft is not None:
             check_pair(target, draft)
         self.target = target
         self.draft = draft
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
+        self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters this worker can run."""
-        return tuple(name for name in DRAFTER_NAMES if name != "draft" or self.draft is not None)
+        """The drafters this worker can run: those that run the draft model (draft, chain) only with one."""
+        return tuple(name for name in DRAFTER_NAMES if self.draft is not None or not runs_draft_model(name))
 
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -254,7 +277,8 @@ class SpeculativeDecoder:
     def _make_drafter(
         self, name: str, params: SamplingParams, generator: torch.Generator | None, plan: Plan | None = None
     ) -> Drafter:
-        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, plan=plan)
+        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, plan=plan,
+                            suffix_cache=self.suffix_cache)  # fmt: skip
 
 
 def make_drafter(
@@ -265,21 +289,26 @@ def make_drafter(
     generator: torch.Generator | None,
     draft_sequence: ModelSequence | None = None,
     plan: Plan | None = None,
+    suffix_cache: SuffixCache | None = None,
 ) -> Drafter:
     """The drafter called ``name`` for one sequence (the draft model's cache in ``draft_sequence`` if given),
-    choosing K per round by ``plan`` when given."""
+    choosing K per round by ``plan`` when given; suffix decoding reads ``suffix_cache`` for the plan's segment."""
     made: Drafter
-    if name == "draft":
+    if runs_draft_model(name):
         if draft is None:
-            raise ValueError("drafter 'draft' needs a draft model (--draft PATH)")
+            raise ValueError(f"drafter {name!r} needs a draft model (--draft PATH)")
         threshold = plan.stop_threshold if plan is not None else 0.0
-        made = DraftModelDrafter(draft, params, generator, draft_sequence, stop_threshold=threshold)
+        model = DraftModelDrafter(draft, params, generator, draft_sequence, stop_threshold=threshold)
+        made = ChainDrafter(PromptLookupDrafter(prompt_lookup), model) if name == "chain" else model
     elif name == "prompt_lookup":
         made = PromptLookupDrafter(prompt_lookup)
+    elif name == "suffix":
+        config = suffix_cache.config if suffix_cache is not None else SuffixConfig()
+        made = SuffixDrafter(config, suffix_cache, plan.segment if plan is not None else "")
     elif name == "none":
         made = NoDrafter()
     else:
-        raise ValueError(f"unknown drafter {name[:40]!r}; choose one of draft, prompt_lookup, none")
+        raise ValueError(f"unknown drafter {name[:40]!r}; choose one of {', '.join(DRAFTER_NAMES)}")
     if plan is not None and plan.adaptive:
         made.adapt(plan)
     return made

@@ -9,6 +9,7 @@ from typing import Any
 
 from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES, RUNNER_NAMES
 from specd_api.errors import UsageError
+from specd_api.speedup import runs_draft_model
 
 
 def add_parser(commands: Any) -> None:
@@ -38,7 +39,7 @@ def add_parser(commands: Any) -> None:
         "--runner",
         default="auto",
         choices=RUNNER_NAMES,
-        help="auto: a lean forward for Llama models, transformers' for the rest; transformers: always theirs",
+        help="auto: native, else lean (Llama models), else transformers'; README, 'The native pass'",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
     p.set_defaults(handler=run)
@@ -52,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from decoder.stopping import StopRules
 
     drafter = args.drafter or ("draft" if args.draft else "none")
-    if drafter == "draft" and not args.draft:
-        raise UsageError("--drafter draft needs --draft PATH")
+    if runs_draft_model(drafter) and not args.draft:
+        raise UsageError(f"--drafter {drafter} needs --draft PATH")
     if args.k < 0:
         raise UsageError(f"--k must be >= 0, got {args.k}")
     try:
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     target = load_model(args.target, device, dtype, args.runner)
-    draft = load_model(args.draft, device, dtype, args.runner) if args.draft and drafter == "draft" else None
+    draft = load_model(args.draft, device, dtype, args.runner) if args.draft and runs_draft_model(drafter) else None
     decoder = SpeculativeDecoder(target, draft, lookup)
     prompt_ids = decoder.encode(prompt)
     if not prompt_ids:

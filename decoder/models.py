@@ -27,7 +27,7 @@ class LoadedModel:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     name: str  # the path it came from, for messages
     device: torch.device
-    runner: str = "auto"  # decoder.choices.RUNNER_NAMES
+    runner: str = "auto"  # decoder.choices.RUNNER_NAMES; read by decoder.runners.select_pass alone
 
     @property
     def vocab_size(self) -> int:

@@ -70,9 +70,12 @@ def _mask_outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     # logits: [n, vocab]
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [n, vocab]
-    # A token is dropped when the mass strictly before it already reaches top_p; the first always stays.
+    # A token is dropped when the mass strictly before it already reaches top_p. The most likely token always stays:
+    # its mass before is 0, and so is a top_p under float32's smallest number (1e-46 compares as 0 with a float32
+    # tensor), which once dropped every token and killed the decode loop (issue 22).
     mass_before = cumulative - torch.softmax(sorted_logits, dim=-1)
     drop_sorted = mass_before >= top_p
+    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
     return logits.masked_fill(drop, -math.inf)
 

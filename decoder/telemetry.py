@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 class RoundRecord:
     """One draft + verify round. Timings are this sequence's share when its round ran batched with others."""
 
-    drafter: str  # "draft" | "prompt_lookup" | "none"
+    drafter: str  # "draft" | "prompt_lookup" | "chain" | "suffix" | "none"
     k: int  # the K this round ran with (the plan's ceiling, cut to the budget and chosen per round)
     num_drafted: int  # tokens actually proposed, <= k (prompt lookup may find fewer; a draft may stop early)
     num_accepted: int  # leading draft tokens kept, 0..num_drafted

@@ -17,7 +17,9 @@ from specd_api.speedup import best_k, speedup_curve
 if TYPE_CHECKING:
     from specd_api.v1 import controller_pb2 as pb
 
-DRAFTERS = ("draft", "prompt_lookup")  # what can speculate; "none" is always possible
+# What can speculate ("none" is always possible); chain: prompt lookup, the draft model when lookup finds no match;
+# suffix: the most frequent continuation in the request's text and its segment's earlier outputs.
+DRAFTERS = ("draft", "prompt_lookup", "chain", "suffix")
 DRAFTER_NAMES = (*DRAFTERS, "none")
 Source = Literal["controller", "table", "last_decision", "local_default", "request"]
 Fallback = Literal["timeout", "unavailable", "error"]
@@ -50,9 +52,9 @@ class Plan:
     verify_cost: tuple[float, ...] = ()  # v(n), n = 0..k, at the request's batch size
     probe_rounds: int = 0  # rounds run at k before adapting (a probe observes every position)
     counterfactual_k: int = 0  # prompt lookup's would-be proposals scored per round (0: off)
+    calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
     # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
     # controller did not answer in time.
-    calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
     source: Source = "controller"
     fallback: Fallback | None = None
     latency_s: float = 0.0
@@ -86,16 +88,16 @@ class Plan:
             verify_cost=self.verify_cost,
             probe_rounds=self.probe_rounds,
             counterfactual_k=self.counterfactual_k,
+            calibration=self.calibration,
         )
 
-            calibration=self.calibration,
-    @classmethod
-    def from_proto(cls, msg: pb.Decision, latency_s: float = 0.0) -> Plan:
     @property
     def model_speedup(self) -> float:
         """The speedup model's expectation before calibration (what realised speedups are checked against)."""
         return self.expected_speedup / self.calibration if self.calibration > 0 else self.expected_speedup
 
+    @classmethod
+    def from_proto(cls, msg: pb.Decision, latency_s: float = 0.0) -> Plan:
         return cls(
             drafter=msg.drafter,
             k=msg.k,
@@ -113,9 +115,9 @@ class Plan:
             verify_cost=tuple(msg.verify_cost),
             probe_rounds=msg.probe_rounds,
             counterfactual_k=msg.counterfactual_k,
+            calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
             source="controller",
             latency_s=latency_s,
-            calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
         )
 
 

@@ -20,7 +20,7 @@ from workloads import build as builder
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "workloads"
-SEGMENTS = ("code", "prose", "structured", "extractive", "adversarial")
+SEGMENTS = ("code", "prose", "structured", "extractive", "adversarial", "toolcall")
 MIN_PROMPTS = 40
 WINDOW, STEP = 120, 50  # the overlap rule: no 120-char window (taken every 50 chars) occurs in training
 BLOCK = 40  # this test's own index: aligned 40-char blocks; any 120-char match contains one (120 >= 2*40 - 1)
@@ -53,7 +53,7 @@ def test_fields_and_types(workloads):
 
 def test_temperatures_match_the_segment(workloads):
     """Greedy where speculation should win, mixed for prose, hot (1.2-1.5) where it should lose."""
-    for segment in ("code", "structured", "extractive"):
+    for segment in ("code", "structured", "extractive", "toolcall"):
         assert {p.temperature for p in workloads[segment]} == {0.0}, segment
     assert {p.temperature for p in workloads["prose"]} == {0.0, 0.8}
     assert all(1.2 <= p.temperature <= 1.5 for p in workloads["adversarial"])
@@ -90,6 +90,21 @@ def test_extractive_prompts_cover_the_kinds(workloads):
     }
     for kind, pattern in kinds.items():
         assert sum(bool(re.match(pattern, p.prompt)) for p in workloads["extractive"]) >= 5, kind
+
+
+def test_toolcall_prompts_repeat_few_schemas_across_requests(workloads):
+    """Each prompt is a log of 1-3 JSON tool calls ending in an opened call; across the prompts the same five tools
+    recur with the same argument keys (the structure suffix decoding's cache can learn), while no prompt shows them
+    all (what prompt lookup can copy from the prompt alone)."""
+    schemas: dict[str, set[tuple[str, ...]]] = {}
+    for p in workloads["toolcall"]:
+        header, *calls, opened = p.prompt.split("\n")
+        assert header.startswith("# tool calls") and opened == '{"tool": "' and 1 <= len(calls) <= 3, p.id
+        for call in map(json.loads, calls):
+            schemas.setdefault(call["tool"], set()).add(tuple(call["arguments"]))
+        assert len({json.loads(c)["tool"] for c in calls}) < 5, p.id
+    assert len(schemas) == 5 and all(len(keys) == 1 for keys in schemas.values()), schemas
+    assert all(sum(tool in p.prompt for p in workloads["toolcall"]) >= 10 for tool in schemas)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -30,11 +30,13 @@ from pathlib import Path
 from refmodels.corpus import CorpusConfig, Document, structured_document, train_documents, validation_documents
 from workloads import Prompt
 
-SEGMENTS: tuple[str, ...] = ("code", "prose", "structured", "extractive", "adversarial")
+SEGMENTS: tuple[str, ...] = ("code", "prose", "structured", "extractive", "adversarial", "toolcall")
 PROMPTS_PER_SEGMENT = 48
 SEED = 2024  # the builder's own random choices
 STRUCTURED_SEED = 101  # CorpusConfig seed for generated structured text; training uses CorpusConfig().seed == 0
-MAX_NEW_TOKENS: dict[str, int] = {"code": 96, "prose": 96, "structured": 96, "extractive": 128, "adversarial": 64}
+MAX_NEW_TOKENS: dict[str, int] = {
+    "code": 96, "prose": 96, "structured": 96, "extractive": 128, "adversarial": 64, "toolcall": 128,
+}  # fmt: skip
 ADVERSARIAL_TEMPERATURES: tuple[float, ...] = (1.2, 1.3, 1.4, 1.5)
 PROSE_TEMPERATURES: tuple[float, ...] = (0.0, 0.8)  # alternating, by prompt index
 
@@ -477,6 +479,75 @@ def adversarial_streams(code_docs: Sequence[Document], rng: random.Random) -> li
 
 
 # ---------------------------------------------------------------------------------------------------------
+# toolcall: JSON tool calls whose few schemas recur across requests (where suffix decoding should win)
+
+_PROJECTS = ("billing", "checkout", "search", "mobile-app", "data-platform", "identity", "warehouse-ops")
+_TICKET_WORDS = ("timeout", "refund", "stuck", "duplicate", "login", "export", "invoice", "crash", "slow", "missing")
+_FIRST_NAMES = ("amara", "bjorn", "chiara", "dmitri", "elif", "farah", "goran", "hana", "ines", "jonas", "keiko")
+_LOCALES = ("en-US", "de-DE", "fr-FR", "ja-JP", "pt-BR", "es-MX")
+
+
+def _date(rng: random.Random) -> str:
+    return f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+
+
+def _ticket(rng: random.Random) -> dict[str, object]:
+    project = rng.choice(_PROJECTS)
+    return {
+        "project": project, "title": " ".join(rng.sample(_TICKET_WORDS, 3)),
+        "priority": rng.choice(("low", "medium", "high", "urgent")), "assignee": f"oncall-{project}",
+        "labels": sorted(rng.sample(_WORDS, 2)),
+    }  # fmt: skip
+
+
+def _orders(rng: random.Random) -> dict[str, object]:
+    return {
+        "customer_id": rng.randint(10000, 99999), "status": rng.choice(("open", "shipped", "cancelled", "refunded")),
+        "since": _date(rng), "limit": rng.choice((10, 20, 50)),
+    }  # fmt: skip
+
+
+def _inventory(rng: random.Random) -> dict[str, object]:
+    return {
+        "warehouse": rng.choice(_WAREHOUSES), "item": rng.choice(_ITEMS),
+        "delta": rng.choice((-1, 1)) * rng.randint(1, 90),
+        "reason": rng.choice(("restock", "damage", "audit", "return")),
+    }  # fmt: skip
+
+
+def _email(rng: random.Random) -> dict[str, object]:
+    name = rng.choice(_FIRST_NAMES)
+    return {
+        "to": f"{name}@example.com", "template": rng.choice(("welcome", "password_reset", "invoice", "reminder")),
+        "locale": rng.choice(_LOCALES), "variables": {"name": name.title(), "plan": rng.choice(_PLANS)},
+    }  # fmt: skip
+
+
+def _metrics(rng: random.Random) -> dict[str, object]:
+    return {
+        "service": rng.choice(_OWNERS) + "-" + rng.choice(("api", "worker", "db")), "region": rng.choice(_REGIONS),
+        "metric": rng.choice(("latency_p99_ms", "error_rate", "cpu_utilization", "requests_per_second")),
+        "window": rng.choice(("5m", "1h", "24h")),
+    }  # fmt: skip
+
+
+TOOLS: dict[str, Callable[[random.Random], dict[str, object]]] = {
+    "create_ticket": _ticket, "search_orders": _orders, "update_inventory": _inventory, "send_email": _email,
+    "get_metrics": _metrics,
+}  # fmt: skip
+
+
+def tool_call_log(rng: random.Random) -> str:
+    """An agent's log of tool calls, one JSON object per line, ending in an opened call: 1-3 calls of 1-3 of the
+    five tools, so a prompt shows few of the schemas its continuation (more calls) will use; the schemas recur
+    across requests, their values do not."""
+    lines = ["# tool calls, one JSON object per line\n"]
+    for name in rng.choices(list(TOOLS), k=rng.randint(1, 3)):
+        lines.append(json.dumps({"tool": name, "arguments": TOOLS[name](rng)}) + "\n")
+    return "".join(lines) + '{"tool": "'
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Assembly
 
 
@@ -495,13 +566,16 @@ def segment_prompts(segment: str, accept: Accept) -> list[str]:
         streams = extractive_streams(code_docs, rng)
     elif segment == "adversarial":
         streams = adversarial_streams(code_docs, rng)
+    elif segment == "toolcall":
+        streams = [[tool_call_log(rng) for _ in range(2 * PROMPTS_PER_SEGMENT)]]
     else:
         raise ValueError(f"unknown segment {segment!r}; choose one of {SEGMENTS}")
     return take(interleave(*(filter(accept, stream) for stream in streams)), PROMPTS_PER_SEGMENT, segment)
 
 
 def temperature(segment: str, index: int, rng: random.Random) -> float:
-    """0.0 (greedy) for code/structured/extractive, alternating 0.0/0.8 for prose, 1.2-1.5 for adversarial."""
+    """0.0 (greedy) for code/structured/extractive/toolcall, alternating 0.0/0.8 for prose, 1.2-1.5 for
+    adversarial."""
     if segment == "prose":
         return PROSE_TEMPERATURES[index % len(PROSE_TEMPERATURES)]
     if segment == "adversarial":

@@ -2,16 +2,23 @@
 
 from decoder.choices import DRAFTER_NAMES
 from decoder.drafters.base import Draft, Drafter, NoDrafter
+from decoder.drafters.chain import ChainDrafter
 from decoder.drafters.draft_model import DraftModelDrafter
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, find_continuation
+from decoder.drafters.suffix import SuffixDrafter
+from decoder.drafters.suffix_cache import SuffixCache, SuffixConfig
 
 __all__ = [
     "DRAFTER_NAMES",
+    "ChainDrafter",
     "Draft",
     "DraftModelDrafter",
     "Drafter",
     "NoDrafter",
     "PromptLookupConfig",
     "PromptLookupDrafter",
+    "SuffixCache",
+    "SuffixConfig",
+    "SuffixDrafter",
     "find_continuation",
 ]

@@ -53,6 +53,13 @@ class DraftModelDrafter(Drafter):
 
         return propose_together([self], [context], [k], forward)[0]
 
+    @property
+    def draft_model(self) -> DraftModelDrafter:
+        return self
+
+    def drafts_with_model(self, context: torch.Tensor, k: int) -> bool:
+        return k > 0
+
     def usable_k(self, context: torch.Tensor, k: int) -> int:
         """``k`` cut so that drafting stays inside the draft model's context (it feeds up to L + K - 2)."""
         max_context = self.seq.lm.max_context

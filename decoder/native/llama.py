@@ -1,8 +1,9 @@
-"""The native Llama pass (``llama_step.c``) behind the pool's interface: weights packed once, one call per pass.
+"""The native Llama pass (``llama_step.c``) behind decoder/runners/native.py: weights packed once, one call per pass.
 
 ``NativeLlama.create(model, why)`` returns ``None`` (and appends the reason to ``why``) for anything the kernel
-does not cover, and the pool then runs its PyTorch forward. Covered: a plain float32 ``LlamaForCausalLM`` on a CPU
-with AVX2 and FMA, SiLU MLP, no biases, a rotary embedding whose tables depend on the position only.
+does not cover (the native pass then says why, and ``auto`` runs the lean pass). Covered: a plain float32
+``LlamaForCausalLM`` on a CPU with AVX2 and FMA, SiLU MLP, no biases, a rotary embedding whose tables depend on the
+position only.
 
 Weights are packed into panels of 16 outputs (``pack_panels``), as bfloat16 when every value of every matrix is
 exactly a bfloat16 (the shipped reference pair is: it is stored in bf16 and loaded as float32), else as float32.

@@ -18,11 +18,12 @@ from starlette.exceptions import HTTPException
 
 from decoder.sampling import SamplingParams
 from decoder.worker.auth import ApiKeyCheck
-from decoder.worker.config import SEGMENT_PATTERN
+from decoder.worker.config import ClientSpeculation
 from decoder.worker.limits import BodyLimit, clip, quote
 from decoder.worker.openai_api import (
     ChatRequest,
     CompletionRequest,
+    SpeculationChoice,
     chat_body,
     chat_chunk,
     completion_body,
@@ -34,6 +35,7 @@ from decoder.worker.openai_api import (
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, Speculation, WorkerService
 from specd_api.errors import SpecdError
+from specd_api.segments import SEGMENT_PATTERN
 
 SEGMENT_HEADER = "x-specd-segment"
 RETRY_AFTER_SECONDS = 1
@@ -207,6 +209,7 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
         raise BadRequest("segment", f"{quote(segment)} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
+    check_speculation(body.speculation, cfg.client_speculation)
     return RequestSpec(
         prompt_text=text,
         prompt_ids=ids,
@@ -216,12 +219,26 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
         segment=segment,
         trace_context=propagate.extract(dict(request.headers)),
         stream=bool(body.stream),
+        share_outputs=body.share_outputs,
         speculation=(
             Speculation(body.speculation.drafter, body.speculation.k, body.speculation.report)
             if body.speculation is not None
             else None
         ),
     )
+
+
+def check_speculation(chosen: SpeculationChoice | None, bounds: ClientSpeculation) -> None:
+    """A client's own drafter and K are bounded by the worker's ``client_speculation``: four requests at K=64 once
+    slowed every other request ~10x (each verify pass 65 tokens wide, each round 64 draft passes)."""
+    if chosen is None:
+        return
+    if not bounds.allowed:
+        raise BadRequest("speculation", "this worker does not take a client's choice of drafter and K "
+                                        "(client_speculation.allowed is false)")  # fmt: skip
+    if chosen.k > bounds.max_k:
+        raise BadRequest("speculation.k", f"{chosen.k} is above this worker's limit of {bounds.max_k} "
+                                          "(client_speculation.max_k)")  # fmt: skip
 
 
 async def serve(

@@ -6,17 +6,20 @@ own folder. Certificate, key and token files are checked, and the tokens read, w
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.security import ClientTls, ControllerCredentials, Secret
+from specd_api.segments import SEGMENT_PATTERN
 from specd_api.targets import check_address, parse_target
 from specd_api.yaml_config import load_yaml_model
 
-SEGMENT_PATTERN = r"^[A-Za-z0-9_.:/-]{1,128}$"
+if TYPE_CHECKING:
+    from decoder.drafters.suffix_cache import SuffixConfig
 
 
 class ControllerLink(Strict):
@@ -93,21 +96,78 @@ class PromptLookupSettings(Strict):
         return self
 
 
+class SuffixSettings(Strict):
+    """Suffix decoding (decoder/drafters/suffix.py) and the worker's cache of served outputs it proposes from."""
+
+    depth: int = Field(16, ge=2, le=64, description="tokens per suffix-trie path: the longest match")
+    min_probability: float = Field(0.1, ge=0.0, le=1.0, description="a proposal ends where the observed frequency "
+                                   "of its continuation falls under this")  # fmt: skip
+    max_tokens_per_match_token: float = Field(1.0, gt=0.0, le=64.0, description="proposed tokens per matched token")
+    own_window: int = Field(2048, ge=1, description="tokens of a request's own text indexed (the prompt's tail, "
+                            "then its output)")  # fmt: skip
+    cache_bytes: int = Field(64 << 20, ge=0, description="the cache of served outputs, in bytes (0: none)")
+    max_segment_share: float = Field(0.5, gt=0.0, le=1.0, description="the most of cache_bytes one segment holds")
+    private_segments: list[str] = Field(
+        default_factory=list, max_length=1000, description="segments (names or globs) whose outputs never enter the "
+        "cache, whatever a request says (share_outputs: false does it per request)",
+    )  # fmt: skip
+
+    def config(self) -> SuffixConfig:
+        from decoder.drafters.suffix_cache import SuffixConfig  # torch comes with the drafters: not at config load
+
+        return SuffixConfig(self.depth, self.min_probability, self.max_tokens_per_match_token, self.own_window,
+                            self.cache_bytes, self.max_segment_share)  # fmt: skip
+
+    def is_private(self, segment: str) -> bool:
+        return any(fnmatch.fnmatchcase(segment, pattern) for pattern in self.private_segments)
+
+
 class RequestLimits(Strict):
     """Bounds on one request, checked before the work they bound: the body before JSON parsing (chunked bodies
-    included), a text prompt's characters before tokenizing, a prompt's tokens before queueing."""
+    included), a text prompt's characters before tokenizing, a prompt's tokens before queueing; and on what a
+    connection holds (decoder/worker/connections.py)."""
 
     max_request_bytes: int = Field(1 << 20, ge=1024, description="request body, in bytes; larger gets 413")
     max_prompt_chars: int = Field(
         200_000, ge=1, description="characters of a text prompt (a chat's message texts together)"
     )
     max_prompt_tokens: int = Field(32_768, ge=1, description="tokens of a prompt, given as ids or tokenized")
+    request_read_seconds: float = Field(
+        30.0, gt=0, le=3600, description="a request's head and body must arrive whole within this, from the "
+        "connection's opening or its previous response; else the connection is closed",
+    )  # fmt: skip
+    keep_alive_seconds: int = Field(5, ge=1, le=3600, description="an idle connection is closed after this")
+    max_header_bytes: int = Field(16_384, ge=1024, description="a request's head (request line and headers); "
+                                  "larger gets 400")  # fmt: skip
+    max_connections: int = Field(4096, ge=1, description="connections served at once; a request beyond gets 503")
+
+
+class ClientSpeculation(Strict):
+    """What a client may choose with the request's ``speculation`` field (a drafter and K for its own request)."""
+
+    allowed: bool = Field(True, description="false: a request naming its speculation gets 400")
+    max_k: int = Field(
+        8, ge=0, le=64, description="the largest K a client may ask for (the default policy's k_max for the draft "
+        "model); four clients at K=64 once made every other request 11x slower than four at K=0, at 8 it is 1.8x",
+    )  # fmt: skip
 
 
 class MetricsSettings(Strict):
     max_segments: int = Field(
         100, ge=1, description="segment label values on /metrics; traffic of later segments is counted as _overflow"
     )
+
+
+class FaultInjection(Strict):
+    """Faults the worker puts into its own work on purpose, to measure robustness (``specd bench --noise``); off by
+    default. Never set it on a worker that serves real traffic."""
+
+    stall_share: float = Field(
+        0.0, ge=0.0, le=1.0, description="the share of requests stalled once, inside the timed target pass of their "
+        "second round (what the round's timing and the controller's telemetry see); 0: off",
+    )  # fmt: skip
+    stall_ms: float = Field(0.0, ge=0.0, le=600_000.0, description="each stall, in milliseconds")
+    seed: int = Field(0, description="seeds which requests are stalled (the same seed and traffic: the same ones)")
 
 
 class WorkerConfig(Strict):
@@ -141,11 +201,16 @@ class WorkerConfig(Strict):
     )
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     prompt_lookup: PromptLookupSettings = Field(default_factory=lambda: PromptLookupSettings())
+    suffix: SuffixSettings = Field(default_factory=lambda: SuffixSettings())
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
+    client_speculation: ClientSpeculation = Field(default_factory=lambda: ClientSpeculation())
     metrics: MetricsSettings = Field(default_factory=lambda: MetricsSettings())
     controller: ControllerLink = Field(default_factory=lambda: ControllerLink())
     auth: ApiAuth = Field(default_factory=lambda: ApiAuth())
     telemetry: WorkerTelemetry = Field(default_factory=lambda: WorkerTelemetry())
+    fault_injection: FaultInjection = Field(
+        default_factory=lambda: FaultInjection(), description="stalls injected on purpose (benchmarks); default off"
+    )
 
     def resolve(self, base: Path) -> WorkerConfig:
         """Relative paths against ``base`` (the config file's folder)."""

@@ -4,6 +4,7 @@ error messages only in part (``quote``), so a 10 KB header never comes back whol
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -17,6 +18,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 QUOTE_CHARS = 64  # the most characters of a client's value an error message repeats
 MESSAGE_CHARS = 500  # the longest error message the worker sends
+# After a 413, the rest of the body is read and dropped, up to these bounds, before the connection is closed: closed
+# with unread bytes, a socket is reset, and a client still sending lost the 413 to the reset (issue 22).
+DISCARD_BYTES = 64 << 20
+DISCARD_SECONDS = 10.0
 
 
 def quote(value: str, limit: int = QUOTE_CHARS) -> str:
@@ -32,7 +37,9 @@ def clip(message: str, limit: int = MESSAGE_CHARS) -> str:
 
 
 class BodyTooLarge(ValueError):
-    pass
+    def __init__(self, message: str, more: bool = True) -> None:
+        super().__init__(message)
+        self.more = more  # more of the body is still to come
 
 
 class BodyLimit:
@@ -41,6 +48,10 @@ class BodyLimit:
     A Content-Length above the limit is refused at once; otherwise the body is read here, counting as it
     arrives (a chunked body has no Content-Length), and handed to the app only once it is whole and within
     the limit. The app reads bodies whole anyway (JSON), so buffering here costs no extra memory.
+
+    The 413 is sent whole at once with ``Connection: close``; the rest of the body is then read and dropped (up to
+    ``DISCARD_BYTES`` or ``DISCARD_SECONDS``) before the response ends and the connection closes, so that a client
+    still sending gets the 413 and an orderly close, not a reset.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, error: Callable[[str], JSONResponse]) -> None:
@@ -54,7 +65,7 @@ class BodyLimit:
             self._check_declared(scope)
             first = await self._read_body(receive)
         except BodyTooLarge as e:
-            await self.error(str(e))(scope, receive, send)
+            await self._refuse(str(e), e.more, receive, send)
             return
         pending = [first]
 
@@ -79,11 +90,37 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                raise BodyTooLarge(self._too_large(f"more than {self.max_bytes} bytes arrived"))
+                more = bool(message.get("more_body", False))
+                raise BodyTooLarge(self._too_large(f"more than {self.max_bytes} bytes arrived"), more)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
+    async def _refuse(self, message: str, more: bool, receive: Receive, send: Send) -> None:
+        """The 413, whole, then the rest of the body dropped, then the end of the response (the server closes)."""
+        response = self.error(message)
+        headers = [*response.raw_headers, (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        if more:
+            await _discard_body(receive)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     def _too_large(self, seen: str) -> str:
         return f"the request body is too large ({seen}); this worker's limit is {self.max_bytes} bytes " \
                f"(limits.max_request_bytes)"  # fmt: skip
+
+
+async def _discard_body(receive: Receive) -> None:
+    """Read and drop the rest of a request's body: until it ends, the client goes, or a discard bound is reached."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DISCARD_SECONDS
+    dropped = 0
+    while dropped <= DISCARD_BYTES:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        dropped += len(message.get("body", b""))

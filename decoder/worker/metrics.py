@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from controller.client import ClientStats
+from decoder.drafters.suffix_cache import CacheStats
 from decoder.telemetry import RequestStats
 from decoder.worker.scheduler import StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
@@ -111,6 +112,11 @@ class WorkerMetrics:
             "specd_decision_wait_seconds", "Seconds a request waited for its decision (the call plus a thread hop)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=r,
         )  # fmt: skip
+        self.suffix_outputs = Gauge("specd_suffix_cache_outputs", "Outputs the suffix cache holds", registry=r)
+        self.suffix_bytes = Gauge("specd_suffix_cache_bytes", "Bytes the suffix cache holds (as it counts them)",
+                                  registry=r)  # fmt: skip
+        self.suffix_segments = Gauge("specd_suffix_cache_segments", "Segments with outputs in the suffix cache",
+                                     registry=r)  # fmt: skip
         self.by_segment: dict[str, SegmentCounters] = {}
 
     def watch_client(self, stats: Callable[[], ClientStats]) -> None:
@@ -121,6 +127,11 @@ class WorkerMetrics:
         self.batch_size.set(step.batch_size)
         self.step_batch.observe(step.batch_size)
         self.step_seconds.observe(step.seconds)
+
+    def observe_suffix_cache(self, stats: CacheStats) -> None:
+        self.suffix_outputs.set(stats.outputs)
+        self.suffix_bytes.set(stats.bytes)
+        self.suffix_segments.set(stats.segments)
 
     def observe_request(self, segment: str, status: str, stats: RequestStats | None, seconds: float) -> None:
         self.requests.labels(segment, status).inc()

@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as OpenAI's own server tolerates client-library extras; fields we cannot
 honour (n > 1, logprobs, echo, best_of) are refused with a 400 naming the field. ``segment`` is specd's
-extension: the traffic segment the controller judges the request by (also the X-Specd-Segment header); so is
-``speculation``: the caller's own drafter and K for the request (``SpeculationChoice``).
+extension: the traffic segment the controller judges the request by (also the X-Specd-Segment header); so are
+``speculation``: the caller's own drafter and K for the request (``SpeculationChoice``), and ``share_outputs``: false
+keeps the request's output out of the suffix cache other requests propose from.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from decoder.worker.config import SEGMENT_PATTERN
+from specd_api.segments import SEGMENT_PATTERN
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+MAX_STOPS = 4
+# Each stop string is matched against the text every round (the decode thread) and every streamed delta: 200,000-
+# character stops once slowed an innocent stream 3.3x (issue 22).
+MAX_STOP_CHARS = 256
 
 
 def valid_text(value: Any) -> Any:
@@ -42,7 +47,7 @@ class SpeculationChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    drafter: Literal["draft", "prompt_lookup", "none"]
+    drafter: Literal["draft", "prompt_lookup", "chain", "suffix", "none"]  # specd_api.plan.DRAFTER_NAMES
     k: int = Field(0, ge=0, le=64)
     report: bool = True
 
@@ -61,7 +66,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)  # an extension several servers accept; 0 = off
+    top_k: int = Field(0, ge=0, le=(1 << 31) - 1)  # an extension several servers accept; 0 = off; int32 on the wire
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what a torch generator takes
     stream: bool = False
@@ -70,6 +75,9 @@ class _Common(BaseModel):
     logprobs: Any = None
     segment: str | None = Field(None, pattern=SEGMENT_PATTERN)
     speculation: SpeculationChoice | None = None
+    # false: this request's output is never added to the worker's suffix cache, so no other request's suffix
+    # decoding can propose from it (docs/RELIABILITY.md, "Suffix decoding and data isolation")
+    share_outputs: bool = True
 
     @field_validator("model", "stop")
     @classmethod
@@ -94,8 +102,12 @@ class _Common(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {MAX_STOPS} non-empty strings")
+        for i, s in enumerate(stops):
+            if len(s) > MAX_STOP_CHARS:
+                which = f"stop string {i}" if isinstance(stop, list) else "the stop string"
+                raise ValueError(f"{which} has {len(s)} characters; this worker takes at most {MAX_STOP_CHARS} each")
         return stop
 
     def stop_strings(self) -> tuple[str, ...]:

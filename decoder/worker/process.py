@@ -5,6 +5,9 @@ On SIGTERM/SIGINT uvicorn stops accepting and waits for the open connections whi
 admitted requests finish within ``shutdown_grace_seconds`` (the rest are cancelled), then telemetry is flushed to
 the controller and spans to the exporter. The lifecycle owns the signal handlers; uvicorn installs none, so it
 never re-raises the signal after its own graceful stop (that once killed the worker before its drain and flush).
+
+If the decode loop dies, nothing can decode any more: the worker stops as on SIGTERM and exits 1, so that systemd
+(Restart=on-failure) restarts it; /health says 503 meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import uvicorn
 from decoder.worker.app import build_app
 from decoder.worker.cli import split_address
 from decoder.worker.config import WorkerConfig
+from decoder.worker.connections import uvicorn_options
 from decoder.worker.service import WorkerService
 from specd_api.errors import UsageError
 from specd_api.lifecycle import Drain, Lifecycle
@@ -118,7 +122,7 @@ class WorkerProcess:
     def __init__(self, cfg: WorkerConfig, log_level: str) -> None:
         self.cfg, self.log_level = cfg, log_level
         self.lifecycle = Lifecycle()
-        self.service = WorkerService(cfg)
+        self.service = WorkerService(cfg, on_failure=self._decode_loop_failed)
         self._socket: socket.socket | None = None
         self._at_stop: Tally | None = None  # what was in flight when the drain began
 
@@ -133,7 +137,8 @@ class WorkerProcess:
         host, port = self._socket.getsockname()[:2]
         engine = self.service.engine
         drafters = ", ".join(engine.drafters) if engine else ""
-        forward = f"the {engine.target_pool.forward_pass} pass in {engine.target.dtype_name}, " if engine else ""
+        step = engine.target_pool.forward_pass if engine else None
+        forward = f"the {step.name} pass in {step.dtype_name}, " if step else ""
         print(  # tests and the demo wait for this line; connections queue in the backlog until uvicorn accepts
             f"specd worker listening on http://{host}:{port} (model {self.cfg.model_name}, drafters {drafters}, "
             f"{forward}controller {self.cfg.controller.address or 'none'})",
@@ -151,6 +156,7 @@ class WorkerProcess:
             # type): ``int(grace) or None`` once let a grace under 1 s wait forever.
             timeout_graceful_shutdown=math.ceil(self.cfg.shutdown_grace_seconds) + 1,
             lifespan="off",
+            **uvicorn_options(self.cfg.limits),
         )
         LifecycleServer(config, self.lifecycle, drain=self._drain).run(sockets=[self._socket])
 
@@ -161,6 +167,11 @@ class WorkerProcess:
             self._socket.close()  # uvicorn closed it already, unless it never ran
         assert self._at_stop is not None
         return Tally.of(self.service).drain_since(self._at_stop, self.lifecycle.force_exit.is_set())
+
+    def _decode_loop_failed(self, error: BaseException) -> None:
+        """On the decode thread, as it dies: stop serving (a flag, as a signal would), to exit 1."""
+        log.error("the decode loop failed (%r): stopping, to exit 1 and be restarted", error)
+        self.lifecycle.request_exit()
 
     def _drain(self) -> None:
         """Finish the admitted requests within the grace period (the rest are cancelled: their responses end with

@@ -6,12 +6,18 @@ steps, waiting requests take free KV slots (prefill), and finished, cancelled or
 While the batch is at or under ``speculation_max_batch`` every sequence drafts by its own plan (its K ceiling,
 each round's K chosen by the plan's rule); above it the whole batch decodes without speculation (one target token
 per sequence per step).
+
+A fault stays with its request (contract 10): a step that raises is retried sequence by sequence, and only a sequence
+that fails on its own too is failed (500). Only a fault outside every request's work ends the loop: then every request
+fails, /health says so, and ``on_failure`` is told (the worker process exits non-zero, for systemd to restart it).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +26,10 @@ from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, GenerationResult
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from decoder.worker.fault_injection import STALL_ROUND
 from specd_api.plan import Plan, speculation_allowed
+
+log = logging.getLogger("specd.worker")
 
 
 class QueueFull(Exception):
@@ -56,6 +65,7 @@ class Job:
     cancelled: bool = False
     session: DecodeSession | None = None
     batch_sizes: list[int] = field(default_factory=list)  # the batch size at each step it took part in
+    stall_seconds: float = 0.0  # fault injection: a stall inside its second round's timed pass (fault_injection.py)
 
     def cancel(self) -> None:
         """Stop at the next step boundary (a client went away). Safe from any thread."""
@@ -82,12 +92,14 @@ class Scheduler:
         max_queue: int,
         speculation_max_batch: int,
         on_step: Callable[[StepObservation], None] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._build = None if isinstance(engine, BatchEngine) else engine
         self._engine = engine if isinstance(engine, BatchEngine) else None
         self.max_queue = max_queue
         self.speculation_max_batch = speculation_max_batch
         self.on_step = on_step or (lambda _: None)
+        self.on_failure = on_failure or (lambda _: None)  # the decode loop died (called on its thread, once)
         self._queue: deque[Job] = deque()
         self._active: list[Job] = []
         self._wake = threading.Condition()
@@ -202,6 +214,10 @@ class Scheduler:
                 self._accepting = False
             for job in [*self._active, *self._queue]:
                 self._finish(job, JobOutcome("failed", error=f"decode loop failed: {e!r}"))
+            try:
+                self.on_failure(e)
+            except Exception as hook_error:
+                log.error("the decode loop's failure hook failed: %r", hook_error)
             raise
         finally:
             for job in [*self._active, *self._queue]:
@@ -234,6 +250,12 @@ class Scheduler:
         except ValueError as e:  # a request the engine cannot run (e.g. a prompt longer than the context)
             self._finish(job, JobOutcome("error", error=str(e)))
             return
+        except Exception as e:  # a bug met by this request's prefill: it fails, the loop goes on
+            log.error("prefill failed, failing its request: %s", _one_line(e))
+            self._finish(job, JobOutcome("failed", error=f"prefill failed: {e!r}"))
+            return
+        if job.stall_seconds > 0:
+            self.engine.inject_stall(job.session, job.stall_seconds, STALL_ROUND)
         self._active.append(job)
         job.on_started(time.perf_counter() - started)
 
@@ -243,20 +265,59 @@ class Scheduler:
         sessions: list[DecodeSession] = [job.session for job in batch]  # type: ignore[misc]
         ks = [job.plan.k if speculative else 0 for job in batch]
         started = time.perf_counter()
-        emitted = self.engine.step(sessions, ks)
+        emitted = self._round(sessions, ks)
         self.on_step(StepObservation(len(batch), speculative, time.perf_counter() - started))
         now = time.monotonic()
         for job, tokens in zip(batch, emitted, strict=True):
-            job.batch_sizes.append(len(batch))
-            job.on_tokens(tokens)
-            session = job.session
-            assert session is not None
-            if session.finish_reason is not None:
-                self._finish(job, JobOutcome("finished", result=session.result()))
-            elif job.cancelled:
-                self._finish(job, JobOutcome("cancelled"))
-            elif now - job.submitted_at > job.timeout_seconds:
-                self._finish(job, JobOutcome("timeout", error=f"timed out after {job.timeout_seconds:g} s"))
+            try:
+                self._after_round(job, tokens, len(batch), now)
+            except Exception as e:  # e.g. its result or callback raised: this request fails, the others go on
+                log.error("a request failed after its round: %s", _one_line(e))
+                self._finish(job, JobOutcome("failed", error=f"decoding failed: {e!r}"))
+
+    def _round(self, sessions: list[DecodeSession], ks: list[int]) -> list[list[int] | Exception]:
+        """One round for every session: the tokens each emitted, or the error that failed it.
+
+        When the batched round raises, the fault is found out: a session whose round was done keeps its tokens;
+        each other one is rewound to its last whole round and run alone, and fails only if it raises alone too."""
+        before = [(len(s.generated), s.stats.num_rounds) for s in sessions]
+        try:
+            return list(self.engine.step(sessions, ks))
+        except Exception as e:
+            if len(sessions) > 1:
+                log.warning("a batched round of %d sequences failed (%s); running each alone", len(sessions),
+                            _one_line(e))  # fmt: skip
+            error: Exception = e
+        emitted: list[list[int] | Exception] = []
+        for s, k, (generated, rounds) in zip(sessions, ks, before, strict=True):
+            try:
+                if s.stats.num_rounds == rounds:  # its round did not finish
+                    if len(sessions) > 1:
+                        s.rewind()
+                        self.engine.step([s], [k])
+                    else:
+                        raise error
+                emitted.append(s.generated[generated:])
+            except Exception as alone:
+                log.error("a request failed in its round: %s", _one_line(alone))
+                emitted.append(alone)
+        return emitted
+
+    def _after_round(self, job: Job, tokens: list[int] | Exception, batch_size: int, now: float) -> None:
+        """Hand ``job`` its round's tokens, and finish it if it is done, cancelled, timed out or failed."""
+        if isinstance(tokens, Exception):
+            self._finish(job, JobOutcome("failed", error=f"decoding this request failed: {tokens!r}"))
+            return
+        job.batch_sizes.append(batch_size)
+        job.on_tokens(tokens)
+        session = job.session
+        assert session is not None
+        if session.finish_reason is not None:
+            self._finish(job, JobOutcome("finished", result=session.result()))
+        elif job.cancelled:
+            self._finish(job, JobOutcome("cancelled"))
+        elif now - job.submitted_at > job.timeout_seconds:
+            self._finish(job, JobOutcome("timeout", error=f"timed out after {job.timeout_seconds:g} s"))
 
     def _finish(self, job: Job, outcome: JobOutcome) -> None:
         if job in self._active:
@@ -272,3 +333,10 @@ class Scheduler:
             job.on_finish(JobOutcome(outcome.status, outcome.result, outcome.error, history))
         except Exception as e:  # a callback's bug must not take the decode loop down
             print(f"specd worker: on_finish callback failed: {e!r}", flush=True)
+
+
+def _one_line(e: BaseException) -> str:
+    """``e`` and where it was raised, on one line: a request that fails again and again must not flood the log."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{e!r}{where}"

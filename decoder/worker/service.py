@@ -24,17 +24,19 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from controller.client import ClientConfig, ControllerClient, self_repetition
 from decoder.batch_engine import BatchEngine
+from decoder.calibration import CALIBRATION_SEGMENT, calibration_prompt, measure_costs
 from decoder.counterfactual import replay_lookup
-from decoder.drafters import PromptLookupConfig
+from decoder.drafters import PromptLookupConfig, SuffixCache
 from decoder.engine import GenerationResult, counterfactual_k
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
-from decoder.telemetry import RequestStats
+from decoder.telemetry import RequestStats, RoundRecord
 from decoder.worker.config import WorkerConfig
+from decoder.worker.fault_injection import StallPicker
 from decoder.worker.metrics import WorkerMetrics
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
-from decoder.worker.segments import classify_prompt
+from decoder.worker.segments import WINDOW_CHARS, classify_prompt
 from decoder.worker.text_stream import TextStream
 from specd_api.plan import REQUEST_REASON, Plan, local_plan
 from specd_api.spans import plan_attributes
@@ -58,6 +60,7 @@ class RequestSpec:
     trace_context: Context | None = None
     speculation: Speculation | None = None  # the caller chose the drafter and K: no controller asked
     stream: bool = True  # text as it is decoded; False: the whole text once done (nothing decoded per step)
+    share_outputs: bool = True  # False: its output never enters the suffix cache (other requests cannot read it)
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,19 @@ class InFlight:
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """``on_failure``: called (on the decode thread) if the decode loop dies; the process exits on it."""
         self.cfg = config
+        self.on_failure = on_failure or (lambda _: None)
         self.metrics = WorkerMetrics()
+        self.stalls = StallPicker(config.fault_injection)  # off unless configured
+        if self.stalls.active:
+            log.warning("fault injection: %.0f%% of requests stall %.0f ms in their second round",
+                        100 * self.stalls.share, 1000 * self.stalls.seconds)  # fmt: skip
         self.engine: BatchEngine | None = None
         self.scheduler: Scheduler | None = None
         self.client: ControllerClient | None = None
+        self._calibration: list[list[RoundRecord]] = []  # start-up timings, reported once the client is up
         self.tracer: trace.Tracer = no_tracer()
         self._provider: Any = None
         self.started_unix = time.time()
@@ -113,7 +123,9 @@ class WorkerService:
     def startup(self, worker_id: str | None = None) -> None:
         """Load the models, start the decode thread, connect to the controller, set up tracing."""
         cfg = self.cfg
-        self.scheduler = Scheduler(self._load_engine, cfg.max_queue, cfg.speculation_max_batch, self._on_step)
+        self.scheduler = Scheduler(
+            self._load_engine, cfg.max_queue, cfg.speculation_max_batch, self._on_step, self.on_failure
+        )
         self.scheduler.start()  # the models load in the decode thread (see Scheduler)
         self.engine = self.scheduler.engine
         exporter = make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
@@ -139,6 +151,16 @@ class WorkerService:
             )
             self.client.start()
             self.metrics.watch_client(self.client.stats)
+            self._report_calibration()
+
+    def _report_calibration(self) -> None:
+        """The start-up cost calibration, as the controller's first timings (costs only, in no segment)."""
+        assert self.client is not None and self.engine is not None
+        prompt_tokens = len(calibration_prompt(self.engine.target.vocab_size))
+        for rounds in self._calibration:
+            self.client.report(segment=CALIBRATION_SEGMENT, rounds=rounds, temperature=0.0, prompt_tokens=prompt_tokens,
+                               self_repetition=0.0, calibration=True)  # fmt: skip
+        self._calibration = []
 
     def _watched_drafters(self) -> tuple[str, ...]:
         assert self.engine is not None
@@ -153,12 +175,17 @@ class WorkerService:
         target = load_model(cfg.target, device, dtype, cfg.runner)
         draft = load_model(cfg.draft, device, dtype, cfg.runner) if cfg.draft is not None else None
         lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
-        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch)
+        cache = SuffixCache(cfg.suffix.config())  # one per worker: filled by ``_share`` as requests finish
+        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache)
         if cfg.warm_up:
             started = time.perf_counter()
             rounds = engine.warm_up()
             log.info("warm-up: %d rounds of %s in %.1fs", rounds, "/".join(engine.drafters),
                      time.perf_counter() - started)  # fmt: skip
+            started = time.perf_counter()
+            self._calibration = measure_costs(engine)
+            log.info("cost calibration: %d timed rounds in %.1fs (reported to the controller as its first costs)",
+                     sum(map(len, self._calibration)), time.perf_counter() - started)  # fmt: skip
         return engine
 
     def shutdown(self) -> None:
@@ -234,8 +261,8 @@ class WorkerService:
 
     async def _plan(self, spec: RequestSpec) -> InFlight:
         """Step 1: the segment, the request span, and the plan (the controller's, a fallback, or the caller's)."""
-        repetition = self_repetition(spec.prompt_ids)
-        segment = spec.segment or self._infer_segment(spec, repetition)
+        # Off the event loop: both read the whole prompt (32,768 tokens: 30 ms of self-repetition alone).
+        repetition, segment = await asyncio.to_thread(self._segment_of, spec)
         span = self.tracer.start_span("specd.worker.request", context=spec.trace_context, kind=SpanKind.SERVER)
         span_ctx = trace.set_span_in_context(span, spec.trace_context)
         span.set_attributes({"specd.segment": segment, "specd.prompt_tokens": len(spec.prompt_ids)})
@@ -255,6 +282,8 @@ class WorkerService:
         spec, plan = request.spec, request.plan
         if plan.drafter not in self.engine.drafters:
             plan = replace(plan, drafter="none", k=0)
+        if plan.segment != request.segment:  # suffix decoding reads the outputs of the plan's segment
+            plan = replace(plan, segment=request.segment)
 
         def on_started(prefill_seconds: float) -> None:
             if job.cancelled:  # the request was already accounted for as cancelled
@@ -276,6 +305,7 @@ class WorkerService:
             on_tokens=lambda tokens: put("tokens", tokens),
             on_started=on_started,
             on_finish=lambda outcome: put("finish", outcome),
+            stall_seconds=self.stalls.draw(),
         )
         try:
             self.scheduler.submit(job)
@@ -362,6 +392,8 @@ class WorkerService:
         batch_size = max(1, round(sum(batch) / len(batch))) if batch else 1
         if stats is not None and self._reports(request):
             self._report(request, stats, result.token_ids if result is not None else [])
+        if outcome.status == "finished" and result is not None and self._shares(request):
+            self._share(request.segment, result.token_ids)
         info = response_info(request.segment, request.plan, batch_size, stats)
         attributes = span_attributes(request.segment, request.plan, info, outcome.status)
         for d in request.decode_span:
@@ -372,6 +404,19 @@ class WorkerService:
             request.span.set_status(Status(StatusCode.ERROR, outcome.error or outcome.status))
         request.span.end()
         return info
+
+    def _shares(self, request: InFlight) -> bool:
+        """May other requests' suffix decoding propose from this request's output? Not when the request or the
+        worker's ``suffix.private_segments`` says no."""
+        return request.spec.share_outputs and not self.cfg.suffix.is_private(request.segment)
+
+    def _share(self, segment: str, token_ids: list[int]) -> None:
+        """Add a served output to the suffix cache (milliseconds for hundreds of tokens, in chunks the decode
+        thread's reads can pass between)."""
+        assert self.engine is not None
+        cache = self.engine.suffix_cache
+        cache.add(segment, token_ids)
+        self.metrics.observe_suffix_cache(cache.stats())
 
     def _reports(self, request: InFlight) -> bool:
         chosen = request.spec.speculation
@@ -393,13 +438,20 @@ class WorkerService:
             prompt_tokens=len(spec.prompt_ids),
             self_repetition=request.repetition,
             scored=scored,
-            expected_speedup=request.plan.expected_speedup if request.plan is not None else 0.0,
+            expected_speedup=request.plan.model_speedup if request.plan is not None else 0.0,
         )
+
+    def _segment_of(self, spec: RequestSpec) -> tuple[float, str]:
+        """The prompt's self-repetition, and its segment: the caller's, else inferred."""
+        repetition = self_repetition(spec.prompt_ids)
+        return repetition, spec.segment or self._infer_segment(spec, repetition)
 
     def _infer_segment(self, spec: RequestSpec, repetition: float) -> str:
         if self.cfg.segment_classifier == "none":
             return self.cfg.default_segment
-        text = spec.prompt_text if spec.prompt_text is not None else self._decode(spec.prompt_ids)
+        text, ids, n = spec.prompt_text, spec.prompt_ids, WINDOW_CHARS
+        if text is None:  # token ids: decode no more than the classifier reads (n tokens from each end)
+            text = self._decode(ids) if len(ids) <= 2 * n else f"{self._decode(ids[:n])}\n{self._decode(ids[-n:])}"
         return classify_prompt(text, repetition)
 
     def _decode(self, token_ids: Any) -> str:
@@ -448,17 +500,16 @@ def response_info(segment: str, plan: Plan, batch_size: int, stats: RequestStats
 
 
 def span_attributes(segment: str, plan: Plan, info: dict[str, Any], status: str) -> dict[str, Any]:
+    """The request's and decode span's attributes: the plan's (specd_api.spans, their one builder) and the rounds'."""
     alpha = info.get("alpha")
     return {
+        **plan_attributes(plan, segment),
         "specd.rounds": info.get("num_rounds", 0),
         "specd.num_drafted": info.get("num_drafted", 0),
         "specd.num_accepted": info.get("num_accepted", 0),
         "specd.alpha": alpha if alpha is not None else -1.0,
         "specd.tokens_per_second": info.get("tokens_per_second", 0.0),
         "specd.batch_size": info["batch_size"],
-        "specd.segment": segment,
-        "specd.drafter": plan.drafter,
-        "specd.k": plan.k,
         "specd.fallback_used": plan.fallback is not None,
         "specd.status": status,
     }

@@ -9,6 +9,8 @@ from typing import Any
 
 from rich.console import Console
 
+from specd.bench.noise import StallNoise, parse_noise
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -27,6 +29,13 @@ def _batches(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _noise(text: str) -> StallNoise:
+    try:
+        return parse_noise(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_parser(commands: Any) -> None:
     from specd.demo.configs import REFERENCE, ROOT
 
@@ -43,7 +52,14 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--prompts-per-segment", type=_positive, default=12, metavar="N", help="default 12")
     p.add_argument("--max-new-tokens", type=_positive, default=128, metavar="N", help="cap per prompt (default 128)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
-    p.add_argument("--repeats", type=_positive, default=1, metavar="R", help="each arm R times per prompt (default 1)")
+    p.add_argument("--repeats", type=_positive, default=1, metavar="N",
+                   help="N independent runs of the whole measurement, each with fresh services (a fresh "
+                   "controller) in DIR/run-1 .. run-N; bench.json gives each run's headline figures and their "
+                   "spread (default 1)")  # fmt: skip
+    p.add_argument("--noise", type=_noise, default=None, metavar="stall:P:MS",
+                   help="make the worker stall a share P (0..1) of requests for MS milliseconds, once each, inside "
+                   "the timed target pass of their second round: robustness measured on purpose (default: "
+                   "none)")  # fmt: skip
     p.add_argument("--batch", type=_batches, default=(1,), metavar="B,...",
                    help="also sweep these concurrent batch sizes, e.g. 1,2,4,8,16 (default 1: none)")  # fmt: skip
     p.add_argument("--drift", action="store_true", help="also run the drift scenario (high-α then low-α traffic)")
@@ -67,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     options = BenchOptions(
         workloads=workloads, out=args.out, prompts_per_segment=args.prompts_per_segment,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, repeats=args.repeats, batches=args.batch,
-        drift=args.drift, target=args.target, draft=args.draft, policy=args.policy, seed=args.seed,
+        drift=args.drift, target=args.target, draft=args.draft, policy=args.policy, seed=args.seed, noise=args.noise,
     )  # fmt: skip
     console = Console() if sys.stdout.isatty() else Console(width=120)
     return run_bench(options, console)

@@ -1,22 +1,47 @@
-"""What `specd bench` measures, and the figures it derives. Pure: samples in, ratios out.
+"""What `specd bench` measures, and the figures it derives. Pure: samples in, figures out.
 
-Every ratio is decode tokens/s of an arm over ``none``'s on the same prompts in the same run: tokens over decode
-seconds, pooled over the prompts (a segment's, or all). ``oracle`` is, per segment, the static arm (``none``
-included) with the best ratio in hindsight; ``best_static`` is the one static arm with the best pooled ratio over
-every segment.
+Every figure is paired. Per prompt, an arm's decode rate (tokens / decode seconds of that one request) over
+``none``'s on the same prompt in the same rotation (pass 1: the ``none`` sample; the warm pass: ``none-warm``,
+measured beside it). A segment's figure, or the run's, is the **median** of those per-prompt ratios, with a
+tokens-weighted geometric mean beside it where a mean is wanted; each has a seeded bootstrap 95 % interval
+(resampling prompts). A stall is then one prompt's ratio out of many: it moves a median by one rank, where it
+dominated a figure pooled over the prompts (total tokens / total decode seconds; kept as ``totals``, for the record).
+
+``oracle`` is, per segment, the static arm (``none`` included) with the best paired median; over all segments it is
+each prompt's ratio under its segment's oracle arm, median over every prompt. ``best_static`` is the one static arm
+(``none`` aside) with the best paired median over every prompt. A figure of one arm over another (adaptive over the
+oracle) is the median over prompts of the per-prompt quotient of their ratios.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import random
+import statistics
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 NONE, ADAPTIVE, ADAPTIVE_WARM = "none", "adaptive", "adaptive-warm"
 DRAFT_KS = (1, 2, 3, 4, 6, 8)
 LOOKUP_KS = (2, 4, 8, 12)
-STATIC_ARMS = (NONE, *(f"draft:{k}" for k in DRAFT_KS), *(f"prompt_lookup:{k}" for k in LOOKUP_KS))
+CHAIN_KS = (2, 4)  # run only where the worker offers the chain (``static_arms``)
+SUFFIX_KS = (4, 8)
+STATIC_ARMS = (
+    NONE,
+    *(f"draft:{k}" for k in DRAFT_KS),
+    *(f"prompt_lookup:{k}" for k in LOOKUP_KS),
+    *(f"chain:{k}" for k in CHAIN_KS),
+    *(f"suffix:{k}" for k in SUFFIX_KS),
+)
 WARM_BASELINE = "none-warm"  # none again, beside the warm pass (the machine may have changed since the first)
+RESAMPLES = 1000  # bootstrap resamples per interval
+SEED = 0  # the bootstrap's: the same samples give the same intervals
+LEVEL = 0.95
+# The headline ratios (bench.json ``summary``, ``intervals``, ``geomeans``, the spread over repeats).
+HEADLINE = ("adaptive_vs_none", "adaptive_warm_vs_none", "best_static_vs_none", "oracle_vs_none", "adaptive_vs_oracle",
+            "adaptive_warm_vs_oracle", "adaptive_warm_vs_best_static")  # fmt: skip
 
 
 def parse_arm(arm: str) -> tuple[str, int]:
@@ -25,6 +50,11 @@ def parse_arm(arm: str) -> tuple[str, int]:
         return "none", 0
     drafter, _, k = arm.partition(":")
     return drafter, int(k)
+
+
+def static_arms(offered: Collection[str]) -> tuple[str, ...]:
+    """The static arms whose drafter the worker offers (``none`` always)."""
+    return tuple(arm for arm in STATIC_ARMS if parse_arm(arm)[0] in (NONE, *offered))
 
 
 @dataclass(frozen=True)
@@ -45,6 +75,7 @@ class Sample:
     order: int = 0  # when it was answered, within its arm
     reason: str = ""  # the plan's reason
     expected_speedup: float = 1.0  # the controller's prediction for the plan it gave
+    run: int = 0  # which of the --repeats runs (each with fresh services)
 
 
 @dataclass(frozen=True)
@@ -86,8 +117,175 @@ def outputs_equal(samples: Sequence[Sample]) -> tuple[bool, list[str]]:
     return not bad, bad
 
 
-def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
-    """bench.json's ``summary`` and ``segments`` (and the per-arm table behind them)."""
+# -- paired ratios ------------------------------------------------------------------------------------------------
+
+Key = tuple[int, str, str]  # (run, segment, prompt_id): one prompt in one run
+
+
+def key(s: Sample) -> Key:
+    return s.run, s.segment, s.prompt_id
+
+
+@dataclass(frozen=True)
+class PromptRatio:
+    """One prompt's paired ratio, and its weight in a mean (the baseline's tokens on that prompt)."""
+
+    key: Key
+    ratio: float
+    tokens: int
+
+
+def paired(samples: Sequence[Sample], arm: str, baseline: str = NONE, segment: str | None = None) -> list[PromptRatio]:
+    """Per prompt (of ``segment``, or all), ``arm``'s decode rate over ``baseline``'s on that prompt in the same run;
+    prompts where either rate is 0 (no tokens, no time) are left out."""
+    rates: dict[str, dict[Key, list[Sample]]] = {arm: {}, baseline: {}}
+    for s in samples:
+        if s.arm in rates and (segment is None or s.segment == segment):
+            rates[s.arm].setdefault(key(s), []).append(s)
+    out = []
+    for k, base in rates[baseline].items():
+        mine, theirs = rate(rates[arm].get(k, [])), rate(base)
+        if mine.per_second > 0 and theirs.per_second > 0:
+            out.append(PromptRatio(k, ratio(mine, theirs), theirs.tokens))
+    return out
+
+
+def divide(numerator: Sequence[PromptRatio], denominator: Sequence[PromptRatio]) -> list[PromptRatio]:
+    """Per prompt in both: numerator / denominator (adaptive's ratio over the oracle's, say)."""
+    below = {r.key: r.ratio for r in denominator if r.ratio > 0}
+    return [PromptRatio(r.key, r.ratio / below[r.key], r.tokens) for r in numerator if r.key in below]
+
+
+def median_ratio(ratios: Sequence[PromptRatio]) -> float:
+    return statistics.median(r.ratio for r in ratios) if ratios else 0.0
+
+
+def geomean_ratio(ratios: Sequence[PromptRatio]) -> float:
+    """exp of the tokens-weighted mean log ratio: each prompt counts by its tokens, a slow one by its ratio only."""
+    weight = sum(r.tokens for r in ratios if r.ratio > 0)
+    if weight <= 0:
+        return 0.0
+    return math.exp(sum(r.tokens * math.log(r.ratio) for r in ratios if r.ratio > 0) / weight)
+
+
+Statistic = Callable[[Sequence[PromptRatio]], float]
+
+
+def bootstrap(ratios: Sequence[PromptRatio], statistic: Statistic, seed: int = SEED, resamples: int = RESAMPLES,
+              level: float = LEVEL) -> tuple[float, float]:  # fmt: skip
+    """The percentile interval holding ``level`` of ``statistic`` over ``resamples`` resamplings of the prompts (with
+    replacement; seeded, so the same prompts and seed give the same interval). (0, 0) without prompts."""
+    if not ratios:
+        return 0.0, 0.0
+    rng = random.Random(seed)
+    values = sorted(statistic(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return values[math.floor(tail * (resamples - 1))], values[math.ceil((1.0 - tail) * (resamples - 1))]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One paired figure: the median of the per-prompt ratios and their tokens-weighted geometric mean, each with its
+    bootstrap interval, over ``prompts`` prompts."""
+
+    median: float
+    interval: tuple[float, float]
+    geomean: float
+    geomean_interval: tuple[float, float]
+    prompts: int
+
+
+def figure(ratios: Sequence[PromptRatio], seed: int = SEED, means: bool = True) -> Figure:
+    """``means`` false leaves the geometric mean out (0.0): the per-arm tables need only the medians."""
+    mean = geomean_ratio(ratios) if means else 0.0
+    mean_interval = bootstrap(ratios, geomean_ratio, seed) if means else (0.0, 0.0)
+    return Figure(median_ratio(ratios), bootstrap(ratios, median_ratio, seed), mean, mean_interval, len(ratios))
+
+
+def arm_vs_baseline(samples: Sequence[Sample], arm: str, baseline: str = NONE, segment: str | None = None,
+                    seed: int = SEED, means: bool = True) -> Figure:  # fmt: skip
+    """One arm's figure over its baseline on ``segment`` (None: every prompt): the paired median and mean."""
+    return figure(paired(samples, arm, baseline, segment), seed, means)
+
+
+# -- the report's figures -----------------------------------------------------------------------------------------
+
+
+def summarize(samples: Sequence[Sample], seed: int = SEED) -> dict[str, Any]:
+    """bench.json's paired figures: ``summary`` (medians), ``intervals``, ``geomeans``, ``geomean_intervals``,
+    ``segments``, ``arms_vs_none`` (+ ``_interval``), ``mismatches``; the pooled figures under ``totals``."""
+    statics = [arm for arm in STATIC_ARMS if by(samples, arm)]
+    per_segment: dict[str, dict[str, Any]] = {}
+    oracle: list[PromptRatio] = []
+    for segment in segments_of(samples):
+        arms = {arm: arm_vs_baseline(samples, arm, NONE, segment, seed, means=False) for arm in statics}
+        oracle_arm = max(arms, key=lambda a: arms[a].median)  # ties: the first listed (none first)
+        chosen = paired(samples, oracle_arm, NONE, segment)
+        oracle += chosen
+        none_rates = [s.tokens / s.decode_seconds for s in by(samples, NONE, segment) if s.decode_seconds > 0]
+        per_segment[segment] = {
+            "oracle_arm": oracle_arm,
+            **flat("oracle_vs_none", figure(chosen, seed)),
+            **flat("adaptive_vs_none", arm_vs_baseline(samples, ADAPTIVE, NONE, segment, seed)),
+            **flat("adaptive_warm_vs_none", arm_vs_baseline(samples, ADAPTIVE_WARM, WARM_BASELINE, segment, seed)),
+            "none_tokens_per_second": statistics.median(none_rates) if none_rates else 0.0,
+            "prompts": arms[NONE].prompts if NONE in arms else 0,
+            "arms_vs_none": {arm: f.median for arm, f in arms.items()},
+            "arms_vs_none_interval": {arm: list(f.interval) for arm, f in arms.items()},
+        }
+    overall = {arm: arm_vs_baseline(samples, arm, NONE, None, seed, means=False) for arm in statics}
+    best_static = max((a for a in overall if a != NONE), key=lambda a: overall[a].median, default=NONE)
+    adaptive = paired(samples, ADAPTIVE, NONE)
+    warm = paired(samples, ADAPTIVE_WARM, WARM_BASELINE)
+    best = paired(samples, best_static, NONE)
+    figures = {
+        "adaptive_vs_none": figure(adaptive, seed),
+        "adaptive_warm_vs_none": figure(warm, seed),
+        "best_static_vs_none": figure(best, seed),
+        "oracle_vs_none": figure(oracle, seed),
+        "adaptive_vs_oracle": figure(divide(adaptive, oracle), seed),
+        "adaptive_warm_vs_oracle": figure(divide(warm, oracle), seed),
+        "adaptive_warm_vs_best_static": figure(divide(warm, best), seed),
+    }
+    equal, mismatches = outputs_equal(samples)
+    median = {name: f.median for name, f in figures.items()}
+    summary = {
+        "adaptive_vs_none": median["adaptive_vs_none"],
+        "adaptive_warm_vs_none": median["adaptive_warm_vs_none"],
+        "best_static": best_static,
+        "best_static_vs_none": median["best_static_vs_none"],
+        "oracle_vs_none": median["oracle_vs_none"],
+        "adaptive_vs_oracle": median["adaptive_vs_oracle"],
+        "adaptive_warm_vs_oracle": median["adaptive_warm_vs_oracle"],
+        "adaptive_warm_vs_best_static": median["adaptive_warm_vs_best_static"],
+        "outputs_equal": equal,
+    }
+    return {
+        "summary": summary,
+        "intervals": {name: list(f.interval) for name, f in figures.items()},
+        "geomeans": {name: f.geomean for name, f in figures.items()},
+        "geomean_intervals": {name: list(f.geomean_interval) for name, f in figures.items()},
+        "prompts": {name: f.prompts for name, f in figures.items()},
+        "segments": per_segment,
+        "arms_vs_none": {arm: f.median for arm, f in overall.items()},
+        "arms_vs_none_interval": {arm: list(f.interval) for arm, f in overall.items()},
+        "calibration": {segment: calibration(samples, segment) for segment in per_segment},
+        "decisions": {segment: decisions(samples, segment) for segment in per_segment},
+        "totals": totals(samples),
+        "mismatches": mismatches,
+    }
+
+
+def flat(name: str, f: Figure) -> dict[str, Any]:
+    """A segment's entries for one figure: ``name`` (the median), ``name_interval``, ``name_geomean`` and
+    ``name_geomean_interval``."""
+    return {name: f.median, f"{name}_interval": list(f.interval), f"{name}_geomean": f.geomean,
+            f"{name}_geomean_interval": list(f.geomean_interval)}  # fmt: skip
+
+
+def totals(samples: Sequence[Sample]) -> dict[str, Any]:
+    """The pooled figures (each arm's total tokens over its total decode seconds, over ``none``'s), as the bench
+    reported them before the paired medians: one stall in a short request can dominate them."""
     segments = segments_of(samples)
     statics = [arm for arm in STATIC_ARMS if by(samples, arm)]
     none_all = rate(by(samples, NONE))
@@ -112,7 +310,6 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
     oracle = ratio(rate(oracle_samples), none_all)
     adaptive = ratio(rate(by(samples, ADAPTIVE)), none_all)
     warm = ratio(rate(by(samples, ADAPTIVE_WARM)), rate(by(samples, WARM_BASELINE)))
-    equal, mismatches = outputs_equal(samples)
     summary = {
         "adaptive_vs_none": adaptive,
         "adaptive_warm_vs_none": warm,
@@ -122,6 +319,86 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
         "adaptive_vs_oracle": adaptive / oracle if oracle else 0.0,
         "adaptive_warm_vs_oracle": warm / oracle if oracle else 0.0,
         "adaptive_warm_vs_best_static": warm / pooled[best_static] if pooled.get(best_static) else 0.0,
-        "outputs_equal": equal,
     }
-    return {"summary": summary, "segments": per_segment, "arms_vs_none": pooled, "mismatches": mismatches}
+    return {"method": "pooled: total tokens / total decode seconds per arm, over none's", "summary": summary,
+            "segments": per_segment, "arms_vs_none": pooled}  # fmt: skip
+
+
+ADAPTIVE_PASSES = (("cold", ADAPTIVE, NONE), ("warm", ADAPTIVE_WARM, WARM_BASELINE))
+
+
+def calibration(samples: Sequence[Sample], segment: str) -> dict[str, Any]:
+    """Per adaptive pass: the median over the segment's requests that speculated of realised paired ratio / the
+    expected speedup their decision promised (1.0: the controller's model of the world is true; None: no request
+    speculated), and how many requests that is."""
+    out: dict[str, Any] = {}
+    for name, arm, baseline in ADAPTIVE_PASSES:
+        realised = {r.key: r.ratio for r in paired(samples, arm, baseline, segment)}
+        values = [realised[key(s)] / s.expected_speedup for s in by(samples, arm, segment)
+                  if s.drafter != NONE and s.expected_speedup > 0 and key(s) in realised]  # fmt: skip
+        out[name] = statistics.median(values) if values else None
+        out[f"{name}_requests"] = len(values)
+    return out
+
+
+def plan_name(s: Sample) -> str:
+    return NONE if s.drafter == NONE else f"{s.drafter}:{s.k}"
+
+
+def first_at_final_plan(ordered: Sequence[Sample]) -> tuple[str | None, int | None]:
+    """The final plan ("drafter:K", the last request's that was not a probe) and the order of the first request from
+    which every later request that was not a probe ran it; (None, None) when every request was a probe."""
+    chosen = [s for s in ordered if not s.exploration]
+    if not chosen:
+        return None, None
+    final = plan_name(chosen[-1])
+    start = len(chosen) - 1
+    while start > 0 and plan_name(chosen[start - 1]) == final:
+        start -= 1
+    return final, chosen[start].order
+
+
+def decisions(samples: Sequence[Sample], segment: str) -> dict[str, Any]:
+    """Per adaptive pass on ``segment``: requests per drafter, probes, and per run the final plan and the first
+    request (its ``order``) at it."""
+    out: dict[str, Any] = {}
+    for name, arm, _ in ADAPTIVE_PASSES:
+        mine = by(samples, arm, segment)
+        runs = sorted({s.run for s in mine})
+        settled = [first_at_final_plan(sorted((s for s in mine if s.run == r), key=lambda s: s.order)) for r in runs]
+        out[name] = {
+            "requests": len(mine),
+            "drafters": dict(Counter(s.drafter for s in mine)),
+            "probes": sum(s.exploration for s in mine),
+            "final_plan": [plan for plan, _ in settled],
+            "first_at_final_plan": [order for _, order in settled],
+        }
+    return out
+
+
+def headline(summary: dict[str, Any]) -> dict[str, Any]:
+    """The figures compared across repeats: the headline ratios and the best static arm."""
+    return {"best_static": summary["best_static"], **{name: summary[name] for name in HEADLINE}}
+
+
+def spread(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per headline ratio over the runs: min, max, and the largest |value - mean| / mean."""
+    out: dict[str, dict[str, float]] = {}
+    for name in HEADLINE:
+        values = [float(r[name]) for r in runs]
+        mean = statistics.fmean(values) if values else 0.0
+        deviation = max((abs(v - mean) / mean for v in values), default=0.0) if mean > 0 else 0.0
+        out[name] = {"min": min(values, default=0.0), "max": max(values, default=0.0),
+                     "max_relative_deviation": deviation}  # fmt: skip
+    return out
+
+
+def repeats(samples: Sequence[Sample], summary: dict[str, Any], seed: int = SEED) -> dict[str, Any]:
+    """bench.json's ``repeats``: each run's headline figures (its own paired medians) and their spread. ``summary``
+    is ``summarize``'s over every run: with one run, that run's."""
+    runs = sorted({s.run for s in samples})
+    if len(runs) <= 1:
+        figures = [headline(summary)]
+    else:
+        figures = [headline(summarize([s for s in samples if s.run == r], seed)["summary"]) for r in runs]
+    return {"runs": figures, "spread": spread(figures)}

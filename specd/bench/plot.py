@@ -12,12 +12,13 @@ from matplotlib.figure import Figure
 
 from specd.bench.measure import ADAPTIVE, STATIC_ARMS, Sample
 
-COLOURS = {"draft": "#2a9d8f", "prompt_lookup": "#e76f51", "none": "#8d99ae"}
+COLOURS = {"draft": "#2a9d8f", "prompt_lookup": "#e76f51", "chain": "#6a4c93", "suffix": "#e9c46a", "none": "#8d99ae"}
 
 
 def plot_speedups(segments: dict[str, dict[str, Any]], path: Path) -> Path:
     names = list(segments)
-    arms = [*STATIC_ARMS[1:], "oracle", "adaptive (cold)", "adaptive (warm)"]
+    ran = [a for a in STATIC_ARMS[1:] if any(a in seg["arms_vs_none"] for seg in segments.values())]
+    arms = [*ran, "oracle", "adaptive (cold)", "adaptive (warm)"]
     figure = Figure(figsize=(max(10, 1.6 * len(names) + 6), 4.8), dpi=110)
     FigureCanvasAgg(figure)
     axes = figure.subplots()
@@ -36,8 +37,8 @@ def plot_speedups(segments: dict[str, dict[str, Any]], path: Path) -> Path:
                  alpha=1.0 if colour else 0.55)  # fmt: skip
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks(range(len(names)), names)
-    axes.set_ylabel("decode tokens/s over none")
-    axes.set_title("speedup by segment and arm (same prompts, same run)")
+    axes.set_ylabel("decode tokens/s over none (median over prompts)")
+    axes.set_title("speedup by segment and arm (paired per prompt, same run)")
     axes.legend(fontsize=6, ncol=4, loc="upper right")
     figure.tight_layout()
     figure.savefig(path)
@@ -51,7 +52,7 @@ def plot_decisions(samples: Sequence[Sample], path: Path, drift: dict[str, Any] 
     FigureCanvasAgg(figure)
     axes = figure.subplots(max(panels, 1), 1, sharex=False, squeeze=False)[:, 0]
     for ax, segment in zip(axes, segments, strict=False):
-        chosen = [s for s in samples if s.arm == ADAPTIVE and s.segment == segment]
+        chosen = [s for s in samples if s.arm == ADAPTIVE and s.segment == segment and s.run == 0]  # the first run
         for i, s in enumerate(chosen):
             ax.scatter(i, s.mean_k if s.drafter != "none" else 0, color=COLOURS.get(s.drafter, "black"),
                        marker="x" if s.exploration else "o", s=18)  # fmt: skip

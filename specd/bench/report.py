@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from specd.bench.measure import STATIC_ARMS, summarize
+from specd.bench.measure import HEADLINE, STATIC_ARMS, repeats, summarize
+from specd.bench.noise import worker_seed
 from specd.bench.plot import plot_decisions, plot_speedups
 
 
@@ -43,8 +44,19 @@ def write_report(run: Any, options: Any, out: Path) -> Written:
     costs = cost_comparison(run.learned_costs, run.isolated_costs)
     document = {
         "summary": derived["summary"],
+        "intervals": derived["intervals"],
+        "geomeans": derived["geomeans"],
+        "geomean_intervals": derived["geomean_intervals"],
+        "prompts": derived["prompts"],
+        "totals": derived["totals"],
         "segments": derived["segments"],
         "arms_vs_none": derived["arms_vs_none"],
+        "arms_vs_none_interval": derived["arms_vs_none_interval"],
+        "calibration": derived["calibration"],
+        "decisions": derived["decisions"],
+        "static_arms": list(run.arms),
+        "noise": noise(options),
+        "repeats": repeats(run.samples, derived["summary"]),
         "mismatches": derived["mismatches"],
         "batch": run.batch,
         "batch_decisions": run.batch_decisions,
@@ -68,6 +80,7 @@ def settings(options: Any, seconds: float) -> dict[str, Any]:
         "max_new_tokens": options.max_new_tokens,
         "dtype": options.dtype,
         "repeats": options.repeats,
+        "noise": noise(options),
         "batches": list(options.batches),
         "drift": options.drift,
         "target": str(options.target),
@@ -77,45 +90,124 @@ def settings(options: Any, seconds: float) -> dict[str, Any]:
     }
 
 
+def noise(options: Any) -> dict[str, Any] | None:
+    if options.noise is None:
+        return None
+    return options.noise.describe([worker_seed(options.seed, r) for r in range(options.repeats)])
+
+
 def headline(document: dict[str, Any], out: Path) -> str:
-    s = document["summary"]
+    s, iv = document["summary"], document["intervals"]
+
+    def x(name: str) -> str:
+        return f"{s[name]:.2f}x [{iv[name][0]:.2f}, {iv[name][1]:.2f}]"
+
+    def q(name: str) -> str:
+        return f"{s[name]:.3f} [{iv[name][0]:.3f}, {iv[name][1]:.3f}]"
+
     lines = [
-        f"adaptive {s['adaptive_vs_none']:.2f}x none (cold), {s['adaptive_warm_vs_none']:.2f}x (warm); "
-        f"oracle {s['oracle_vs_none']:.2f}x; best static {s['best_static']} {s['best_static_vs_none']:.2f}x",
-        f"adaptive/oracle {s['adaptive_vs_oracle']:.3f} (cold), {s['adaptive_warm_vs_oracle']:.3f} (warm); "
-        f"warm/best static {s['adaptive_warm_vs_best_static']:.3f}; greedy outputs equal: {s['outputs_equal']}",
-        f"wrote {out / 'bench.json'}, {out / 'BENCH.md'}, {out / 'speedup_by_segment.png'}, "
-        f"{out / 'decisions_over_time.png'}",
+        "paired medians over prompts [bootstrap 95% interval]:",
+        f"adaptive {x('adaptive_vs_none')} none (cold), {x('adaptive_warm_vs_none')} (warm); "
+        f"oracle {x('oracle_vs_none')}; best static {s['best_static']} {x('best_static_vs_none')}",
+        f"adaptive/oracle {q('adaptive_vs_oracle')} (cold), {q('adaptive_warm_vs_oracle')} (warm); "
+        f"warm/best static {q('adaptive_warm_vs_best_static')}; greedy outputs equal: {s['outputs_equal']}",
     ]
+    spread = document["repeats"]["spread"]
+    if len(document["repeats"]["runs"]) > 1:
+        lines.append(f"over {len(document['repeats']['runs'])} runs: adaptive (warm) "
+                     f"{spread['adaptive_warm_vs_none']['min']:.2f}-{spread['adaptive_warm_vs_none']['max']:.2f}x, "
+                     "largest deviation from the mean of any headline ratio "
+                     f"{max(v['max_relative_deviation'] for v in spread.values()):.1%}")  # fmt: skip
+    lines.append(f"wrote {out / 'bench.json'}, {out / 'BENCH.md'}, {out / 'speedup_by_segment.png'}, "
+                 f"{out / 'decisions_over_time.png'}")  # fmt: skip
     return "\n".join(lines)
 
 
 def render(d: dict[str, Any]) -> str:
-    s, st = d["summary"], d["settings"]
+    s, st, totals = d["summary"], d["settings"], d["totals"]["summary"]
+    noise = d.get("noise")
+    statics = [a for a in d.get("static_arms", STATIC_ARMS) if a != "none"]
     lines = [
         "# specd bench",
         "",
         f"{st['machine']}; dtype {st['dtype']}; {st['prompts_per_segment']} prompts per segment (max "
-        f"{st['max_new_tokens']} new tokens), {st['repeats']} repeat(s); {st['seconds']:.0f} s. Ratios are decode "
-        "tokens/s over `none`'s on the same prompts in the same run.",
+        f"{st['max_new_tokens']} new tokens), {st['repeats']} run(s), each with fresh services; "
+        f"{st['seconds']:.0f} s. "
+        + (f"Noise: the worker stalled {noise['share']:.0%} of requests for {noise['ms']:g} ms each. " if noise else "")
+        + "Every figure is paired: per prompt, an arm's decode tokens/s over `none`'s on the same prompt in the same "
+        "rotation (the warm pass over `none` measured beside it); the figure is the median over prompts, [the "
+        "bootstrap 95% interval], with the tokens-weighted geometric mean beside it. Totals (pooled tokens over "
+        "pooled decode seconds) are shown for the record: one stall can dominate them.",
         "",
-        "| figure | value |",
-        "|---|---|",
-        *(f"| {k} | {fmt(v)} |" for k, v in s.items()),
+        "| figure | paired median | 95% interval | geometric mean | totals (pooled) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, value in s.items():
+        if name in HEADLINE:
+            iv, gm, gi = d["intervals"][name], d["geomeans"][name], d["geomean_intervals"][name]
+            lines.append(f"| {name} | {value:.3f} | [{iv[0]:.3f}, {iv[1]:.3f}] | {gm:.3f} [{gi[0]:.3f}, {gi[1]:.3f}] "
+                         f"| {fmt(totals.get(name))} |")  # fmt: skip
+        else:
+            lines.append(f"| {name} | {fmt(value)} | | | {fmt(totals.get(name, ''))} |")
+    lines += [
         "",
-        "## Per segment",
+        "## Per segment (paired medians [95% interval])",
         "",
-        "| segment | none tok/s | oracle arm | oracle | adaptive (cold) | adaptive (warm) | "
-        + " | ".join(STATIC_ARMS[1:])
+        "| segment | pairs | none tok/s | oracle arm | oracle | adaptive (cold) | adaptive (warm) | "
+        + " | ".join(statics)
         + " |",
-        "|---|---|---|---|---|---|" + "---|" * (len(STATIC_ARMS) - 1),
+        "|---|---|---|---|---|---|---|" + "---|" * len(statics),
     ]
     for name, seg in d["segments"].items():
-        arms = " | ".join(f"{seg['arms_vs_none'].get(a, 0):.2f}" for a in STATIC_ARMS[1:])
+        arms = " | ".join(f"{seg['arms_vs_none'].get(a, 0):.2f}" for a in statics)
         lines.append(
-            f"| {name} | {seg['none_tokens_per_second']:.0f} | {seg['oracle_arm']} | {seg['oracle_vs_none']:.2f} | "
-            f"{seg['adaptive_vs_none']:.2f} | {seg['adaptive_warm_vs_none']:.2f} | {arms} |"
+            f"| {name} | {seg['prompts']} | {seg['none_tokens_per_second']:.0f} | {seg['oracle_arm']} | "
+            f"{with_interval(seg, 'oracle_vs_none')} | {with_interval(seg, 'adaptive_vs_none')} | "
+            f"{with_interval(seg, 'adaptive_warm_vs_none')} | {arms} |"
         )
+    lines += [
+        "",
+        "## Per segment, totals (pooled tokens / pooled decode seconds, for the record)",
+        "",
+        "| segment | oracle arm | oracle | adaptive (cold) | adaptive (warm) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, seg in d["totals"]["segments"].items():
+        lines.append(f"| {name} | {seg['oracle_arm']} | {seg['oracle_vs_none']:.2f} | {seg['adaptive_vs_none']:.2f} | "
+                     f"{seg['adaptive_warm_vs_none']:.2f} |")  # fmt: skip
+    lines += [
+        "",
+        "## Calibration and decisions per segment",
+        "",
+        "Calibration: median over the requests that speculated of realised paired ratio / the expected speedup the "
+        "decision promised (1.0: the controller's model is true). Final plan @ order: the plan the last non-probe "
+        "request ran, and the first request (its place in the pass) from which every later non-probe request ran it "
+        "(one per run).",
+        "",
+        "| segment | calibration cold (n) | calibration warm (n) | cold: drafters, probes | cold: final plan @ order "
+        "| warm: drafters, probes | warm: final plan @ order |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in d["segments"]:
+        cal, dec = d["calibration"][name], d["decisions"][name]
+        lines.append(f"| {name} | {fmt(cal['cold'])} ({cal['cold_requests']}) | {fmt(cal['warm'])} "
+                     f"({cal['warm_requests']}) | {plans(dec['cold'])} | {settled(dec['cold'])} | {plans(dec['warm'])} "
+                     f"| {settled(dec['warm'])} |")  # fmt: skip
+    runs = d["repeats"]["runs"]
+    if len(runs) > 1:
+        spread = d["repeats"]["spread"]
+        lines += [
+            "",
+            f"## Repeats ({len(runs)} runs, each with fresh services)",
+            "",
+            "| run | best static | " + " | ".join(HEADLINE) + " |",
+            "|---|---|" + "---|" * len(HEADLINE),
+        ]
+        for i, r in enumerate(runs, 1):
+            lines.append(f"| {i} | {r['best_static']} | " + " | ".join(f"{r[h]:.3f}" for h in HEADLINE) + " |")
+        lines += ["| min-max | | " + " | ".join(f"{spread[h]['min']:.3f}-{spread[h]['max']:.3f}" for h in HEADLINE)
+                  + " |", "| max deviation from the mean | | "
+                  + " | ".join(f"{spread[h]['max_relative_deviation']:.1%}" for h in HEADLINE) + " |"]  # fmt: skip
     costs = d["costs"]
     if costs.get("learned"):
         iso, learned = costs["isolated"], costs["learned"]
@@ -157,6 +249,21 @@ def render(d: dict[str, Any]) -> str:
     if d["mismatches"]:
         lines += ["", "Greedy outputs that differ from none's: " + ", ".join(d["mismatches"][:20])]
     return "\n".join(lines) + "\n"
+
+
+def with_interval(seg: dict[str, Any], name: str) -> str:
+    low, high = seg[f"{name}_interval"]
+    return f"{seg[name]:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def plans(decision: dict[str, Any]) -> str:
+    drafters = ", ".join(f"{k} {v}" for k, v in sorted(decision["drafters"].items()))
+    return f"{drafters or '-'}; {decision['probes']} probes"
+
+
+def settled(decision: dict[str, Any]) -> str:
+    pairs = zip(decision["final_plan"], decision["first_at_final_plan"], strict=True)
+    return ", ".join(f"{plan} @ {order}" for plan, order in pairs) or "-"
 
 
 def fmt(value: Any) -> str:

@@ -1,10 +1,17 @@
 """`specd bench`, in order: start the controller (embedded Redis, fresh state) and one worker on the reference pair ->
-pass 1: every prompt through every static arm and the adaptive arm (the controller starting cold), interleaved ->
-pass 2: the same prompts again, adaptive (warm) beside none -> optional batch sweep and drift scenario -> stop the
-services -> measure the engine's costs alone -> bench.json, BENCH.md, plots.
+ask the worker which drafters it offers -> pass 1: every prompt through every static arm it offers and the adaptive
+arm (the controller starting cold), interleaved -> pass 2: the same prompts again, adaptive (warm) beside none ->
+optional batch sweep and drift scenario -> stop the services; with ``--repeats N``, the passes again in N - 1 more
+runs, each with fresh services in its own folder (the batch sweep and drift scenario run in the first only) ->
+measure the engine's costs alone -> bench.json, BENCH.md, plots.
 
 Static arms name their drafter and K in the request (``speculation``, with ``report: false``), so the controller
 learns from the adaptive arm's traffic only and its costs are its own measurements.
+
+Every arm decodes the same prompts, so no measured request shares its output (``share_outputs: false``): suffix
+decoding would otherwise propose a prompt's own output back to the arms that follow it. Its cache holds the outputs of
+held-out prompts of each segment instead (``PRIMERS_PER_SEGMENT``, decoded once before the passes): the same cache
+for every arm and both passes, and the traffic a worker would have served the segment before.
 """
 
 from __future__ import annotations
@@ -24,7 +31,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from controller.redis_conn import PID_FILE, stop_orphan
-from specd.bench.measure import ADAPTIVE, ADAPTIVE_WARM, NONE, STATIC_ARMS, WARM_BASELINE, Sample, parse_arm
+from specd.bench.measure import (
+    ADAPTIVE,
+    ADAPTIVE_WARM,
+    NONE,
+    STATIC_ARMS,
+    WARM_BASELINE,
+    Sample,
+    parse_arm,
+    static_arms,
+)
+from specd.bench.noise import StallNoise, worker_seed
 from specd.demo.configs import DemoPaths, controller_config, worker_config, write_config
 from specd.demo.run import prepare_run_folder
 from specd.launch import LaunchError, Service, start
@@ -52,6 +69,7 @@ class BenchOptions:
     draft: Path
     policy: Path
     seed: int = 0
+    noise: StallNoise | None = None  # stalls the worker puts into its own rounds (--noise)
 
 
 @dataclass
@@ -59,6 +77,7 @@ class Run:
     """Everything measured, for the report."""
 
     samples: list[Sample] = field(default_factory=list)
+    arms: tuple[str, ...] = STATIC_ARMS  # the static arms the worker offered (and the bench ran)
     batch: dict[str, dict[str, float]] = field(default_factory=dict)  # batch size -> arm -> tokens/s
     batch_decisions: dict[str, dict[str, int]] = field(default_factory=dict)  # batch size -> drafter -> requests
     drift: dict[str, Any] = field(default_factory=dict)
@@ -82,6 +101,29 @@ def load_prompts(files: Sequence[Path], per_segment: int, seed: int) -> dict[str
     return {s: (ps if len(ps) <= per_segment else rng.sample(ps, per_segment)) for s, ps in segments.items()}
 
 
+PRIMERS_PER_SEGMENT = 12
+
+
+def held_out(files: Sequence[Path], chosen: dict[str, list[Prompt]], count: int) -> list[Prompt]:
+    """Up to ``count`` prompts of each chosen segment that the bench does not measure (file order), interleaved."""
+    measured = {p.id for ps in chosen.values() for p in ps}
+    rest: dict[str, list[Prompt]] = {}
+    for path in files:
+        for prompt in load_workload(path):
+            if prompt.segment in chosen and prompt.id not in measured and len(rest.get(prompt.segment, [])) < count:
+                rest.setdefault(prompt.segment, []).append(prompt)
+    return interleaved(rest) if rest else []
+
+
+def prime(client: httpx.Client, url: str, primers: Sequence[Prompt], max_new_tokens: int) -> None:
+    """Serve ``primers`` once, sharing their outputs: what the suffix cache of each segment holds while measured."""
+    for prompt in primers:
+        request = {**body(prompt, NONE, max_new_tokens), "share_outputs": True}
+        response = client.post(f"{url}/v1/completions", json=request)
+        if response.status_code != 200:
+            raise BenchError(f"priming with {prompt.id}: HTTP {response.status_code}: {response.text[:200]}")
+
+
 def interleaved(prompts: dict[str, list[Prompt]]) -> list[Prompt]:
     """Round-robin over the segments, so that the controller learns every segment at once."""
     order: list[Prompt] = []
@@ -97,6 +139,7 @@ def body(prompt: Prompt, arm: str, max_new_tokens: int, segment: str | None = No
         "temperature": prompt.temperature,
         "seed": 1234,  # the same for every arm: sampled arms differ only by speculation
         "segment": segment or prompt.segment,
+        "share_outputs": False,  # every arm decodes this prompt: none may propose its output to another
     }
     if arm not in (ADAPTIVE, ADAPTIVE_WARM):
         drafter, k = parse_arm(arm)
@@ -105,7 +148,7 @@ def body(prompt: Prompt, arm: str, max_new_tokens: int, segment: str | None = No
 
 
 def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: BenchOptions, order: int,
-         segment: str | None = None) -> Sample:  # fmt: skip
+         segment: str | None = None, run: int = 0) -> Sample:  # fmt: skip
     response = client.post(f"{url}/v1/completions", json=body(prompt, arm, options.max_new_tokens, segment))
     if response.status_code != 200:
         raise BenchError(f"{arm} on {prompt.id}: HTTP {response.status_code}: {response.text[:200]}")
@@ -126,39 +169,41 @@ def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: Benc
         order=order,
         reason=str(info.get("decision_reason", "")),
         expected_speedup=float(info.get("expected_speedup", 1.0)),
+        run=run,
     )
+
+
+def offered_drafters(client: httpx.Client, url: str, prompt: Prompt) -> tuple[str, ...]:
+    """The drafters the worker runs, asked of the worker itself: a short request per drafter of the static arms, named
+    in the request (not reported). A drafter it does not offer is refused (422) or replaced by none (no round ran
+    with K > 0)."""
+    offered = []
+    for drafter in dict.fromkeys(parse_arm(arm)[0] for arm in STATIC_ARMS if arm != NONE):
+        request = {"prompt": prompt.prompt, "max_tokens": 8, "temperature": 0.0, "segment": prompt.segment,
+                   "speculation": {"drafter": drafter, "k": 2, "report": False}, "share_outputs": False}  # fmt: skip
+        response = client.post(f"{url}/v1/completions", json=request)
+        if response.status_code == 200 and float(response.json().get("specd", {}).get("mean_k", 0.0)) > 0:
+            offered.append(drafter)
+    return tuple(offered)
 
 
 def run_bench(options: BenchOptions, console: Console) -> int:
     prompts = load_prompts(options.workloads, options.prompts_per_segment, options.seed)
-    paths = DemoPaths(options.out)
-    prepare_run_folder(paths, "bench", BenchError, MARKER)
+    top = DemoPaths(options.out)
+    prepare_run_folder(top, "bench", BenchError, MARKER)
     run = Run()
     started = time.monotonic()
-    services: dict[str, Service] = {}
-    try:
-        start_services(options, paths, services, console)
-        url, controller = services["worker"].url, services["controller"].address
-        order = interleaved(prompts)
-        total = len(order) * (len(STATIC_ARMS) + 1) * options.repeats + 2 * len(order)
-        total += sum(4 * b * max(1, 8 // b) for b in options.batches if b > 1)
-        total += 2 * DRIFT_PROMPTS if options.drift else 0
-        with progress_bar(console, total) as advance, httpx.Client(timeout=600) as client:
-
-            def done(sample: Sample) -> None:
-                run.samples.append(sample)
-                advance()
-
-            passes(client, url, order, options, done)
-            for b in (b for b in options.batches if b > 1):
-                run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(url, order, b, options, advance)
-            if options.drift:
-                run.drift = drift_scenario(client, url, controller, prompts, options, done)
-        run.learned_costs = fetch_costs(controller)
-    except LaunchError as e:
-        raise BenchError(str(e).splitlines()[0]) from None
-    finally:
-        stop(services, paths)
+    order = interleaved(prompts)
+    per_run = len(order) * (len(STATIC_ARMS) + 1) + 2 * len(order)
+    total = per_run * options.repeats + sum(4 * b * max(1, 8 // b) for b in options.batches if b > 1)
+    total += 2 * DRIFT_PROMPTS if options.drift else 0
+    with progress_bar(console, total) as advance:
+        for r in range(options.repeats):
+            paths = top if options.repeats == 1 else DemoPaths(top.run / f"run-{r + 1}")
+            paths.logs.mkdir(parents=True, exist_ok=True)
+            if options.repeats > 1:
+                console.print(f"run {r + 1} of {options.repeats} (fresh services, {paths.run}) …")
+            measure_once(options, prompts, paths, run, r, console, advance)
     console.print("measuring the engine's own costs (no worker, no controller) …")
     from specd.bench.isolated import measure_engine_costs
 
@@ -166,24 +211,60 @@ def run_bench(options: BenchOptions, console: Console) -> int:
     run.seconds = time.monotonic() - started
     from specd.bench.report import write_report
 
-    result = write_report(run, options, paths.run)
-    console.print(result.text, soft_wrap=True)
+    result = write_report(run, options, top.run)
+    console.print(result.text, soft_wrap=True, markup=False)  # the intervals' brackets are not markup
     return 0 if result.summary["outputs_equal"] else 1
 
 
-def passes(client: httpx.Client, url: str, order: list[Prompt], options: BenchOptions,
-           done: Callable[[Sample], None]) -> None:  # fmt: skip
-    """Pass 1 (every static arm, and adaptive starting cold) and pass 2 (adaptive warm beside none)."""
-    arms = [*STATIC_ARMS, ADAPTIVE]
+def measure_once(options: BenchOptions, prompts: dict[str, list[Prompt]], paths: DemoPaths, run: Run, index: int,
+                 console: Console, advance: Callable[[], None]) -> None:  # fmt: skip
+    """One run of the measurement on fresh services: the passes; in the first run, the batch sweep, the drift scenario
+    and the learned costs too."""
+    services: dict[str, Service] = {}
+    order = interleaved(prompts)
+    try:
+        start_services(options, paths, services, console, seed=worker_seed(options.seed, index))
+        url, controller = services["worker"].url, services["controller"].address
+        with httpx.Client(timeout=600) as client:
+            offered = offered_drafters(client, url, order[0])
+            prime(client, url, held_out(options.workloads, prompts, PRIMERS_PER_SEGMENT), options.max_new_tokens)
+            run.arms = static_arms(offered)
+            missing = sorted({parse_arm(arm)[0] for arm in STATIC_ARMS} - {NONE, *offered})
+            if missing and index == 0:
+                console.print(f"the worker does not offer {', '.join(missing)}: those static arms are left out")
+            for _ in range((len(STATIC_ARMS) - len(run.arms)) * len(order)):
+                advance()  # the arms the worker does not offer: not run
+
+            def done(sample: Sample) -> None:
+                run.samples.append(sample)
+                advance()
+
+            passes(client, url, order, options, run.arms, done, index)
+            if index == 0:
+                for b in (b for b in options.batches if b > 1):
+                    run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(url, order, b, options, advance)
+                if options.drift:
+                    run.drift = drift_scenario(client, url, controller, prompts, options, done)
+        if index == 0:
+            run.learned_costs = fetch_costs(controller)
+    except LaunchError as e:
+        raise BenchError(str(e).splitlines()[0]) from None
+    finally:
+        stop(services, paths)
+
+
+def passes(client: httpx.Client, url: str, order: list[Prompt], options: BenchOptions, statics: Sequence[str],
+           done: Callable[[Sample], None], run: int = 0) -> None:  # fmt: skip
+    """Pass 1 (every static arm in ``statics``, and adaptive starting cold) and pass 2 (adaptive warm beside none)."""
+    arms = [*statics, ADAPTIVE]
     for i, prompt in enumerate(order):
-        for r in range(options.repeats):
-            shift = (i * options.repeats + r) % len(arms)  # no arm always goes first
-            for arm in arms[shift:] + arms[:shift]:
-                done(send(client, url, prompt, arm, options, i))
+        shift = i % len(arms)  # no arm always goes first
+        for arm in arms[shift:] + arms[:shift]:
+            done(send(client, url, prompt, arm, options, i, run=run))
     for i, prompt in enumerate(order):
         pair = (WARM_BASELINE, ADAPTIVE_WARM) if i % 2 else (ADAPTIVE_WARM, WARM_BASELINE)
         for arm in pair:
-            sample = send(client, url, prompt, NONE if arm == WARM_BASELINE else ADAPTIVE, options, i)
+            sample = send(client, url, prompt, NONE if arm == WARM_BASELINE else ADAPTIVE, options, i, run=run)
             done(Sample(**{**asdict(sample), "arm": arm}))
 
 
@@ -335,7 +416,9 @@ def progress_bar(console: Console, total: int) -> Iterator[Callable[[], None]]:
 # -- services -------------------------------------------------------------------------------------------------
 
 
-def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, Service], console: Console) -> None:
+def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, Service], console: Console,
+                   seed: int = 0) -> None:  # fmt: skip
+    """The controller (fresh state under ``paths``), then the worker; ``seed`` picks the requests --noise stalls."""
     cap = max([8, *options.batches])  # the learned costs decide where speculation stops paying, up to this batch
     policy = write_config(paths.config("policy"), bench_policy(options.policy, cap),
                           f"specd bench: {options.policy} with max_batch_size {cap}")  # fmt: skip
@@ -349,6 +432,8 @@ def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, 
     worker = worker_config(paths, "worker", options.target, options.draft)
     worker.update(dtype=options.dtype, speculation_max_batch=cap, max_batch=max(16, cap))
     worker["telemetry"] = {"exporter": "none"}
+    if options.noise is not None:
+        worker["fault_injection"] = options.noise.worker_setting(seed)
     worker_file = write_config(paths.config("worker"), worker, "specd bench: the worker")
     console.print("starting the worker …")
     args = ["worker", "--config", str(worker_file), "--controller", services["controller"].address]

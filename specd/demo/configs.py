@@ -85,6 +85,7 @@ def worker_config(paths: DemoPaths, service: str, target: Path, draft: Path | No
         "segment_classifier": "heuristic",
         "shutdown_grace_seconds": 10,
         "prompt_lookup": {"min_ngram": 1, "max_ngram": 3},
+        "client_speculation": {"max_k": 16},  # the bench's static arms run K up to 12 (specd/bench/measure.py)
         "controller": {
             "address": None,  # --controller ADDRESS|none on the command line
             "decide_deadline_ms": 5,

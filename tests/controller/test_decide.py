@@ -239,3 +239,28 @@ def test_a_beta_draw_always_returns(successes: float, failures: float, why: str)
     beta = Beta(successes, failures)
     drawn = beta.sample(random.Random(0))
     assert drawn == beta.mean or (drawn != drawn and beta.mean != beta.mean), why
+
+
+def test_suffix_is_a_drafter_the_policy_allows_or_forbids_per_segment():
+    """Suffix decoding is learned like any drafter (per segment, from its rounds and its measured c): where its
+    acceptance is high it is chosen, and a segment rule that disables it (a tenant whose requests must not read other
+    requests' outputs) keeps it out, as a policy that forces it puts it in."""
+    seg = counts(draft=(0.5, 1.0), prompt_lookup=(0.05, 0.05), suffix=(0.95, 0.9))
+    drafters = ("draft", "prompt_lookup", "suffix")
+
+    def plan_for(settings: Settings) -> Plan:
+        req = Request("s", 1, drafters, 128)
+        estimates = {
+            d: estimate_drafter(seg, d, settings.drafter(d).k_max, 0.5, 0.5, settings.prior_strength, c)
+            for d, c in (("draft", 0.05), ("prompt_lookup", 0.0), ("suffix", 0.001))
+        }
+        return decide(settings, "v1", req, estimates, GPU, None, random.Random(0))
+
+    assert Settings().drafter("suffix").k_max == 16 and Settings().drafter("suffix").cost_ratio == 0.0
+    chosen = plan_for(Settings(exploration_rate=0.0))
+    assert (chosen.drafter, chosen.reason) == ("suffix", "best_expected_speedup")
+    assert chosen.k > 8, "suffix's K ceiling is its own (k_max 16), not the draft model's"
+    forbidden = plan_for(with_(drafters={"suffix": {"enabled": False}}))
+    assert forbidden.drafter == "draft", "a disabled suffix is never chosen"
+    forced = plan_for(with_(force="suffix", force_k=4))
+    assert (forced.drafter, forced.k, forced.reason) == ("suffix", 4, "policy_forced")

@@ -4,6 +4,7 @@ single-sequence greedy output."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, SpeculativeDecoder
-from decoder.llama_fast import LlamaKVPool
+from decoder.runners import KVPool
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from tests.conftest import perturbed_copy, tiny_lm
@@ -32,7 +33,7 @@ def llama_draft(llama_target):
 def test_ragged_forward_equals_one_sequence_at_a_time(llama_target):
     rng = random.Random(0)
     vocab = llama_target.vocab_size
-    batched, single = LlamaKVPool(llama_target, 4), LlamaKVPool(llama_target, 4)
+    batched, single = KVPool(llama_target, 4), KVPool(llama_target, 4)
     seqs_b = [batched.open() for _ in range(4)]
     seqs_s = [single.open() for _ in range(4)]
     for round_ in range(6):
@@ -55,7 +56,7 @@ def test_ragged_forward_equals_one_sequence_at_a_time(llama_target):
 def test_ragged_forward_matches_in_float32_too(tokenizer):
     target = tiny_lm("llama", tokenizer, seed=1)
     target.model.float()
-    pool, ref = LlamaKVPool(target, 3), LlamaKVPool(target, 3)
+    pool, ref = KVPool(target, 3), KVPool(target, 3)
     a, b = [pool.open() for _ in range(3)], [ref.open() for _ in range(3)]
     prompts = [torch.arange(1, n + 1) for n in (5, 17, 9)]
     got = pool.forward_many(list(zip(a, prompts, strict=True)))
@@ -64,7 +65,7 @@ def test_ragged_forward_matches_in_float32_too(tokenizer):
 
 
 def test_slots_are_reused_and_exhaustion_is_an_error(llama_target):
-    pool = LlamaKVPool(llama_target, 2)
+    pool = KVPool(llama_target, 2)
     a, b = pool.open(), pool.open()
     with pytest.raises(RuntimeError, match="KV slots"):
         pool.open()
@@ -139,10 +140,11 @@ def test_batched_sampling_with_seeds_reproduces_single_sequence(llama_target, ll
     assert mine.result().token_ids == single.token_ids
 
 
-def test_non_llama_models_are_refused_with_a_clear_error(tokenizer):
+def test_a_llama_pass_asked_for_another_model_is_refused_with_a_clear_error(tokenizer):
     gpt2 = tiny_lm("gpt2", tokenizer, seed=0)
-    with pytest.raises(ValueError, match="plain Llama"):
-        BatchEngine(gpt2)
+    assert BatchEngine(gpt2).target_pool.forward_pass.name == "transformers"  # what "auto" runs it with
+    with pytest.raises(ValueError, match="tiny-gpt2-0: the lean pass does not apply: GPT2LMHeadModel is not a plain"):
+        BatchEngine(dataclasses.replace(gpt2, runner="lean"))
 
 
 def test_a_refused_request_gives_its_slots_back(llama_target, llama_draft):
@@ -157,7 +159,7 @@ def test_a_refused_request_gives_its_slots_back(llama_target, llama_draft):
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_logits_to_keep_returns_the_tail_of_the_full_logits(llama_target, rows):
-    full, tail = LlamaKVPool(llama_target, rows), LlamaKVPool(llama_target, rows)
+    full, tail = KVPool(llama_target, rows), KVPool(llama_target, rows)
     inputs = [torch.arange(1, n + 1) for n in (6, 2, 9)[:rows]]
     want = full.forward_many([(full.open(), ids) for ids in inputs])
     got = tail.forward_many([(tail.open(), ids) for ids in inputs], logits_to_keep=3)

@@ -72,10 +72,12 @@ CASES = [
     ("draft", SamplingParams(temperature=1.0)),
     ("draft", SamplingParams(temperature=0.7, top_p=0.9)),
     ("prompt_lookup", SamplingParams(temperature=1.0, top_k=4)),
+    # the first round is the draft model's (the prompt repeats no token), later ones often lookup's: q, then one-hot
+    ("chain", SamplingParams(temperature=1.0)),
 ]
 
 
-@pytest.mark.parametrize(("drafter", "params"), CASES, ids=["draft-t1", "draft-t0.7-p0.9", "lookup-t1-k4"])
+@pytest.mark.parametrize(("drafter", "params"), CASES, ids=["draft-t1", "draft-t0.7-p0.9", "lookup-t1-k4", "chain-t1"])
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, drafter, params):
     target, draft = small_vocab_pair
     decoder = SpeculativeDecoder(target, draft)

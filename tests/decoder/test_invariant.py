@@ -1,4 +1,4 @@
-"""The batch-invariant runner (decoder/llama_invariant.py): a token's logits are the same bits alone, verified among
+"""The batch-invariant pass (decoder/runners/invariant.py): a token's logits are the same bits alone, verified among
 K drafts and in a ragged batch, in every dtype, with PyTorch's kernels; so greedy speculative output equals greedy
 target-only output token for token, and batched output equals single, with no tie allowance.
 
@@ -16,9 +16,9 @@ import torch
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import SpeculativeDecoder
-from decoder.kv_cache import CachedSequence, open_sequence
-from decoder.llama_invariant import TILE
+from decoder.kv_cache import open_sequence
 from decoder.models import from_objects
+from decoder.runners.invariant import TILE
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.tiny import build_model
@@ -81,8 +81,8 @@ def test_same_logits_as_transformers(dtype):
     rounding in float32; in bfloat16, no further off than transformers' own bfloat16 forward (each activation is
     rounded to 8 bits, so both are off by about 0.1-0.5 on logits of magnitude 7)."""
     fast = pool_of(wide_llama(dtype), "invariant").open()
-    same_dtype = CachedSequence(from_objects(wide_llama(dtype), None, "theirs", runner="transformers"))
-    exact = CachedSequence(from_objects(wide_llama(torch.float64), None, "exact", runner="transformers"))
+    same_dtype = open_sequence(from_objects(wide_llama(dtype), None, "theirs", runner="transformers"))
+    exact = open_sequence(from_objects(wide_llama(torch.float64), None, "exact", runner="transformers"))
     generator = torch.Generator().manual_seed(1)
     for i, n in enumerate((37, 1, 6, 1, 9)):
         if i == 3:  # roll back 4 tokens first
@@ -140,11 +140,12 @@ def test_batched_greedy_equals_single_exactly_in_bfloat16(tokenizer):
     rules = StopRules(max_new_tokens=16)
     target, draft = bf16_pair(tokenizer, seed=8)
     engine = BatchEngine(target, draft, max_batch=4)
-    assert engine.target_pool.invariant and engine.draft_pool is not None and engine.draft_pool.invariant
+    assert engine.draft_pool is not None
+    assert engine.target_pool.forward_pass.name == engine.draft_pool.forward_pass.name == "invariant"
     assert_batched_equals_single(engine, rules, len(tokenizer))
 
 
 def test_a_model_it_does_not_cover_is_refused_by_name(tokenizer):
     gpt2 = from_objects(build_model("gpt2", len(tokenizer), 0), tokenizer, "tiny-gpt2", runner="invariant")
-    with pytest.raises(ValueError, match="tiny-gpt2: the invariant runner supports plain Llama models, not GPT2"):
+    with pytest.raises(ValueError, match="tiny-gpt2: the invariant pass does not apply: GPT2LMHeadModel is not a"):
         open_sequence(gpt2)

@@ -14,11 +14,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import SpeculativeDecoder
-from decoder.kv_cache import CachedSequence
-from decoder.llama_fast import LlamaKVPool
+from decoder.kv_cache import open_sequence
 from decoder.models import from_objects
 from decoder.native import build
 from decoder.native.llama import NativeLlama, pack_panels
+from decoder.runners import KVPool
+from decoder.runners.native import NativePass
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from specd_api.plan import Plan
@@ -42,8 +43,8 @@ def llama(seed: int = 0, bf16_weights: bool = False, **overrides) -> torch.nn.Mo
     return model
 
 
-def pool_of(model, runner: str = "native", slots: int = 3) -> LlamaKVPool:
-    return LlamaKVPool(from_objects(model, None, runner, runner=runner), num_slots=slots)
+def pool_of(model, runner: str = "native", slots: int = 3) -> KVPool:
+    return KVPool(from_objects(model, None, runner, runner=runner), num_slots=slots)
 
 
 def test_the_ci_machine_runs_it():
@@ -58,10 +59,10 @@ def test_the_ci_machine_runs_it():
 def test_same_logits_as_transformers(bf16_weights):
     model = llama(bf16_weights=bf16_weights)
     pool = pool_of(model)
-    assert pool.native is not None and pool.native.bf16 == bf16_weights
+    assert isinstance(pool.forward_pass, NativePass) and pool.forward_pass.native.bf16 == bf16_weights
     fast = pool.open()
     # the reference: transformers' forward on the same weights in float64
-    slow = CachedSequence(from_objects(llama(bf16_weights=bf16_weights).double(), None, "slow", runner="transformers"))
+    slow = open_sequence(from_objects(llama(bf16_weights=bf16_weights).double(), None, "slow", runner="transformers"))
     generator = torch.Generator().manual_seed(1)
     steps = [torch.randint(0, VOCAB, (n,), generator=generator) for n in (37, 1, 6, 1, 9)]
     for i, tokens in enumerate(steps):
@@ -157,7 +158,8 @@ def test_batched_greedy_equals_single_exactly_in_float32(tokenizer):
     rules = StopRules(max_new_tokens=20)
     target, drafts = greedy_pair(tokenizer, seed=8)
     engine = BatchEngine(target, drafts["sometimes"], max_batch=4)
-    assert engine.target_pool.native is not None and engine.draft_pool.native is not None
+    assert engine.draft_pool is not None
+    assert engine.target_pool.forward_pass.name == engine.draft_pool.forward_pass.name == "native"
     assert_batched_equals_single(engine, rules, len(tokenizer))
 
 
@@ -196,10 +198,10 @@ def test_models_the_kernel_does_not_cover_take_the_pytorch_pass():
     why.clear()
     assert NativeLlama.create(llama(head_dim=12), why) is None and "head_dim 12" in why[0]
     pool = pool_of(llama().double(), runner="auto")
-    assert pool.native is None  # falls back quietly
-    with pytest.raises(ValueError, match=r"native runner does not apply: .*float64"):
+    assert pool.forward_pass.name == "lean"  # falls back quietly
+    with pytest.raises(ValueError, match=r"native: the native pass does not apply: .*float64"):
         pool_of(llama().double(), runner="native")
-    assert pool_of(llama(), runner="lean").native is None
+    assert pool_of(llama(), runner="lean").forward_pass.name == "lean"
 
 
 def test_switched_off_by_the_environment(monkeypatch):
@@ -207,7 +209,7 @@ def test_switched_off_by_the_environment(monkeypatch):
     build._status.cache_clear()
     try:
         assert build.load() is None and build.why_not() == "SPECD_NATIVE=0"
-        assert pool_of(llama(), runner="auto").native is None
+        assert pool_of(llama(), runner="auto").forward_pass.name == "lean"
     finally:
         monkeypatch.delenv(build.DISABLE_ENV)
         build._status.cache_clear()

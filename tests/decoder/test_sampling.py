@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from decoder.sampling import SamplingParams, logits_to_probs
+from decoder.sampling import SamplingParams, logits_to_probs, sample
 
 
 def test_greedy_is_one_hot_argmax():
@@ -55,3 +55,20 @@ def test_a_vanishing_temperature_is_greedy_not_nan():
     params = SamplingParams(temperature=1e-40)
     assert params.is_greedy
     assert logits_to_probs(torch.tensor([[1.0, 3.0, 2.0]]), params).tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    ("top_p", "why"),
+    [
+        (1e-46, "under float32's smallest subnormal: compares as 0 with a float32 tensor"),
+        (5e-324, "the smallest positive double JSON can spell"),
+        (1e-30, "small but representable: the mass before the top token (0) is still below it"),
+    ],
+)
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p, why):
+    """A top_p that underflows float32 once dropped every token: softmax of all -inf is NaN, and the sampler raised
+    in the decode thread (issue 22). The nucleus always holds the most likely token, whatever top_p is."""
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.0, 0.0, 0.0, 5.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]], why
+    assert sample(probs, None).tolist() == [1, 3]

@@ -288,13 +288,25 @@ def test_the_caller_can_choose_the_drafter_and_k(draft_worker: Worker):
     # the worker's local default is the draft model at K 3; a request asks for prompt lookup at 5 instead
     body = {"prompt": "a b c a b c a b", "max_tokens": 12, "temperature": 0}
     chosen = draft_worker.complete(**body, speculation={"drafter": "prompt_lookup", "k": 5})
+    chain = draft_worker.complete(**body, speculation={"drafter": "chain", "k": 4})  # the worker has both drafters
     plain = draft_worker.complete(**body, speculation={"drafter": "none", "k": 0})
     default = draft_worker.complete(**body)
     assert (chosen["specd"]["drafter"], chosen["specd"]["k"], chosen["specd"]["decision_source"]) == (
         "prompt_lookup", 5, "request")  # fmt: skip
+    assert (chain["specd"]["drafter"], chain["specd"]["k"]) == ("chain", 4) and chain["specd"]["num_drafted"] > 0
     assert (plain["specd"]["drafter"], plain["specd"]["num_drafted"]) == ("none", 0)
     assert default["specd"]["drafter"] == "draft"
-    assert completion_text(chosen) == completion_text(plain) == completion_text(default)  # greedy: exact
+    texts = {completion_text(r) for r in (chosen, chain, plain, default)}
+    assert len(texts) == 1, texts  # greedy: exact
+
+
+def test_a_request_may_name_every_drafter_there_is():
+    from typing import get_args
+
+    from decoder.worker.openai_api import SpeculationChoice
+    from specd_api.plan import DRAFTER_NAMES
+
+    assert set(get_args(SpeculationChoice.model_fields["drafter"].annotation)) == set(DRAFTER_NAMES)
 
 
 @pytest.mark.parametrize(
@@ -320,6 +332,10 @@ def test_the_caller_can_choose_the_drafter_and_k(draft_worker: Worker):
          "none drafts nothing"),
         ("/v1/completions", {"prompt": "x", "speculation": {"drafter": "draft", "k": 99}}, "speculation.k",
          "K is at most 64"),
+        ("/v1/completions", {"prompt": "x", "speculation": {"drafter": "draft", "k": 9}}, "speculation.k",
+         "a client's K is at most client_speculation.max_k (8 by default)"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", "x" * 257]}, "stop", "stop strings: 256 characters each"),
+        ("/v1/completions", {"prompt": "x", "top_k": 1 << 31}, "top_k", "top_k is an int32 on the controller's wire"),
         ("/v1/chat/completions", {"messages": []}, "messages", "no messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role",
          "an unknown role"),

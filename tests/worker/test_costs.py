@@ -21,7 +21,7 @@ import pytest
 
 from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
-from decoder.llama_fast import LlamaKVPool
+from decoder.runners import KVPool
 from decoder.sampling import SamplingParams
 from decoder.worker.config import WorkerConfig
 from decoder.worker.service import RequestSpec, Speculation, WorkerService
@@ -36,7 +36,7 @@ TOLERANCE = 0.15  # the issue's bar: learned within ±15% of the truth
 
 @pytest.fixture
 def slow_passes(monkeypatch) -> Iterator[None]:
-    real = LlamaKVPool.forward_many
+    real = KVPool.forward_many
 
     def forward_many(self, rows, logits_to_keep=0):
         out = real(self, rows, logits_to_keep)
@@ -47,7 +47,7 @@ def slow_passes(monkeypatch) -> Iterator[None]:
             time.sleep(STEP * V[width - 1])
         return out
 
-    monkeypatch.setattr(LlamaKVPool, "forward_many", forward_many)
+    monkeypatch.setattr(KVPool, "forward_many", forward_many)
     yield
 
 

@@ -89,6 +89,29 @@ def test_a_declared_length_past_the_limit_is_refused_before_the_body_is_sent(wor
     assert b"Content-Length is 50000000 bytes" in reply
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_body_past_the_limit_gets_its_413_whole_not_a_reset(worker: Worker, chunked: bool):
+    """16 MB (four times the limit, more than the socket buffers hold) from a client that sends its whole body before
+    reading, with ``Connection: close``. The worker answered and closed with the body unread: the kernel reset the
+    connection, and the client's send failed (EPIPE, ECONNRESET) before it could read its 413. Now the rest of the
+    body is read and dropped (bounded) before the 413 ends and the connection closes in order."""
+    body = padded(MAX_BODY * 4)
+    framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
+    if chunked:
+        pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]
+        body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+    host, port = worker.service.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n" + body)  # fmt: skip
+        reply = b""
+        while chunk := sock.recv(65536):  # to the worker's orderly close (a reset raises here)
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+    assert b"connection: close" in reply.lower() and reply.endswith(b"}}"), reply[-200:]
+    assert worker.health()["status"] == "ok"
+
+
 # -- prompts ----------------------------------------------------------------------------------------------
 
 

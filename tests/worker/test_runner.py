@@ -1,10 +1,15 @@
-"""The worker's ``runner`` setting reaches the engine: with ``runner: invariant`` in bfloat16, a served greedy
-completion is the same text whatever the drafter and K (decoder/llama_invariant.py; the engine-level proof is in
-tests/decoder/test_invariant.py)."""
+"""The worker's ``runner`` setting reaches the engine: every runner name loads the pass it names (decoder/runners;
+the engine-level proofs are in tests/decoder/test_runners.py); ``runner: transformers`` serves transformers' greedy
+text and says so; with ``runner: invariant`` in bfloat16, a served greedy completion is the same text whatever the
+drafter and K (decoder/runners/invariant.py; tests/decoder/test_invariant.py)."""
 
 from __future__ import annotations
 
-from tests.worker.conftest import WorkerLauncher
+import pytest
+
+from decoder.choices import RUNNER_NAMES
+from decoder.native import build
+from tests.worker.conftest import Reference, TinyPair, WorkerLauncher
 
 PROMPTS = ["def parse(line):\n    ", "The quick brown fox", "SELECT name FROM users WHERE id = id"]
 
@@ -31,3 +36,35 @@ def test_the_worker_offers_the_runners_and_dtypes_the_cli_does():
     fields = WorkerConfig.model_fields
     assert get_args(fields["runner"].annotation) == RUNNER_NAMES
     assert set(get_args(fields["dtype"].annotation)) == set(DTYPE_NAMES)
+
+
+@pytest.mark.parametrize("runner", RUNNER_NAMES)
+def test_the_worker_loads_the_pass_its_runner_names(tiny_pair: TinyPair, runner: str):
+    """The worker's own loader (``WorkerService._load_engine``, what its decode thread runs) on float32 models, which
+    every pass can run: target and draft pools run the named pass; auto, the native one where it builds."""
+    from decoder.worker.config import WorkerConfig
+    from decoder.worker.service import WorkerService
+
+    if runner == "native" and build.load() is None:
+        pytest.skip(f"no native pass here: {build.why_not()}")
+    config = WorkerConfig(target=tiny_pair.target, draft=tiny_pair.near_draft, device="cpu", dtype="float32",
+                          runner=runner, warm_up=False)  # fmt: skip
+    engine = WorkerService(config)._load_engine()
+    expected = runner if runner != "auto" else "native" if build.load() is not None else "lean"
+    assert engine.draft_pool is not None
+    assert engine.target_pool.forward_pass.name == engine.draft_pool.forward_pass.name == expected
+
+
+def test_a_transformers_worker_runs_transformers_pass_and_serves_its_greedy_text(
+    launcher: WorkerLauncher, reference: Reference
+):
+    """``runner: transformers`` once ran the lean pass in the worker while the engine's single-sequence path ran
+    transformers': the listening line names the pass the target pool runs, and the text is transformers' own."""
+    worker = launcher.start("transformers", runner="transformers", controller={"address": None})
+    assert "the transformers pass in float64" in worker.log.read_text()
+    for prompt in PROMPTS[:2]:
+        want = reference.tokenizer.decode(reference.greedy(prompt, 16), skip_special_tokens=True)
+        for drafter, k in (("none", 0), ("draft", 3), ("prompt_lookup", 4)):
+            body = {"max_tokens": 16, "temperature": 0, "speculation": {"drafter": drafter, "k": k}}
+            assert worker.complete(prompt, **body)["choices"][0]["text"] == want, (prompt, drafter, k)
+    launcher.stop(worker)

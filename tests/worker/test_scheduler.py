@@ -1,5 +1,6 @@
-"""The scheduler on its own (no HTTP, no process): the queue bound, cancellation, timeouts, draining, and a
-decode loop that fails. A tiny float64 Llama target, no draft."""
+"""The scheduler on its own (no HTTP, no process): the queue bound, cancellation, timeouts, draining, a decode
+loop that fails, and a fault in one request's round that fails that request only. A tiny float64 Llama target (and,
+where a test drafts with a model, a tiny draft)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from decoder.batch_engine import BatchEngine
+from decoder.drafters import DraftModelDrafter, PromptLookupDrafter
+from decoder.engine import DecodeSession
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
@@ -198,20 +202,98 @@ def test_drain_waits_for_a_job_whose_prefill_is_running(make, target, monkeypatc
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_failed_decode_loop_fails_its_jobs_and_refuses_new_ones(make, target, monkeypatch):
-    scheduler, _ = make(max_batch=2, max_queue=2)
+def test_a_failed_decode_loop_fails_its_jobs_refuses_new_ones_and_says_so(target, monkeypatch):
+    """A fault outside every request's work (here: admitting) ends the loop: every job fails, new ones are refused,
+    and ``on_failure`` is told (the worker process exits on it, to be restarted: tests/worker/test_faults.py)."""
+    failures: list[BaseException] = []
+    scheduler = Scheduler(BatchEngine(target, max_batch=2), 2, 8, on_failure=failures.append)
     recorders = [Recorder(), Recorder()]
     for recorder in recorders:
         scheduler.submit(recorder.job(target, max_new_tokens=50))
 
-    def broken_step(sessions, ks):
-        raise RuntimeError("a bug in the engine")
+    def broken_admit() -> None:
+        raise RuntimeError("a bug in the scheduler")
 
-    monkeypatch.setattr(scheduler.engine, "step", broken_step)
+    monkeypatch.setattr(scheduler, "_admit", broken_admit)
+    try:
+        scheduler.start()
+        for recorder in recorders:
+            outcome = recorder.outcome()
+            assert outcome.status == "failed" and "a bug in the scheduler" in str(outcome.error)
+        assert isinstance(scheduler.failure, RuntimeError) and failures == [scheduler.failure]
+        with pytest.raises(ShuttingDown, match="decode loop failed"):  # nothing would decode it: refuse, not hang
+            scheduler.submit(Recorder().job(target))
+    finally:
+        scheduler.stop()
+
+
+# -- a fault in one request's round stays with that request (contract 10) ------------------------------------
+
+POISON = [9, 9, 9, 9, 9, 9]  # the prompt whose round raises, a few rounds in
+INNOCENT = [[5, 6, 7, 8, 10, 11], [12, 13, 14, 15, 16, 17]]
+
+
+def _poisoned(context: torch.Tensor) -> bool:
+    """The poisoned sequence, a few rounds in (``context``: its tokens, or those its draft model's cache holds)."""
+    return context.shape[0] >= len(POISON) + 2 and context[:3].tolist() == POISON[:3]
+
+
+FAULTS = {  # where the fault is injected: (class, method, the context that method sees)
+    "accepting": (DecodeSession, "finish_round", lambda self, args: self.context),  # per sequence, after the pass
+    "prompt lookup's draft": (PromptLookupDrafter, "propose", lambda self, args: args[0]),
+    "the draft model's batched draft": (DraftModelDrafter, "pick", lambda self, args: self.cached_ids),
+}
+
+
+@pytest.fixture(scope="module")
+def draft(tokenizer):
+    return tiny_lm("llama", tokenizer, seed=1)
+
+
+def run_jobs(target, draft, drafter: str, prompts: list[list[int]]) -> list[Recorder]:
+    scheduler = Scheduler(BatchEngine(target, draft, max_batch=4), 4, 8)
+    recorders = [Recorder() for _ in prompts]
+    for recorder, prompt in zip(recorders, prompts, strict=True):
+        job = recorder.job(target, max_new_tokens=24, prompt=prompt)
+        job.plan = Plan(drafter, 3)
+        scheduler.submit(job)
     scheduler.start()
-    for recorder in recorders:
-        outcome = recorder.outcome()
-        assert outcome.status == "failed" and "a bug in the engine" in str(outcome.error)
-    assert isinstance(scheduler.failure, RuntimeError)
-    with pytest.raises(ShuttingDown, match="decode loop failed"):  # nothing would decode it: refuse, not hang
-        scheduler.submit(Recorder().job(target))
+    try:
+        for recorder in recorders:
+            recorder.outcome()
+        after = Recorder()  # the loop goes on
+        scheduler.submit(after.job(target, max_new_tokens=4, prompt=INNOCENT[0]))
+        assert after.outcome().status == "finished" and scheduler.failure is None
+    finally:
+        scheduler.stop()
+    return recorders
+
+
+@pytest.mark.parametrize(
+    ("drafter", "where"),
+    [
+        ("prompt_lookup", "accepting"),
+        ("prompt_lookup", "prompt lookup's draft"),
+        ("draft", "accepting"),
+        ("draft", "the draft model's batched draft"),
+    ],
+)
+def test_a_round_that_raises_for_one_sequence_fails_that_request_only(target, draft, monkeypatch, where, drafter):
+    """The poisoned request, batched between two others, fails (500, the error named); the others finish with the
+    very tokens they decode without it (rewound and run alone after the failed batched round: nothing lost, nothing
+    repeated), and the loop goes on. Before, the exception killed the decode thread and every later request got 503."""
+    cls, method, context_of = FAULTS[where]
+    clean = [r.tokens for r in run_jobs(target, draft, drafter, INNOCENT)]
+    original = getattr(cls, method)
+
+    def faulty(self, *args, **kwargs):
+        if _poisoned(context_of(self, args)):
+            raise RuntimeError("a fault in one sequence")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, faulty)
+    first, poisoned, second = run_jobs(target, draft, drafter, [INNOCENT[0], POISON, INNOCENT[1]])
+    outcome = poisoned.outcome()
+    assert outcome.status == "failed" and "a fault in one sequence" in str(outcome.error), outcome
+    assert [first.outcome().status, second.outcome().status] == ["finished", "finished"]
+    assert [first.tokens, second.tokens] == clean

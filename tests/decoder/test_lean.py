@@ -1,5 +1,5 @@
-"""The lean Llama runner gives transformers' logits (to float64 rounding) through prefill, decode, rollback
-and multi-token verification, for the Llama variants it accepts; other models are left to transformers."""
+"""The lean pass (decoder/runners/lean.py) gives transformers' logits (to float64 rounding) through prefill, decode,
+rollback and multi-token verification, for the Llama variants it accepts; other models are left to transformers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig
 
-from decoder.kv_cache import CachedSequence, open_sequence
-from decoder.llama_fast import INITIAL_CAPACITY, PooledSequence, open_llama_sequence, supports_fast_path
+from decoder.kv_cache import open_sequence
 from decoder.models import from_objects
+from decoder.runners.kv import INITIAL_CAPACITY, why_not_plain_llama
 
 VOCAB = 97
 
@@ -38,9 +38,9 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_same_logits_as_transformers(variant):
     model = llama(**VARIANTS[variant])
-    assert supports_fast_path(model)
-    fast = open_llama_sequence(from_objects(model, None, "fast"))
-    slow = CachedSequence(from_objects(model, None, "slow", runner="transformers"))
+    assert not why_not_plain_llama(model)
+    fast = open_sequence(from_objects(model, None, "fast", runner="lean"))
+    slow = open_sequence(from_objects(model, None, "slow", runner="transformers"))
     generator = torch.Generator().manual_seed(1)
     steps = [
         ("prefill", torch.randint(0, VOCAB, (37,), generator=generator)),
@@ -63,7 +63,7 @@ def test_same_logits_as_transformers(variant):
 
 def test_logits_to_keep_returns_the_last_rows():
     model = llama()
-    fast = open_llama_sequence(from_objects(model, None, "fast"))
+    fast = open_sequence(from_objects(model, None, "fast", runner="lean"))
     tokens = torch.arange(1, 11)
     full = fast.forward(tokens)
     fast.truncate(0)
@@ -72,8 +72,8 @@ def test_logits_to_keep_returns_the_last_rows():
 
 def test_cache_grows_past_its_initial_capacity():
     model = llama()
-    fast = open_llama_sequence(from_objects(model, None, "fast"))
-    slow = CachedSequence(from_objects(model, None, "slow", runner="transformers"))
+    fast = open_sequence(from_objects(model, None, "fast", runner="lean"))
+    slow = open_sequence(from_objects(model, None, "slow", runner="transformers"))
     tokens = torch.randint(0, VOCAB, (INITIAL_CAPACITY - 3,), generator=torch.Generator().manual_seed(2))
     fast.forward(tokens), slow.forward(tokens)
     extra = torch.arange(8)  # crosses the capacity boundary
@@ -93,10 +93,11 @@ def test_cache_grows_past_its_initial_capacity():
     ],
 )  # fmt: skip
 def test_only_plain_llama_takes_the_fast_path(model, fast, why):
-    built = model()
-    assert supports_fast_path(built) is fast, why
-    assert isinstance(open_sequence(from_objects(built, None, "m")), PooledSequence) is fast
+    built = model().double()  # float64: the lean pass is auto's choice for a Llama (not the float32 native one)
+    assert (not why_not_plain_llama(built)) is fast, why
+    assert open_sequence(from_objects(built, None, "m")).pool.forward_pass.name == ("lean" if fast else "transformers")
 
 
 def test_runner_transformers_opts_out():
-    assert isinstance(open_sequence(from_objects(llama(), None, "m", runner="transformers")), CachedSequence)
+    seq = open_sequence(from_objects(llama(), None, "m", runner="transformers"))
+    assert seq.pool.forward_pass.name == "transformers"

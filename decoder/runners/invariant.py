@@ -1,4 +1,4 @@
-"""The batch-invariant forward pass (runner ``invariant``): a token's logits are the same bits whatever else is in
+"""The batch-invariant pass (runner ``invariant``): a token's logits are the same bits whatever else is in
 the pass, in any dtype and on any device, using PyTorch's own kernels.
 
 Why it is needed: a GEMM's kernel (and with it the order in which a dot product is summed) is chosen by the shape
@@ -24,15 +24,46 @@ Shapes: ``r`` real tokens in the pass, ``p`` padded to a multiple of ``TILE``, `
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from decoder.llama_fast import LlamaKVPool
+from decoder.runners.base import KVStore, PassNotApplicable, RaggedRows
+from decoder.runners.kv import LlamaShape, SlotTensors, why_not_plain_llama
 
 TILE = 8  # rows per call of every row-wise step
+
+
+class InvariantPass:
+    """The lean pass's model, run in fixed shapes over ``SlotTensors`` (``forward_invariant``)."""
+
+    name = "invariant"
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.model, self.device = model, device
+        self.shape = LlamaShape.of(model)
+        self.rope = apply_rotary_pos_emb
+
+    @classmethod
+    def create(cls, model: Any, device: torch.device) -> InvariantPass:
+        reason = why_not_plain_llama(model)
+        if reason:
+            raise PassNotApplicable(f"the invariant pass does not apply: {reason}")
+        return cls(model, device)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
+
+    def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
+        return SlotTensors(self.model, num_slots, capacity)
+
+    def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
+        assert isinstance(store, SlotTensors)
+        return forward_invariant(self, store, rows, logits_to_keep)
 
 
 def padded_rows(rows: int) -> int:
@@ -45,14 +76,17 @@ def by_tiles(step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
     return torch.cat([step(slice(first, first + TILE)) for first in range(0, rows, TILE)])
 
 
-def project_qkv(pool: LlamaKVPool, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def project_qkv(
+    pass_: InvariantPass, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
     """Norm, q/k/v projections and rotary embedding of one tile. # x: [T, hidden] -> [T, heads + 2 kv, d]"""
-    attn, heads, kv, d = layer.self_attn, pool.num_heads, pool.num_kv_heads, pool.head_dim
+    attn, shape = layer.self_attn, pass_.shape
+    heads, kv, d = shape.heads, shape.kv_heads, shape.head_dim
     h = layer.input_layernorm(x)  # [T, hidden]
     q = attn.q_proj(h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, T, d]
     k = attn.k_proj(h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, T, d]
     v = attn.v_proj(h).view(1, -1, kv, d).transpose(1, 2)
-    q, k = pool._rope(q, k, cos, sin)  # cos, sin: [1, T, d]
+    q, k = pass_.rope(q, k, cos, sin)  # cos, sin: [1, T, d]
     return torch.cat([q, k, v], dim=1)[0].transpose(0, 1)
 
 
@@ -63,36 +97,38 @@ def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch
 
 
 def attend_one_by_one(
-    pool: LlamaKVPool, i: int, q: torch.Tensor, slot_of: list[int], position_of: list[int], padded: int
+    pass_: InvariantPass,
+    store: SlotTensors,
+    i: int,
+    q: torch.Tensor,
+    slot_of: list[int],
+    position_of: list[int],
+    padded: int,
 ) -> torch.Tensor:
     """Each query over exactly the cached positions it sees (0..its own), as when decoded alone.
     # q: [r, heads, d] -> [p, heads * d] (padding rows zero)"""
-    scaling = pool.lm.model.model.layers[i].self_attn.scaling
-    out = q.new_zeros(padded, pool.num_heads * pool.head_dim)
+    scaling, shape = pass_.model.model.layers[i].self_attn.scaling, pass_.shape
+    out = q.new_zeros(padded, shape.heads * shape.head_dim)
     for row, (slot, position) in enumerate(zip(slot_of, position_of, strict=True)):
         end = position + 1
         out[row] = F.scaled_dot_product_attention(
             q[row][None, :, None],  # [1, heads, 1, d]
-            pool._keys[i, slot : slot + 1, :, :end],  # [1, kv, end, d]
-            pool._values[i, slot : slot + 1, :, :end],
+            store.keys[i, slot : slot + 1, :, :end],  # [1, kv, end, d]
+            store.values[i, slot : slot + 1, :, :end],
             scale=scaling,
-            enable_gqa=pool.num_kv_heads != pool.num_heads,
+            enable_gqa=shape.kv_heads != shape.heads,
         ).reshape(-1)
     return out
 
 
 @torch.inference_mode()
 def forward_invariant(
-    pool: LlamaKVPool,
-    slots: list[int],
-    inputs: list[torch.Tensor],
-    starts: list[int],
-    counts: list[int],
-    logits_to_keep: int,
+    pass_: InvariantPass, store: SlotTensors, rows: RaggedRows, logits_to_keep: int
 ) -> list[torch.Tensor]:
     """Append each row's tokens to its slot's cache; each row's logits (all, or its last ``logits_to_keep``)."""
-    model = pool.lm.model.model
-    device = pool.lm.device
+    model = pass_.model.model
+    device = pass_.device
+    slots, inputs, starts, counts = rows.slots, rows.inputs, rows.starts, rows.counts
     real = sum(counts)
     padded = padded_rows(real)
     slot_of = [slot for slot, n in zip(slots, counts, strict=True) for _ in range(n)]
@@ -108,21 +144,21 @@ def forward_invariant(
 
     x = by_tiles(lambda t: model.embed_tokens(ids[t]), padded)  # [p, hidden]
     cos, sin = model.rotary_emb(x[None], positions)  # [1, p, d] each: elementwise in the position, row by row
-    heads, kv = pool.num_heads, pool.num_kv_heads
+    heads, kv = pass_.shape.heads, pass_.shape.kv_heads
     for i, layer in enumerate(model.layers):
         # (each lambda runs inside by_tiles, within its iteration: B023's late binding cannot bite)
-        projected = by_tiles(lambda t: project_qkv(pool, layer, x[t], cos[:, t], sin[:, t]), padded)  # noqa: B023
+        projected = by_tiles(lambda t: project_qkv(pass_, layer, x[t], cos[:, t], sin[:, t]), padded)  # noqa: B023
         q, k, v = projected[:real].split([heads, kv, kv], dim=1)  # [r, heads | kv | kv, d]
-        pool._keys[i][slot_index, :, position_index] = k
-        pool._values[i][slot_index, :, position_index] = v
-        attended = attend_one_by_one(pool, i, q, slot_of, position_of, padded)  # [p, heads * d]
+        store.keys[i][slot_index, :, position_index] = k
+        store.values[i][slot_index, :, position_index] = v
+        attended = attend_one_by_one(pass_, store, i, q, slot_of, position_of, padded)  # [p, heads * d]
         x = by_tiles(lambda t: output_and_mlp(layer, x[t], attended[t]), padded)  # noqa: B023  [p, hidden]
 
-    kept = [min(n, logits_to_keep) if logits_to_keep else n for n in counts]
+    kept = rows.kept(logits_to_keep)
     ends = torch.tensor(counts).cumsum(0).tolist()
     wanted = [row for end, k in zip(ends, kept, strict=True) for row in range(end - k, end)]
     hidden = x.new_zeros(padded_rows(len(wanted)), x.shape[1])  # [kept padded, hidden]
     hidden[: len(wanted)] = x[torch.tensor(wanted, device=device)]
-    head = pool.lm.model.lm_head
+    head = pass_.model.lm_head
     logits = by_tiles(lambda t: head(model.norm(hidden[t])), hidden.shape[0])[: len(wanted)]  # [sum(kept), vocab]
     return list(logits.split(kept))

@@ -1,0 +1,59 @@
+"""The worker's cost calibration at start-up: rounds that verify exactly n drafts, n = 0..max_k, timed before any
+traffic, so that the controller's first decisions price K with this machine's costs, not the literature's defaults
+(v(n) = 1 + 0.02 n, a GPU's; on two CPU cores v(8) is about 2.5, and a cold controller drew the draft model to long K).
+
+Each n is measured in several short sequences, each one observation of the controller's median (a stall during
+calibration is one rank among them, as in traffic). The first round of each sequence is dropped: it pays one-off
+costs (the prefill's caches, a new shape). The rounds are reported as ``calibration`` aggregates: counted in the
+costs, in no segment. Online timings then confirm or move these figures as any others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from decoder.batch_engine import BatchEngine
+from decoder.sampling import SamplingParams
+from decoder.stopping import StopRules
+from decoder.telemetry import RoundRecord
+
+CALIBRATION_SEGMENT = "_calibration"  # the segment field of the calibration aggregates (counted in no segment)
+CALIBRATION_MAX_K = 8
+SEQUENCES_PER_K = 4  # observations per n: a median of 4 survives one stalled sequence
+ROUNDS_PER_SEQUENCE = 6  # the first is dropped
+
+
+def calibration_prompt(vocab_size: int, length: int = 48) -> list[int]:
+    """A prompt of ordinary token ids (none of the first few, which are often special)."""
+    span = max(min(97, vocab_size - 3), 1)
+    return [(i * 13) % span + 3 for i in range(length)]
+
+
+def measure_costs(
+    engine: BatchEngine, max_k: int = CALIBRATION_MAX_K, sequences: int = SEQUENCES_PER_K,
+    rounds: int = ROUNDS_PER_SEQUENCE,
+) -> list[list[RoundRecord]]:  # fmt: skip
+    """Timed rounds, one list per short sequence: plain steps (n = 0), then the draft model at K = 1..max_k (it
+    proposes exactly K: no stop rule here), at batch 1. Without a draft model, only the plain steps."""
+    drafter_ks: list[tuple[str, int]] = [("none", 0)]
+    if "draft" in engine.drafters:
+        drafter_ks += [("draft", k) for k in range(1, max_k + 1)]
+    prompt = calibration_prompt(engine.target.vocab_size)
+    measured: list[list[RoundRecord]] = []
+    for _ in range(sequences):
+        for drafter, k in drafter_ks:
+            measured.append(_sequence(engine, prompt, drafter, k, rounds))
+    return measured
+
+
+def _sequence(engine: BatchEngine, prompt: Sequence[int], drafter: str, k: int, rounds: int) -> list[RoundRecord]:
+    rules = StopRules(max_new_tokens=(k + 1) * (rounds + 1) + 1)  # never cut by the budget: every round drafts k
+    session = engine.open(list(prompt), drafter, SamplingParams(), rules)
+    try:
+        for _ in range(rounds):
+            if session.finish_reason is not None:
+                break
+            engine.step([session], [k])
+    finally:
+        engine.close(session)
+    return list(session.stats.rounds[1:])

@@ -1,0 +1,71 @@
+"""What every forward pass does: the ``ForwardPass`` interface, the ragged rows it runs, and the KV storage it keeps.
+
+A pass runs one model step for several pooled sequences at once (decoder.runners.pool): each row appends its own
+tokens to its own slot at its own position, and gets back its next-token logits. Where the keys and values live is
+the pass's business (``new_store``): the Llama passes share ``SlotTensors`` (decoder/runners/kv.py), transformers'
+keeps one ``DynamicCache`` per slot. The pool owns the slots and their lengths; a rollback is a length change, and
+a pass reads each row's start from the pool, never from its own storage.
+
+Shapes: ``n`` one row's new tokens, ``vocab`` the logits' width (one notation across decoder/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class PassNotApplicable(ValueError):
+    """A runner was asked for that cannot run this model here; the message says why."""
+
+
+@dataclass(frozen=True)
+class RaggedRows:
+    """One pass's rows: row i appends ``inputs[i]`` ([n_i] int64) to slot ``slots[i]`` at position ``starts[i]``."""
+
+    slots: list[int]
+    inputs: list[torch.Tensor]
+    starts: list[int]
+    counts: list[int]  # n_i
+
+    def kept(self, logits_to_keep: int) -> list[int]:
+        """The logits rows each row returns: all its tokens', or its last ``logits_to_keep``."""
+        return [min(n, logits_to_keep) if logits_to_keep else n for n in self.counts]
+
+
+class KVStore(Protocol):
+    """A pass's keys and values for every slot of a pool."""
+
+    def reserve(self, needed: int, lengths: Sequence[int]) -> None:
+        """Room for ``needed`` positions per slot, the first ``lengths[slot]`` of each kept."""
+        ...
+
+    def cached_keys(self, slot: int, length: int) -> list[torch.Tensor]:
+        """Per layer: the first ``length`` keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
+        ...
+
+
+class ForwardPass(Protocol):
+    """How one model step runs (the glossary's "forward pass"): chosen by ``decoder.runners.select_pass``."""
+
+    @property
+    def name(self) -> str:
+        """The runner that names it (decoder.choices.RUNNER_NAMES, never "auto"): what the worker's listening line
+        and the benchmarks print."""
+        ...
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype its arithmetic runs in, as the config files name it ("float32", "bfloat16", ...)."""
+        ...
+
+    def new_store(self, num_slots: int, capacity: int) -> KVStore:
+        """Empty KV storage for ``num_slots`` sequences of up to ``capacity`` positions (it may grow)."""
+        ...
+
+    def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
+        """Append each row's tokens to its slot of ``store``; return each row's logits, [kept_i, vocab]."""
+        ...

@@ -1,0 +1,190 @@
+"""The lean pass (runner ``lean``): a Llama forward over the pool's preallocated KV tensors (the gpt-fast approach).
+
+It reuses the model's own modules (embeddings, rotary embedding, projections, norms, MLP, head) and
+replaces only the per-call machinery around them: transformers' wrappers, mask construction and the
+concatenating cache. Rollback is a length change: nothing is copied.
+
+One pass runs several sequences at once, each appending its own number of tokens at its own position (ragged):
+that is what continuous batching with ragged acceptance needs. A pass over one sequence computes what
+transformers' sdpa forward computes (in float64, to its rounding, tested; a float32 model on a CPU computes its LM
+head with oneDNN, ``OutputHead``, which differs from transformers' in the last bits).
+
+Only plain ``LlamaForCausalLM`` models take this path (``decoder.runners.kv.why_not_plain_llama``); everything
+else runs through transformers (decoder/runners/hf.py).
+
+Shape comments, one notation across decoder/: ``b`` sequences in a pass, ``n`` one sequence's new tokens, ``w``
+the widest row of a ragged pass (the others padded), ``r`` its real tokens, ``end`` the positions attended to,
+``heads``/``kv``/``d`` the query heads, key-value heads and head size; ``t`` is a context's length (prompt plus
+emitted) and ``K`` a round's draft length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from decoder.runners.base import KVStore, PassNotApplicable, RaggedRows
+from decoder.runners.kv import LlamaShape, SlotTensors, why_not_plain_llama
+
+
+class OutputHead:
+    """The LM head. For a float32 model on a CPU with oneDNN, its weights prepacked for oneDNN (a copy made once):
+    the head is the largest single matrix of a small model (8,192 x 384 for the shipped target, a quarter of its
+    weights), and plain ``F.linear`` streams it at about 13 GB/s on the development machine against 31 GB/s for
+    oneDNN (1 row: 932 -> 401 us; 5 rows, a K=4 verify: 2,030 -> 786 us). Elsewhere (float64, bf16, GPUs) it is the
+    model's own module. Neither kernel is batch-invariant (a row's logits depend on how many rows a pass has, in the
+    last bits), so exactness is judged on tokens, as before."""
+
+    def __init__(self, lm_head: torch.nn.Module) -> None:
+        self.module = lm_head
+        weight = getattr(lm_head, "weight", None)
+        self._packed: torch.Tensor | None = None
+        if (
+            isinstance(lm_head, torch.nn.Linear)
+            and lm_head.bias is None
+            and weight is not None
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+        ):
+            self._packed = weight.detach().to_mkldnn()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """# hidden: [..., hidden] -> [..., vocab]"""
+        if self._packed is None:
+            return self.module(hidden)
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # [r, hidden]
+        logits = torch._C._nn.mkldnn_linear(rows.to_mkldnn(), self._packed, None).to_dense()  # [r, vocab]
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+
+class LeanPass:
+    """The lean PyTorch forward of a plain Llama model, over ``SlotTensors``."""
+
+    name = "lean"
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.model, self.device = model, device
+        self.shape = LlamaShape.of(model)
+        self.num_heads, self.num_kv_heads, self.head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
+        self.head = OutputHead(model.lm_head)
+        self.rope = apply_rotary_pos_emb
+
+    @classmethod
+    def create(cls, model: Any, device: torch.device) -> LeanPass:
+        reason = why_not_plain_llama(model)
+        if reason:
+            raise PassNotApplicable(f"the lean pass does not apply: {reason}")
+        return cls(model, device)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
+
+    def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
+        return SlotTensors(self.model, num_slots, capacity)
+
+    @torch.inference_mode()
+    def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
+        assert isinstance(store, SlotTensors)
+        if len(rows.slots) == 1:
+            return [self._forward_one(store, rows.slots[0], rows.inputs[0], rows.starts[0], logits_to_keep)]
+        return self._forward_ragged(store, rows.slots, rows.inputs, rows.starts, rows.counts, logits_to_keep)
+
+    def _forward_one(
+        self, store: SlotTensors, slot: int, input_ids: torch.Tensor, start: int, logits_to_keep: int
+    ) -> torch.Tensor:
+        """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""
+        model = self.model.model
+        n = input_ids.shape[0]
+        end = start + n
+        x = model.embed_tokens(input_ids.to(self.device, non_blocking=True)).unsqueeze(0)  # [1, n, hidden]
+        positions = torch.arange(start, end, device=x.device).unsqueeze(0)  # [1, n]
+        cos, sin = model.rotary_emb(x, positions)
+        # New tokens see the whole cache and, among themselves, what precedes them. On an empty cache that is
+        # plain causal attention (no O(n^2) mask for a long prompt); SDPA's is_causal aligns top-left, so it
+        # is right only there.
+        causal = n > 1 and start == 0
+        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and not causal else None
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, n, self.num_heads, self.head_dim).transpose(1, 2)  # [1, heads, n, d]
+            k = attn.k_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [1, kv, n, d]
+            v = attn.v_proj(h).view(1, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            store.keys[i, slot, :, start:end] = k[0]
+            store.values[i, slot, :, start:end] = v[0]
+            o = F.scaled_dot_product_attention(
+                q,
+                store.keys[i, slot : slot + 1, :, :end],
+                store.values[i, slot : slot + 1, :, :end],
+                attn_mask=mask,
+                is_causal=causal,
+                scale=attn.scaling,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )  # [1, heads, n, d]
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]  # the head only where logits are wanted (a prefill needs one row)
+        return self.head(model.norm(x))[0]  # [n or logits_to_keep, vocab]
+
+    def _forward_ragged(
+        self,
+        store: SlotTensors,
+        slots: list[int],
+        inputs: list[torch.Tensor],
+        starts: list[int],
+        counts: list[int],
+        logits_to_keep: int,
+    ) -> list[torch.Tensor]:
+        """Several sequences, padded to the longest row; padding is neither cached nor returned."""
+        model = self.model.model
+        device = self.device
+        b, width = len(slots), max(counts)
+        ids = torch.zeros(b, width, dtype=torch.long)  # [b, w], padded with token 0
+        for row, tokens in enumerate(inputs):
+            ids[row, : counts[row]] = tokens
+        ids = ids.to(device)
+        start = torch.tensor(starts, device=device)  # [b]
+        offsets = torch.arange(width, device=device)  # [w]
+        positions = start[:, None] + offsets[None, :]  # [b, w]
+        real = offsets[None, :] < torch.tensor(counts, device=device)[:, None]  # [b, w] not padding
+        row_of, col_of = real.nonzero(as_tuple=True)  # [r] each: the real (row, column) pairs
+        slot_of = torch.tensor(slots, device=device)[row_of]  # [r]
+        pos_of = positions[row_of, col_of]  # [r]
+        end = max(s + n for s, n in zip(starts, counts, strict=True))
+        slot_index = torch.tensor(slots, device=device)  # [b]
+        # Query j of row r sees cached positions <= start_r + j: its own prefix and the tokens before it.
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [b, 1, w, end]
+        x = model.embed_tokens(ids)  # [b, w, hidden]
+        cos, sin = model.rotary_emb(x, positions)
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, width, self.num_heads, self.head_dim).transpose(1, 2)  # [b, heads, w, d]
+            k = attn.k_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, kv, w, d]
+            v = attn.v_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            # Write only the real tokens: [t, kv, d] into (slot, :, position).
+            store.keys[i][slot_of, :, pos_of] = k.transpose(1, 2)[row_of, col_of]
+            store.values[i][slot_of, :, pos_of] = v.transpose(1, 2)[row_of, col_of]
+            keys = store.keys[i, :, :, :end].index_select(0, slot_index)  # [b, kv, end, d]
+            values = store.values[i, :, :, :end].index_select(0, slot_index)
+            o = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+            )  # [b, heads, w, d]
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, width, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if logits_to_keep:  # the head only on each row's last real tokens
+            kept = [min(n, logits_to_keep) for n in counts]
+            first_kept = torch.tensor([n - k for n, k in zip(counts, kept, strict=True)], device=device)  # [b]
+            row_of, col_of = ((offsets[None, :] >= first_kept[:, None]) & real).nonzero(as_tuple=True)
+            counts = kept
+        hidden = model.norm(x[row_of, col_of])  # [t, hidden]
+        return list(self.head(hidden).split(counts))  # [n_i or logits_to_keep, vocab] each

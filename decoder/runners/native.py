@@ -1,0 +1,52 @@
+"""The native pass (runner ``native``): every row of a pass in one call into ``llama_step.c`` (decoder/native), over
+the pool's ``SlotTensors``. Batch-invariant: each token's logits are the same bits whatever else is in the pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from decoder.native.llama import CacheBinding, NativeLlama
+from decoder.runners.base import KVStore, PassNotApplicable, RaggedRows
+from decoder.runners.kv import SlotTensors, why_not_plain_llama
+
+
+class NativePass:
+    """A plain float32 Llama model's packed weights (``NativeLlama``, shared by every pass of the model) and the
+    kernel's view of the store it last ran on."""
+
+    name = "native"
+    dtype_name = "float32"  # the kernel's arithmetic, whatever the panels hold (decoder/native/llama.py)
+
+    def __init__(self, native: NativeLlama, model: Any) -> None:
+        self.native = native
+        self.model = model
+        self._binding: CacheBinding | None = None
+
+    @classmethod
+    def create(cls, model: Any, device: torch.device) -> NativePass:
+        """The pass, or ``PassNotApplicable`` naming the first thing the kernel does not cover."""
+        reason = why_not_plain_llama(model) or (f"it runs on a CPU, not on {device}" if device.type != "cpu" else "")
+        why: list[str] = []  # the kernel's own reason (dtype, sizes, no gcc or AVX2, SPECD_NATIVE=0)
+        native = None if reason else NativeLlama.create(model, why)
+        if native is None:
+            raise PassNotApplicable(f"the native pass does not apply: {reason or why[0]}")
+        return cls(native, model)
+
+    def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
+        return SlotTensors(self.model, num_slots, capacity)
+
+    def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
+        """Every row's tokens in one native pass."""
+        assert isinstance(store, SlotTensors)
+        if self._binding is None or self._binding.keys is not store.keys:  # a new store, or this one grew
+            self._binding = self.native.bind_cache(store.keys, store.values)
+        kept = rows.kept(logits_to_keep)
+        inputs = rows.inputs
+        tokens = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        if tokens.dtype != torch.long or not tokens.is_contiguous():
+            tokens = tokens.to(torch.long).contiguous()
+        spans = list(zip(rows.slots, rows.starts, rows.counts, kept, strict=True))
+        logits = self.native.forward(self._binding, spans, tokens, torch.get_num_threads())  # [sum(kept), vocab]
+        return [logits] if len(spans) == 1 else list(logits.split(kept))

@@ -1,0 +1,172 @@
+"""Hostile clients against a real `specd worker` process, over raw sockets where a client library would not misbehave
+enough: requests that never arrive whole, connections that send nothing, half-sent requests at a stop, and a prompt
+built to be slow to classify. Each held a connection, the event loop or the stop for as long as the client liked, or
+logged a traceback per request (issue 22)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from specd.launch import start
+from tests.worker.conftest import Worker, WorkerLauncher, assert_clean_log
+from tests.worker.test_segments import blank_lines_then_an_if
+
+READ_SECONDS = 1.0
+
+
+def start_worker(launcher: WorkerLauncher, name: str, **overrides: object) -> Worker:
+    """A worker logging at INFO (the lines these tests look for), stopped by the test or its fixture."""
+    path = launcher.config(name, **overrides)
+    log = launcher.folder / f"{name}.log"
+    service = start(name, ["worker", "--config", str(path), "--log-level", "INFO"], log_path=log, timeout_seconds=120)
+    return Worker(service, log)
+
+
+@pytest.fixture(scope="module")
+def worker(launcher: WorkerLauncher) -> Iterator[Worker]:
+    """Requests must arrive within READ_SECONDS; heuristic segments; prompts of up to 200,000 characters (the
+    default) and as many tokens as they make (so that the slowest prompt to classify gets that far)."""
+    worker = start_worker(
+        launcher, "hostile", draft=None, segment_classifier="heuristic",
+        limits={"request_read_seconds": READ_SECONDS, "max_prompt_tokens": 1_000_000},
+    )  # fmt: skip
+    try:
+        yield worker
+    finally:
+        worker.service.stop(timeout_seconds=20)
+        worker.service.kill()
+    assert_clean_log(worker)
+
+
+def connect(worker: Worker) -> socket.socket:
+    host, port = worker.service.address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def seconds_until_closed(sock: socket.socket, limit: float = 10.0) -> float:
+    """How long until the worker closes ``sock`` (reading and dropping whatever it sends first)."""
+    started = time.monotonic()
+    sock.settimeout(limit)
+    while sock.recv(65536):
+        pass
+    return time.monotonic() - started
+
+
+BODY = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+HALF_SENT = {
+    "nothing": b"",
+    "half the headers": HEAD[:40],
+    "the headers, half the body": HEAD % len(BODY) + BODY[: len(BODY) // 2],
+    "a second request, half of it": HEAD % len(BODY) + BODY + HEAD[:40],
+}
+
+
+@pytest.mark.parametrize("sent", sorted(HALF_SENT))
+def test_a_request_that_never_arrives_whole_is_dropped_at_the_deadline(worker: Worker, sent: str):
+    """uvicorn cancels its keep-alive timer on every byte and has no deadline for a request, so each of these held a
+    connection (a file descriptor) until the worker stopped."""
+    with connect(worker) as sock:
+        sock.sendall(HALF_SENT[sent])
+        took = seconds_until_closed(sock)
+    assert READ_SECONDS * 0.9 <= took < READ_SECONDS + 3, f"closed after {took:.2f} s"
+    assert worker.health()["status"] == "ok"
+    time.sleep(0.1)  # the output pump writes the line
+    assert f"no whole request within {READ_SECONDS:g}s (limits.request_read_seconds)" in worker.log.read_text()
+
+
+@pytest.mark.parametrize("sent", sorted(set(HALF_SENT) - {"nothing"}))
+def test_a_client_that_goes_away_half_way_costs_no_traceback(worker: Worker, sent: str):
+    """Half a request, then the client closes (or resets) its end: nothing to answer, nothing logged as an error."""
+    for reset in (False, True):
+        with connect(worker) as sock:
+            sock.sendall(HALF_SENT[sent])
+            time.sleep(0.05)
+            if reset:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert worker.health()["status"] == "ok"
+    time.sleep(0.1)
+    assert "Traceback" not in worker.log.read_text()
+
+
+def test_a_slow_request_within_the_deadline_and_kept_alive_connections_are_served(worker: Worker):
+    """The deadline is for a request to arrive: one that trickles in within it is served, and a connection kept
+    alive serves its next request after an idle spell (the deadline counts from the previous response, so the idle
+    time and the next request's arrival share it)."""
+    with connect(worker) as sock:
+        for _ in range(2):
+            request = HEAD % len(BODY) + BODY
+            time.sleep(READ_SECONDS / 4)  # idle
+            for i in range(0, len(request), 20):  # then half the deadline to send it
+                sock.sendall(request[i : i + 20])
+                time.sleep(READ_SECONDS / 2 / (len(request) / 20))
+            reply = sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+
+
+def test_health_answers_while_the_slowest_prompt_to_classify_is_in_flight(worker: Worker):
+    """The slowest prompt to classify found (tests/worker/test_segments.py), as large as the limits allow: 40,000 blank
+    lines, then an ``if`` line with no colon. The old patterns rescanned the rest from every line start (minutes of
+    event loop, /health frozen). Now the classifier reads a bounded window with linear patterns, off the loop."""
+    prompt = blank_lines_then_an_if()
+    result: dict[str, object] = {}
+
+    def send() -> None:
+        started = time.perf_counter()
+        response = httpx.post(f"{worker.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+        result.update(status=response.status_code, text=response.text, seconds=time.perf_counter() - started)
+
+    latencies: list[float] = []
+    sender = threading.Thread(target=send)
+    with worker.client(timeout=0.5) as client:  # a /health slower than this fails the test
+        sender.start()
+        while sender.is_alive():
+            started = time.perf_counter()
+            assert client.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    sender.join()
+    # The prompt is classified, then refused by the engine: it is longer than the tiny target's context.
+    assert result["status"] == 400 and "context" in str(result["text"]), result
+    assert max(latencies, default=0.0) < 0.5, latencies
+
+
+def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: WorkerLauncher):
+    """At SIGTERM, uvicorn waited for each half-sent request's task through the whole grace period (grace + 1 s),
+    then cancelled it with a traceback each (thousands of them: 52 MB of log in 12 s). A request still arriving at a
+    stop has nothing admitted to drain: it is closed at once, with one line."""
+    worker = start_worker(
+        launcher, "half-sent", draft=None, shutdown_grace_seconds=5, limits={"request_read_seconds": 60}
+    )
+    socks = []
+    try:
+        for sent in ("the headers, half the body", "half the headers"):
+            for _ in range(3):
+                sock = connect(worker)
+                sock.sendall(HALF_SENT[sent])
+                socks.append(sock)
+        time.sleep(0.3)
+        started = time.monotonic()
+        os.kill(worker.service.process.pid, signal.SIGTERM)
+        status = worker.service.process.wait(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        for sock in socks:
+            sock.close()
+        worker.service.kill()
+    assert status == 0
+    assert took < 3, f"the stop took {took:.1f} s with a grace of 5 s"
+    time.sleep(0.1)
+    log = worker.log.read_text()
+    assert log.count("stopping: closed a connection from 127.0.0.1:") == 3, log
+    assert_clean_log(worker)
