@@ -21,7 +21,7 @@ from specd.demo.view import progress_line, progress_table, render_summary
 from workloads import Prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-SEGMENTS = ("code", "prose", "structured", "extractive", "adversarial")
+SEGMENTS = ("code", "prose", "structured", "extractive", "adversarial", "toolcall")
 
 
 def prompt(segment: str, n: int = 0, max_new_tokens: int = 96) -> Prompt:
@@ -249,7 +249,7 @@ def test_demo_runs_to_the_end(tmp_path):
     out = done.stdout
     for segment in SEGMENTS:
         assert f" {segment} " in out
-    assert "overall speedup:" in out and "failures: 0 of 20 requests" in out
+    assert "overall speedup:" in out and f"failures: 0 of {2 * 2 * len(SEGMENTS)} requests" in out
     assert "what the controller learned" in out and "decision now" in out
     assert not leftovers(run)
 
@@ -257,7 +257,9 @@ def test_demo_runs_to_the_end(tmp_path):
     baseline_spans = spans(run / "traces-worker-baseline.jsonl")
     controller = spans(run / "traces-controller.jsonl")
     requests = [s for s in worker if s["name"] == "specd.worker.request"]
-    assert len(requests) == 10 and len([s for s in baseline_spans if s["name"] == "specd.worker.request"]) == 10
+    per_worker = 2 * len(SEGMENTS)
+    assert len(requests) == per_worker
+    assert len([s for s in baseline_spans if s["name"] == "specd.worker.request"]) == per_worker
     assert {s["service_name"] for s in controller} == {"specd-controller"}
     # The baseline asks the controller too (same code path as the adaptive worker) and is always told "none".
     baseline_requests = [s for s in baseline_spans if s["name"] == "specd.worker.request"]
