@@ -233,7 +233,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "controller/decide.py",
         "CALIBRATION_MIN_REQUESTS = 3.0",
         "CALIBRATION_MIN_REQUESTS = 0.5",
-        ("tests/controller/test_simulation.py",),
+        (*ROBUST, "tests/controller/test_simulation.py"),
         "one stalled first request sets a new segment's calibration and switches a modest drafter off",
     ),
     Mutation(
