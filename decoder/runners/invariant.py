@@ -29,37 +29,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from decoder.runners.base import KVStore, PassNotApplicable, RaggedRows
-from decoder.runners.kv import LlamaShape, SlotTensors, why_not_plain_llama
+from decoder.runners.base import KVStore, RaggedRows
+from decoder.runners.kv import LlamaTensorPass, SlotTensors
 
 TILE = 8  # rows per call of every row-wise step
 
 
-class InvariantPass:
+class InvariantPass(LlamaTensorPass):
     """The lean pass's model, run in fixed shapes over ``SlotTensors`` (``forward_invariant``)."""
 
     name = "invariant"
-
-    def __init__(self, model: Any, device: torch.device) -> None:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self.model, self.device = model, device
-        self.shape = LlamaShape.of(model)
-        self.rope = apply_rotary_pos_emb
-
-    @classmethod
-    def create(cls, model: Any, device: torch.device) -> InvariantPass:
-        reason = why_not_plain_llama(model)
-        if reason:
-            raise PassNotApplicable(f"the invariant pass does not apply: {reason}")
-        return cls(model, device)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
-
-    def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
-        return SlotTensors(self.model, num_slots, capacity)
 
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotTensors)

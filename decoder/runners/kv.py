@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from decoder.runners.base import PassNotApplicable
+
 INITIAL_CAPACITY = 256  # tokens; a store doubles its capacity when a forward needs more
 
 
@@ -87,3 +89,31 @@ class SlotTensors:
     def cached_keys(self, slot: int, length: int) -> list[torch.Tensor]:
         """Per layer: the keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
         return [self.keys[i, slot : slot + 1, :, :length] for i in range(self.shape.layers)]
+
+
+class LlamaTensorPass:
+    """What the two PyTorch Llama passes (lean, invariant) share: the model's shape, transformers' rotary function,
+    the applicability check, the dtype they report and their slot store. Subclasses set ``name`` and ``forward``."""
+
+    name: str
+
+    def __init__(self, model: Any, device: Any) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.model, self.device = model, device
+        self.shape = LlamaShape.of(model)
+        self.rope = apply_rotary_pos_emb
+
+    @classmethod
+    def create(cls, model: Any, device: Any) -> Any:
+        reason = why_not_plain_llama(model)
+        if reason:
+            raise PassNotApplicable(f"the {cls.name} pass does not apply: {reason}")
+        return cls(model, device)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
+
+    def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
+        return SlotTensors(self.model, num_slots, capacity)

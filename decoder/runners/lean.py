@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from decoder.runners.base import KVStore, PassNotApplicable, RaggedRows
-from decoder.runners.kv import LlamaShape, SlotTensors, why_not_plain_llama
+from decoder.runners.base import KVStore, RaggedRows
+from decoder.runners.kv import LlamaTensorPass, SlotTensors
 
 
 class OutputHead:
@@ -60,33 +60,15 @@ class OutputHead:
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
 
-class LeanPass:
+class LeanPass(LlamaTensorPass):
     """The lean PyTorch forward of a plain Llama model, over ``SlotTensors``."""
 
     name = "lean"
 
     def __init__(self, model: Any, device: torch.device) -> None:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self.model, self.device = model, device
-        self.shape = LlamaShape.of(model)
+        super().__init__(model, device)
         self.num_heads, self.num_kv_heads, self.head_dim = self.shape.heads, self.shape.kv_heads, self.shape.head_dim
         self.head = OutputHead(model.lm_head)
-        self.rope = apply_rotary_pos_emb
-
-    @classmethod
-    def create(cls, model: Any, device: torch.device) -> LeanPass:
-        reason = why_not_plain_llama(model)
-        if reason:
-            raise PassNotApplicable(f"the lean pass does not apply: {reason}")
-        return cls(model, device)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
-
-    def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
-        return SlotTensors(self.model, num_slots, capacity)
 
     @torch.inference_mode()
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
