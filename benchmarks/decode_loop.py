@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -248,8 +249,9 @@ def main() -> None:
 
     mid_context = prompts[0] + reference[0][: n // 2]
     costs = measure_costs(target, draft, mid_context, k)
-    print(f"runner {target.runner} (the {KVPool(target, 1).forward_pass.name} pass), device {device}, dtype {dtype}, "
-          f"threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
+    forward = KVPool(target, 1).forward_pass
+    print(f"runner {target.runner} (the {forward.name} pass, {forward.kernel} products), device {device}, "
+          f"dtype {dtype}, threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, interleaved")  # fmt: skip
     print(f"target {target.name} ({params_millions(target):.1f}M params), "
           f"draft {draft.name} ({params_millions(draft):.1f}M params)")  # fmt: skip
@@ -288,9 +290,20 @@ def main() -> None:
             },
             "bandwidth_gbps": bandwidth,
             "roofline": lines,
+            "forward_pass": {"runner": forward.name, "dtype": forward.dtype_name, "kernel": forward.kernel,
+                             "cpu": cpu_model()},
         }  # fmt: skip
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {args.json}")
+
+
+def cpu_model() -> str:
+    """lscpu's model line (docs/BENCHMARKS.md names the CPU of every figure), or the platform's processor."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
 
 
 def read_bandwidth_gbps(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:

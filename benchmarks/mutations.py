@@ -12,8 +12,9 @@ told.
     python benchmarks/mutations.py --list
     python benchmarks/mutations.py --json out.json
 
-The last line of the output is ``mutations: N caught, M missed`` (and ``, S stale`` when any are). The exit status is
-0 when every mutation was caught, 1 when one was missed or stale, 2 when the baseline failed.
+The last line of the output is ``mutations: N caught, M missed`` (and ``, S stale`` when any are; ``, K skipped`` for
+mutations of a native build this CPU cannot run, whose tests skip here). The exit status is 0 when every mutation was
+caught or skipped, 1 when one was missed or stale, 2 when the baseline failed.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Mutation:
     mutant: str
     tests: tuple[str, ...]  # pytest node ids or files, relative to the repository root
     why: str  # the bug it stands for
+    cpu_flags: frozenset[str] = frozenset()  # what the CPU must report for its tests to run (else: skipped)
 
 
 DISTRIBUTION = ("tests/decoder/test_distribution.py", "tests/decoder/test_batch_distribution.py")
@@ -55,6 +57,8 @@ GREEDY = ("tests/decoder/test_exactness.py", "tests/decoder/test_independent_ref
 # this check must give the same verdicts on a busy one.
 COSTS = ("tests/controller/test_simulation.py", "tests/controller/test_decide.py")
 ROBUST = ("tests/controller/test_robust_costs.py",)
+NATIVE = ("tests/decoder/test_native.py",)
+BF16_DOT = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})  # the avx512bf16 build's tests skip without these
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -278,13 +282,50 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the chain proposes nothing when prompt lookup finds no match instead of the draft model's tokens (output "
         "stays exact; only a test of the proposals can see it)",
     ),
+    Mutation(
+        "dot-pairs-split-in-halves",
+        "decoder/native/llama.py",
+        "panels = weight.reshape(padded // PANEL, PANEL, width // 2, 2).to(torch.bfloat16)",
+        "panels = weight.reshape(padded // PANEL, PANEL, 2, width // 2).transpose(2, 3).to(torch.bfloat16)",
+        NATIVE,
+        "the bf16 dot-product panels pair input i with i + in/2 instead of 2q with 2q + 1 (every product wrong)",
+        BF16_DOT,
+    ),
+    Mutation(
+        "dot-odd-panel-dropped",
+        "decoder/native/llama_step.c",
+        "    if (panels % 2) {\n#pragma omp single",
+        "    if (0) {\n#pragma omp single",
+        NATIVE,
+        "the multi-token bf16 product forgets the last panel when a matrix has an odd number of them",
+        BF16_DOT,
+    ),
+    Mutation(
+        "dot-tile-skips-a-row",
+        "decoder/native/llama_step.c",
+        "for (int p = 0; p < panels / 2 * 2; p += 2)\n        for (int t = 0; t < rows; t += DP_TILE) {",
+        "for (int p = 0; p < panels / 2 * 2; p += 2)\n        for (int t = 0; t < rows; t += DP_TILE + 1) {",
+        NATIVE,
+        "tiles of the multi-token bf16 product step one row too far: a verification of more than 12 tokens "
+        "leaves a row unwritten",
+        BF16_DOT,
+    ),
+    Mutation(
+        "best-build-not-chosen",
+        "decoder/native/build.py",
+        "for isa in reversed(ISAS):",
+        "for isa in ISAS:",
+        NATIVE,
+        "the worst build that works (AVX2) runs where the CPU has AVX512-BF16",
+        BF16_DOT,
+    ),
 )
 
 
 @dataclass
 class Outcome:
     name: str
-    verdict: str  # caught | missed | stale
+    verdict: str  # caught | missed | stale | skipped (the CPU cannot run its tests)
     seconds: float
     detail: str  # the first failing test, or why stale
 
@@ -326,10 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.json:
         args.json.write_text(json.dumps([asdict(o) for o in outcomes], indent=2) + "\n")
-    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("caught", "missed", "stale")}
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("caught", "missed", "stale", "skipped")}
     line = f"mutations: {counts['caught']} caught, {counts['missed']} missed"
-    print(line + (f", {counts['stale']} stale" if counts["stale"] else ""))
-    return 0 if counts["caught"] == len(outcomes) else 1
+    line += f", {counts['stale']} stale" if counts["stale"] else ""
+    print(line + (f", {counts['skipped']} skipped (see above: this CPU)" if counts["skipped"] else ""))
+    return 0 if counts["caught"] + counts["skipped"] == len(outcomes) else 1
 
 
 def make_copy(work: Path) -> Path:
@@ -379,7 +421,20 @@ def run_tests(copy: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
     return False, seconds, failed[0] if failed else tail[0]
 
 
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return next((set(line.partition(":")[2].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def mutate_and_test(copy: Path, mutation: Mutation) -> Outcome:
+    lacking = sorted(mutation.cpu_flags - cpu_flags())
+    if lacking:
+        outcome = Outcome(mutation.name, "skipped", 0.0, f"the CPU lacks {', '.join(lacking)}: its tests skip")
+        print(f"skipped {mutation.name:28} {outcome.detail}", flush=True)
+        return outcome
     path = copy / mutation.path
     source = path.read_text()
     found = source.count(mutation.original)

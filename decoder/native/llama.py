@@ -7,7 +7,10 @@ position only.
 
 Weights are packed into panels of 16 outputs (``pack_panels``), as bfloat16 when every value of every matrix is
 exactly a bfloat16 (the shipped reference pair is: it is stored in bf16 and loaded as float32), else as float32.
-Either way the arithmetic is float32, on the same values the model holds.
+With the AVX2 build the arithmetic is float32, on the same values the model holds. With the AVX512-BF16 build
+(``build.selected_isa()``) bfloat16 weights are packed by input pairs (``pack_pair_panels``) and each product
+rounds its input tokens to bfloat16 first: float32 accumulation of bfloat16 products, the logits within bf16
+rounding of the AVX2 build's, and batch-invariant within the build (``NativeLlama.isa`` names the one running).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class _Model(ctypes.Structure):
     ]
 
 
-_PACKED: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int, float], ...], NativeLlama]] = (
+# per model, per ISA build: the weights' signature when packed, and the packed copy
+_PACKED: weakref.WeakKeyDictionary[Any, dict[str, tuple[tuple[tuple[int, int, float], ...], NativeLlama]]] = (
     weakref.WeakKeyDictionary()
 )
 _PACKED_LOCK = threading.Lock()
@@ -101,6 +105,17 @@ def pack_panels(weight: torch.Tensor, bf16: bool) -> torch.Tensor:
     return panels.transpose(1, 2).contiguous()
 
 
+def pack_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / 16), in / 2, 16, 2] bfloat16: panels of 16 outputs by input pairs, zero-padded (the
+    AVX512-BF16 products in llama_step.c: one ``vdpbf16ps`` takes pair q of all 16 outputs). ``in`` is even."""
+    out, width = weight.shape
+    padded = -(-out // PANEL) * PANEL
+    if padded != out:
+        weight = torch.cat([weight, weight.new_zeros(padded - out, width)])
+    panels = weight.reshape(padded // PANEL, PANEL, width // 2, 2).to(torch.bfloat16)
+    return panels.permute(0, 2, 1, 3).contiguous()
+
+
 def _exactly_bf16(tensors: list[torch.Tensor]) -> bool:
     return all(torch.equal(t, t.to(torch.bfloat16).to(t.dtype)) for t in tensors)
 
@@ -128,6 +143,7 @@ class NativeLlama:
         self._weight_bytes = library.specd_llama_weight_bytes
         self._weight_bytes.restype = ctypes.c_int64
         self._weight_bytes.argtypes = [ctypes.POINTER(_Model)]
+        built_with_dot_products = library.specd_llama_isa() == 1
 
         def fused(layer: Any) -> list[torch.Tensor]:
             attn, mlp = layer.self_attn, layer.mlp
@@ -142,10 +158,13 @@ class NativeLlama:
             matrices = [fused(layer) for layer in inner.layers]
             head = model.lm_head.weight.detach()
             self.bf16 = _exactly_bf16([m for group in matrices for m in group] + [head])
+            # the dot-product build runs bfloat16 panels only; float32 panels take its AVX2 products
+            self.isa = "avx512bf16" if built_with_dot_products and self.bf16 else "avx2"
+            pack = pack_pair_panels if self.isa == "avx512bf16" else lambda m: pack_panels(m, self.bf16)
             self._keep: list[torch.Tensor] = []  # every buffer the kernel points into, alive as long as self
             layers = (_Layer * len(matrices))()
             for i, (layer, group) in enumerate(zip(inner.layers, matrices, strict=True)):
-                wqkv, wo, wgu, wdown = (self._hold(pack_panels(m, self.bf16)) for m in group)
+                wqkv, wo, wgu, wdown = (self._hold(pack(m)) for m in group)
                 ln1 = self._hold(layer.input_layernorm.weight.detach().float())
                 ln2 = self._hold(layer.post_attention_layernorm.weight.detach().float())
                 layers[i] = _Layer(wqkv, wo, wgu, wdown, ln1, ln2)
@@ -165,31 +184,34 @@ class NativeLlama:
                 layer=layers,
                 embed=self._hold(inner.embed_tokens.weight.detach().float()),
                 norm=self._hold(inner.norm.weight.detach().float()),
-                head=self._hold(pack_panels(head, self.bf16)),
+                head=self._hold(pack(head)),
             )
         self._rotary = inner.rotary_emb
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.hidden, self.vocab = config.hidden_size, int(head.shape[0])
 
     @classmethod
-    def create(cls, model: Any, why: list[str] | None = None) -> NativeLlama | None:
+    def create(cls, model: Any, why: list[str] | None = None, isa: str | None = None) -> NativeLlama | None:
         """The packed weights of ``model``, shared by every pool of it (packing the shipped target takes ~30 ms,
         once, not once per request). They are repacked when a weight was replaced, written in place (torch's
         version counter), or changed where ``_signature`` samples it: a fused optimizer step (``specd distill``
         trains the draft with fused AdamW) writes the weights without moving the version counter. Code that edits
-        weights in place some other way calls ``forget(model)``."""
-        library = build.load()
-        reason = build.why_not() if library is None else _unsupported(model)
+        weights in place some other way calls ``forget(model)``. ``isa``: which build (default
+        ``build.selected_isa()``, the best this CPU runs or ``SPECD_NATIVE_ISA``)."""
+        library = build.load(isa)
+        reason = build.why_not(isa) if library is None else _unsupported(model)
         if reason or library is None:
             if why is not None:
                 why.append(reason)
             return None
         signature = _signature(model)
+        name = isa or build.selected_isa()
         with _PACKED_LOCK:
-            held = _PACKED.get(model)
+            per_isa = _PACKED.setdefault(model, {})
+            held = per_isa.get(name)
             if held is None or held[0] != signature:
                 held = (signature, cls(library, model))
-                _PACKED[model] = held
+                per_isa[name] = held
             return held[1]
 
     def _hold(self, tensor: torch.Tensor) -> int:

@@ -1,7 +1,9 @@
-/* One forward pass of a Llama decoder over a slot KV cache, for x86-64 CPUs with AVX2 and FMA.
+/* One forward pass of a Llama decoder over a slot KV cache, for x86-64 CPUs with AVX2 and FMA, and with
+ * AVX512-BF16 dot products for the matrix products where the build defines SPECD_ISA_AVX512BF16.
  *
- * Built and loaded by decoder/native/build.py (gcc, ctypes); driven by decoder/native/llama.py, which owns the
- * weights, the cache and every check on the arguments. This file trusts its caller.
+ * Built and loaded by decoder/native/build.py (gcc, ctypes; one library per instruction set, the best the CPU runs
+ * chosen at start-up); driven by decoder/native/llama.py, which owns the weights, the cache and every check on the
+ * arguments. This file trusts its caller.
  *
  * Why it exists: on a small model a decode step is a few dozen GEMVs plus a few hundred small element-wise ops.
  * Eager PyTorch pays a dispatch per op and MKL streams the weights at a fraction of the read bandwidth. Here a
@@ -183,8 +185,140 @@ static inline __attribute__((always_inline)) void matmul_typed(const void *w, in
     }
 }
 
+#ifdef SPECD_ISA_AVX512BF16
+/* ---- matrix products with bfloat16 dot products (AVX512-BF16) ------------------------------------------------ */
+/*
+ * Built only into the avx512bf16 library (build.py), which llama.py picks on CPUs reporting `avx512_bf16` for
+ * weights that are exactly bfloat16. Panels of 16 outputs again, packed by input pairs: pair q of panel p holds
+ * (w[16p + j][2q], w[16p + j][2q + 1]) for j = 0..15, one 64-byte vector. The tokens are rounded to bfloat16 once
+ * per product (round to nearest even, `vcvtneps2bf16`), so a product's inputs are bfloat16 on both sides and one
+ * `vdpbf16ps` does 32 multiply-adds.
+ *
+ * Each output is one lane: it accumulates pair 0, 1, 2, ... of its row in one chain, whatever the blocking, so
+ * a token's result does not depend on how many tokens share the pass (batch invariance), exactly as in the AVX2
+ * kernel above. The rounding of the tokens makes the logits differ from the AVX2 kernel's (within bfloat16
+ * rounding of the activations); within this kernel they are the same bits alone, verified among K, or batched.
+ * Blocking: 4 panels x 1 token when one token streams the weights; 2 panels x up to 12 tokens when several do, so
+ * a verification of up to 11 drafts reads each weight once.
+ */
+
+#define DP_TILE 12
+
+/* rows [t, t + rows) of x (float32, stride ldx) as bfloat16 in xb (stride in): the same instruction for every
+ * element, the tail through a masked load, so a value's rounding never depends on its position */
+static void tokens_to_bf16(const float *x, int ldx, int rows, int in, uint16_t *xb) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < rows; t++) {
+        const float *src = x + (int64_t)t * ldx;
+        uint16_t *dst = xb + (int64_t)t * in;
+        for (int i = 0; i < in; i += 16) {
+            const __mmask16 tail = i + 16 <= in ? (__mmask16)0xFFFF : (__mmask16)((1u << (in - i)) - 1);
+            __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(tail, src + i));
+            _mm256_mask_storeu_epi16(dst + i, tail, rounded);
+        }
+    }
+}
+
+/* P panels (from `panel`) against T tokens (from `t`): P x T chains. */
+static inline __attribute__((always_inline)) void dp_block(const uint16_t *w, int in, int out, const uint16_t *xb,
+                                                           float *y, int ldy, int panel, int t, const int P,
+                                                           const int T) {
+    const int64_t pairs = in / 2, panel_elems = pairs * 32;
+    const int32_t *xp = (const int32_t *)(xb + (int64_t)t * in);
+    const uint16_t *base = w + panel * panel_elems;
+    __m512 acc[4][DP_TILE];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++)
+#pragma GCC unroll 12
+        for (int k = 0; k < T; k++) acc[p][k] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < pairs; q++) {
+        __m512bh wv[4];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const uint16_t *at = base + p * panel_elems + q * 32;
+            _mm_prefetch((const char *)at + PREFETCH_BYTES, _MM_HINT_T0);
+            wv[p] = (__m512bh)_mm512_loadu_si512(at);
+        }
+#pragma GCC unroll 12
+        for (int k = 0; k < T; k++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[k * pairs + q]);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; p++) acc[p][k] = _mm512_dpbf16_ps(acc[p][k], wv[p], xv);
+
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        const int j = (panel + p) * PANEL;
+        const __mmask16 mask = j + PANEL <= out ? (__mmask16)0xFFFF : (__mmask16)((1u << (out - j)) - 1);
+#pragma GCC unroll 12
+        for (int k = 0; k < T; k++) _mm512_mask_storeu_ps(y + (int64_t)(t + k) * ldy + j, mask, acc[p][k]);
+    }
+}
+
+#define DP_TOKENS(P)                                                                                           \
+    switch (T) {                                                                                               \
+    case 1: dp_block(w, in, out, xb, y, ldy, p, t, P, 1); break;                                               \
+    case 2: dp_block(w, in, out, xb, y, ldy, p, t, P, 2); break;                                               \
+    case 3: dp_block(w, in, out, xb, y, ldy, p, t, P, 3); break;                                               \
+    case 4: dp_block(w, in, out, xb, y, ldy, p, t, P, 4); break;                                               \
+    case 5: dp_block(w, in, out, xb, y, ldy, p, t, P, 5); break;                                               \
+    case 6: dp_block(w, in, out, xb, y, ldy, p, t, P, 6); break;                                               \
+    case 7: dp_block(w, in, out, xb, y, ldy, p, t, P, 7); break;                                               \
+    case 8: dp_block(w, in, out, xb, y, ldy, p, t, P, 8); break;                                               \
+    case 9: dp_block(w, in, out, xb, y, ldy, p, t, P, 9); break;                                               \
+    case 10: dp_block(w, in, out, xb, y, ldy, p, t, P, 10); break;                                             \
+    case 11: dp_block(w, in, out, xb, y, ldy, p, t, P, 11); break;                                             \
+    default: dp_block(w, in, out, xb, y, ldy, p, t, P, 12); break;                                             \
+    }
+
+/* y[rows, out] = bf16(x[rows, in]) w^T (call inside a parallel region, from every thread) */
+static void matmul_dp(const uint16_t *w, int out, int in, const float *x, int ldx, int rows, float *y, int ldy,
+                      uint16_t *xb) {
+    const int panels = (out + PANEL - 1) / PANEL;
+    tokens_to_bf16(x, ldx, rows, in, xb); /* its loop's barrier: every row converted before any product */
+    if (rows == 1) {
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels / 4 * 4; p += 4) dp_block(w, in, out, xb, y, ldy, p, 0, 4, 1);
+        if (panels % 4) {
+#pragma omp for schedule(static)
+            for (int p = panels / 4 * 4; p < panels; p++) dp_block(w, in, out, xb, y, ldy, p, 0, 1, 1);
+        }
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels / 2 * 2; p += 2)
+        for (int t = 0; t < rows; t += DP_TILE) {
+            const int T = rows - t;
+            DP_TOKENS(2)
+        }
+    if (panels % 2) {
+#pragma omp single
+        for (int t = 0, p = panels - 1; t < rows; t += DP_TILE) {
+            const int T = rows - t;
+            DP_TOKENS(1)
+        }
+    }
+}
+#define SPECD_ISA 1 /* specd_llama_isa(): the products above */
+#else
+#define SPECD_ISA 0 /* AVX2 + FMA only */
+#endif
+
+/* Which products this library was built with: 0 AVX2 + FMA, 1 AVX512-BF16 dot products (bf16 panels in pairs). */
+int specd_llama_isa(void) { return SPECD_ISA; }
+
+/* `xb`: scratch for the tokens as bfloat16 (the dot-product kernel's; unused otherwise) */
 static void matmul(const void *w, int bf16, int out, int in, const float *x, int ldx, int rows, float *y,
-                   int ldy) {
+                   int ldy, uint16_t *xb) {
+#ifdef SPECD_ISA_AVX512BF16
+    if (bf16) {
+        matmul_dp((const uint16_t *)w, out, in, x, ldx, rows, y, ldy, xb);
+        return;
+    }
+#else
+    (void)xb;
+#endif
     if (bf16)
         matmul_typed(w, out, in, x, ldx, rows, y, ldy, 1);
     else
@@ -317,7 +451,9 @@ int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int6
     float *act = malloc(sizeof(float) * (size_t)n * inter);
     float *scores = malloc(sizeof(float) * (size_t)threads * longest);
     float *tail = malloc(sizeof(float) * (size_t)(kept > 0 ? kept : 1) * hidden);
-    int failed = !x || !h || !qkv || !att || !gu || !act || !scores || !tail;
+    const int widest = inter > hidden ? (inter > heads * d ? inter : heads * d) : (hidden > heads * d ? hidden : heads * d);
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(n > kept ? n : (kept > 0 ? kept : 1)) * widest);
+    int failed = !x || !h || !qkv || !att || !gu || !act || !scores || !tail || !xb;
     if (!failed) {
         const int64_t slot_stride = (int64_t)kvh * m->capacity * d;
         const int64_t layer_stride = m->slots * slot_stride;
@@ -330,7 +466,7 @@ int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int6
                 float *layer_keys = m->keys + l * layer_stride, *layer_values = m->values + l * layer_stride;
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * hidden, L->ln1, hidden, m->eps, h + (int64_t)t * hidden);
-                matmul(L->wqkv, m->bf16, qkv_width, hidden, h, hidden, n, qkv, qkv_width);
+                matmul(L->wqkv, m->bf16, qkv_width, hidden, h, hidden, n, qkv, qkv_width, xb);
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) {  /* rotary embedding, then k and v into the cache */
                     float *row = qkv + (int64_t)t * qkv_width;
@@ -349,20 +485,20 @@ int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int6
                         attend(qkv + (int64_t)t * qkv_width + hd * d, layer_keys + base, layer_values + base, pos[t],
                                d, m->scale, my_scores, att + ((int64_t)t * heads + hd) * d);
                     }
-                matmul(L->wo, m->bf16, hidden, heads * d, att, heads * d, n, h, hidden);
+                matmul(L->wo, m->bf16, hidden, heads * d, att, heads * d, n, h, hidden, xb);
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) {
                     float *xr = x + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
                     for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
                     rms_norm(xr, L->ln2, hidden, m->eps, hr);
                 }
-                matmul(L->wgu, m->bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter);
+                matmul(L->wgu, m->bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter, xb);
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) {
                     const float *g = gu + (int64_t)t * 2 * inter;
                     silu_mul(g, g + inter, inter, act + (int64_t)t * inter);
                 }
-                matmul(L->wdown, m->bf16, hidden, inter, act, inter, n, h, hidden);
+                matmul(L->wdown, m->bf16, hidden, inter, act, inter, n, h, hidden, xb);
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) {
                     float *xr = x + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
@@ -371,10 +507,10 @@ int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int6
             }
 #pragma omp for schedule(static)
             for (int o = 0; o < kept; o++) rms_norm(x + keep[o] * hidden, m->norm, hidden, m->eps, tail + (int64_t)o * hidden);
-            matmul(m->head, m->bf16, m->vocab, hidden, tail, hidden, kept, logits, m->vocab);
+            matmul(m->head, m->bf16, m->vocab, hidden, tail, hidden, kept, logits, m->vocab, xb);
         }
     }
-    free(x); free(h); free(qkv); free(att); free(gu); free(act); free(scores); free(tail);
+    free(x); free(h); free(qkv); free(att); free(gu); free(act); free(scores); free(tail); free(xb);
     return failed ? -1 : 0;
 }
 

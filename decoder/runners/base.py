@@ -62,6 +62,12 @@ class ForwardPass(Protocol):
         """The dtype its arithmetic runs in, as the config files name it ("float32", "bfloat16", ...)."""
         ...
 
+    @property
+    def kernel(self) -> str:
+        """What runs its matrix products: "torch" (PyTorch's own), or the native build's instruction set ("avx2",
+        "avx512bf16": decoder/native/build.py). Named in the listening line, /metrics and the benchmarks."""
+        ...
+
     def new_store(self, num_slots: int, capacity: int) -> KVStore:
         """Empty KV storage for ``num_slots`` sequences of up to ``capacity`` positions (it may grow)."""
         ...

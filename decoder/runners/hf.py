@@ -57,6 +57,8 @@ class TransformersPass:
     def dtype_name(self) -> str:
         return str(self.model.get_output_embeddings().weight.dtype).removeprefix("torch.")
 
+    kernel = "torch"
+
     def new_store(self, num_slots: int, capacity: int) -> SlotCaches:
         return SlotCaches(num_slots)
 

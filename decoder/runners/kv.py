@@ -115,5 +115,7 @@ class LlamaTensorPass:
     def dtype_name(self) -> str:
         return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
 
+    kernel = "torch"
+
     def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
         return SlotTensors(self.model, num_slots, capacity)

@@ -24,6 +24,12 @@ class NativePass:
         self.model = model
         self._binding: CacheBinding | None = None
 
+    @property
+    def kernel(self) -> str:
+        """The build's instruction set for this model's products ("avx2", or "avx512bf16" for bfloat16 weights on
+        a CPU with it): logits are the same bits within one, within bfloat16 rounding across them."""
+        return self.native.isa
+
     @classmethod
     def create(cls, model: Any, device: torch.device) -> NativePass:
         """The pass, or ``PassNotApplicable`` naming the first thing the kernel does not cover."""

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from controller.client import ClientStats
 from decoder.drafters.suffix_cache import CacheStats
+from decoder.runners.base import ForwardPass
 from decoder.telemetry import RequestStats
 from decoder.worker.scheduler import StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
@@ -117,7 +118,14 @@ class WorkerMetrics:
                                   registry=r)  # fmt: skip
         self.suffix_segments = Gauge("specd_suffix_cache_segments", "Segments with outputs in the suffix cache",
                                      registry=r)  # fmt: skip
+        self.forward_pass = Gauge(
+            "specd_forward_pass_info", "The target's forward pass (1): runner, dtype, and what runs its products",
+            ["runner", "dtype", "kernel"], registry=r,
+        )  # fmt: skip
         self.by_segment: dict[str, SegmentCounters] = {}
+
+    def observe_forward_pass(self, forward: ForwardPass) -> None:
+        self.forward_pass.labels(forward.name, forward.dtype_name, forward.kernel).set(1)
 
     def watch_client(self, stats: Callable[[], ClientStats]) -> None:
         """Export the controller client's telemetry counters (read at each scrape)."""

@@ -138,7 +138,7 @@ class WorkerProcess:
         engine = self.service.engine
         drafters = ", ".join(engine.drafters) if engine else ""
         step = engine.target_pool.forward_pass if engine else None
-        forward = f"the {step.name} pass in {step.dtype_name}, " if step else ""
+        forward = f"the {step.name} pass ({step.kernel} products) in {step.dtype_name}, " if step else ""
         print(  # tests and the demo wait for this line; connections queue in the backlog until uvicorn accepts
             f"specd worker listening on http://{host}:{port} (model {self.cfg.model_name}, drafters {drafters}, "
             f"{forward}controller {self.cfg.controller.address or 'none'})",

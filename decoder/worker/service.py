@@ -128,6 +128,8 @@ class WorkerService:
         )
         self.scheduler.start()  # the models load in the decode thread (see Scheduler)
         self.engine = self.scheduler.engine
+        if self.engine is not None:
+            self.metrics.observe_forward_pass(self.engine.target_pool.forward_pass)
         exporter = make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
         if exporter is not None:
             self._provider = make_provider(cfg.telemetry.service_name, exporter)

@@ -16,7 +16,7 @@ PROMPTS = ["def parse(line):\n    ", "The quick brown fox", "SELECT name FROM us
 
 def test_an_invariant_bfloat16_worker_serves_the_same_greedy_text_with_every_drafter(launcher: WorkerLauncher):
     worker = launcher.start("invariant", runner="invariant", dtype="bfloat16", controller={"address": None})
-    assert "the invariant pass in bfloat16" in worker.log.read_text()
+    assert "the invariant pass (torch products) in bfloat16" in worker.log.read_text()
     for prompt in PROMPTS:
         texts = {}
         for drafter, k in (("none", 0), ("draft", 1), ("draft", 4), ("prompt_lookup", 4)):
@@ -61,7 +61,9 @@ def test_a_transformers_worker_runs_transformers_pass_and_serves_its_greedy_text
     """``runner: transformers`` once ran the lean pass in the worker while the engine's single-sequence path ran
     transformers': the listening line names the pass the target pool runs, and the text is transformers' own."""
     worker = launcher.start("transformers", runner="transformers", controller={"address": None})
-    assert "the transformers pass in float64" in worker.log.read_text()
+    assert "the transformers pass (torch products) in float64" in worker.log.read_text()
+    forward = {"runner": "transformers", "dtype": "float64", "kernel": "torch"}
+    assert worker.metrics().total("specd_forward_pass_info", **forward) == 1
     for prompt in PROMPTS[:2]:
         want = reference.tokenizer.decode(reference.greedy(prompt, 16), skip_special_tokens=True)
         for drafter, k in (("none", 0), ("draft", 3), ("prompt_lookup", 4)):
