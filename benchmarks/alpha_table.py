@@ -25,6 +25,7 @@ from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from specd_api.plan import Plan
+from specd_api.position_tally import PositionTally
 from workloads import Prompt, load_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ class Cell:
     rounds: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    per_position: list[list[int]] = field(default_factory=list)  # [proposed, accepted] per position
+    per_position: PositionTally = field(default_factory=PositionTally)
 
     def add(self, stats) -> None:  # type: ignore[no-untyped-def]
         self.proposed += stats.num_drafted
@@ -47,11 +48,7 @@ class Cell:
         self.rounds += stats.num_rounds
         self.tokens += stats.num_new_tokens
         self.seconds += stats.total_seconds
-        for i, (p, a) in enumerate(stats.accepted_per_position()):
-            while len(self.per_position) <= i:
-                self.per_position.append([0, 0])
-            self.per_position[i][0] += p
-            self.per_position[i][1] += a
+        self.per_position.merge(stats.position_tally())
 
     @property
     def alpha(self) -> float | None:
@@ -159,7 +156,7 @@ def main() -> None:
         json.dumps(
             [
                 {"segment": s, "temperature": t, "drafter": d, "k": k, "alpha": c.alpha, "tau": c.tau,
-                 "tokens_per_second": c.tokens_per_second, "per_position": c.per_position}
+                 "tokens_per_second": c.tokens_per_second, "per_position": c.per_position.proposed_and_accepted()}
                 for (s, t, d, k), c in sorted(cells.items())
             ],
             indent=1,

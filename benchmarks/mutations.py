@@ -185,9 +185,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "corrupt-position-read",
-        "controller/counts.py",
-        "if not 0 <= int(parts[2]) < MAX_K:",
-        "if not 0 <= int(parts[2]):",
+        "controller/redis_schema.py",
+        "if 0 <= i < MAX_K else None",
+        "if 0 <= i else None",
         ("tests/controller/test_stored_data.py",),
         "a stored field naming draft position 3,000,000 sizes every table read from it",
     ),
@@ -263,6 +263,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if token != generated[done + i - 1]:",
         ("tests/decoder/test_counterfactual.py",),
         "prompt lookup's replayed proposal is scored against the previous emitted token",
+    ),
+    Mutation(
+        "tally-without-prefix-rule",
+        "specd_api/position_tally.py",
+        "verified = min(drafted, accepted + 1)  #",
+        "verified = drafted  #",
+        ("tests/specd_api/test_position_tally.py", "tests/decoder/test_counterfactual.py"),
+        "every proposed position counts as verified, also those after the first rejection (acceptance is a prefix: "
+        "they were never checked), so per-position acceptance is underestimated past the first position",
     ),
     Mutation(
         "bench-pooled-totals",

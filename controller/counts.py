@@ -1,29 +1,21 @@
 """What the controller learns, as plain counts: per segment × drafter × K × draft position, and costs.
 
-Counts live in Redis as hash fields (see store.py for the key schema). These classes parse those fields,
-add them up with decay weights, and derive rates. Everything here is pure.
+Counts live in Redis as hash fields (redis_schema.py names them). These classes add up the fields' values with
+decay weights and derive rates; an Aggregate says what one report adds. Everything here is pure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from controller.timing_histogram import MAX_BIN, MIN_BIN, bin_of
-from specd_api.checks import MAX_K
+from controller import redis_schema as schema
+from controller.timing_histogram import bin_of
 from specd_api.plan import batch_bucket
-
-# Field names inside a segment bucket hash (K-level and position-level counters).
-K_FIELDS = ("rounds", "proposed", "accepted", "tokens", "draft_s", "verify_s")
-POSITION_FIELDS = ("offered", "proposed", "verified", "accepted")
-SERVED, COUNTERFACTUAL = "p", "q"  # position fields of served rounds, and of counterfactually scored ones
-# Cost histogram fields (timing_histogram.py): he|{drafter}|{batch bucket}|{bin}, hw|{n}|{batch bucket}|{bin}.
-DRAFT_HIST, VERIFY_HIST = "he", "hw"
-CALIBRATION = "cal"  # cal|{drafter}|{bin}: requests whose realised / expected speedup fell in that bin
-PLAIN_STEP = "st"  # st|{batch bucket}|{bin}: requests whose plain rounds (n = 0) took that many seconds each
 
 
 @dataclass
@@ -95,35 +87,28 @@ class SegmentCounts:
         self.last_update = max(self.last_update, other.last_update)
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
-        """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age)."""
+        """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age). A field the schema does
+        not know (a newer schema's, or corrupt) is ignored: stored data never breaks a read."""
         for name, value in values.items():
-            parts = name.split("|")
-            try:
-                if parts[0] == "k" and len(parts) == 4 and parts[3] in K_FIELDS:
-                    if not 0 <= int(parts[2]) <= MAX_K:
-                        continue  # no round has such a K: a corrupt field (it would size every table read from it)
-                    target: KCounts | PositionCounts = self.by_k[(parts[1], int(parts[2]))]
-                elif parts[0] in (SERVED, COUNTERFACTUAL) and len(parts) == 4 and parts[3] in POSITION_FIELDS:
-                    if not 0 <= int(parts[2]) < MAX_K:
-                        continue  # a draft position past any K: corrupt (position 3,000,000 cost 7.7 s a read)
-                    table = self.positions if parts[0] == SERVED else self.counterfactual
-                    target = table[(parts[1], int(parts[2]))]
-                elif parts[0] in (CALIBRATION, PLAIN_STEP) and len(parts) == 3:
-                    b = int(parts[2])
-                    if MIN_BIN <= b <= MAX_BIN:
-                        if parts[0] == CALIBRATION:
-                            self.calibration[parts[1]][b] += weight * _number(value)
-                        else:
-                            self.plain_step[int(parts[1])][b] += weight * _number(value)
-                    continue
-                elif name == "updated":
+            f = schema.segment_field(name)
+            target: KCounts | PositionCounts
+            if isinstance(f, schema.KField):
+                target = self.by_k[(f.drafter, f.k)]
+            elif isinstance(f, schema.PositionField):
+                target = (self.counterfactual if f.counterfactual else self.positions)[(f.drafter, f.position)]
+            elif isinstance(f, schema.CalibrationField):
+                self.calibration[f.drafter][f.bin] += weight * _number(value)
+                continue
+            elif isinstance(f, schema.PlainStepField):
+                self.plain_step[f.batch_bucket][f.bin] += weight * _number(value)
+                continue
+            elif isinstance(f, schema.UpdatedField):
+                with contextlib.suppress(ValueError):  # not a time: ignored
                     self.last_update = max(self.last_update, float(value))
-                    continue
-                else:
-                    continue  # a field of a newer schema: ignore rather than fail
-            except ValueError:
-                continue  # a corrupt field name: ignore it (stored data never breaks a read)
-            setattr(target, parts[3], getattr(target, parts[3]) + weight * _number(value))
+                continue
+            else:
+                continue  # a field the schema does not read
+            setattr(target, f.counter, getattr(target, f.counter) + weight * _number(value))
 
 
 def _histograms() -> defaultdict[tuple[object, int], defaultdict[int, float]]:
@@ -161,27 +146,20 @@ class CostCounts:
                     into[b] += w
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
+        """Add a cost bucket's hash fields, scaled by ``weight``; a field the schema does not know is ignored."""
         for name, value in values.items():
-            parts = name.split("|")
-            try:
-                v = weight * _number(value)
-                if len(parts) == 4 and parts[0] in (DRAFT_HIST, VERIFY_HIST):
-                    b = int(parts[3])
-                    if not MIN_BIN <= b <= MAX_BIN:
-                        continue  # no real timing lies there: a corrupt field
-                    if parts[0] == DRAFT_HIST:
-                        self.draft_hist[(parts[1], int(parts[2]))][b] += v
-                    elif 0 <= int(parts[1]) <= MAX_K:
-                        self.verify_hist[(int(parts[1]), int(parts[2]))][b] += v
-                    continue
-                if len(parts) != 4 or parts[0] not in ("e", "w"):
-                    continue  # another schema's field (the earlier d|/v| fields mixed round lengths): ignore
-                if parts[0] == "e" and parts[3] in ("s", "n"):
-                    (self.draft_s if parts[3] == "s" else self.drafted)[(parts[1], int(parts[2]))] += v
-                elif parts[0] == "w" and parts[3] in ("s", "r") and 0 <= int(parts[1]) <= MAX_K:
-                    (self.verify_s if parts[3] == "s" else self.verify_rounds)[(int(parts[1]), int(parts[2]))] += v
-            except ValueError:
+            f = schema.cost_field(name)
+            if f is None:
                 continue
+            v = weight * _number(value)
+            if isinstance(f, schema.DraftHistField):
+                self.draft_hist[(f.drafter, f.batch_bucket)][f.bin] += v
+            elif isinstance(f, schema.VerifyHistField):
+                self.verify_hist[(f.n, f.batch_bucket)][f.bin] += v
+            elif isinstance(f, schema.DraftCostField):
+                (self.draft_s if f.quantity == "s" else self.drafted)[(f.drafter, f.batch_bucket)] += v
+            else:
+                (self.verify_s if f.quantity == "s" else self.verify_rounds)[(f.n, f.batch_bucket)] += v
 
 
 def _add_histograms(into: dict[Any, dict[int, float]], other: Mapping[Any, Mapping[int, float]]) -> None:
@@ -211,14 +189,15 @@ def decay_weight(age_seconds: float, half_life_seconds: float) -> float:
 
 @dataclass(frozen=True)
 class Aggregate:
-    """Rounds of one request (or interval) with one drafter and one K: a validated RoundsAggregate."""
+    """Rounds of one request (or interval) with one drafter and one K: a validated RoundsAggregate, its fields under
+    the message's names (``by_drafted`` pairs the message's rounds_by_drafted and verify_seconds_by_drafted)."""
 
     segment: str
     drafter: str
     k: int  # the K the rounds ran with
     rounds: int
     num_drafted: int
-    accepted: int
+    num_accepted: int
     proposed_per_position: tuple[int, ...]
     verified_per_position: tuple[int, ...]
     accepted_per_position: tuple[int, ...]
@@ -249,7 +228,7 @@ class Aggregate:
         if self.drafter == "none" or not self.expected_speedup > 0:
             return {}
         b = bin_of(self.realised_speedup(step_seconds) / self.expected_speedup)
-        return {} if b is None else {f"{CALIBRATION}|{self.drafter}|{b}": 1.0}
+        return {} if b is None else {schema.calibration_field(self.drafter, b): 1.0}
 
     def segment_fields(self) -> dict[str, float]:
         """Increments for the segment's bucket hash."""
@@ -259,23 +238,23 @@ class Aggregate:
             return fields
         if not self.counterfactual:
             fields |= {
-                f"k|{d}|{k}|rounds": self.rounds,
-                f"k|{d}|{k}|proposed": self.num_drafted,
-                f"k|{d}|{k}|accepted": self.accepted,
-                f"k|{d}|{k}|tokens": self.tokens_emitted,
-                f"k|{d}|{k}|draft_s": self.draft_seconds,
-                f"k|{d}|{k}|verify_s": self.verify_seconds,
+                schema.k_field(d, k, "rounds"): self.rounds,
+                schema.k_field(d, k, "proposed"): self.num_drafted,
+                schema.k_field(d, k, "accepted"): self.num_accepted,
+                schema.k_field(d, k, "tokens"): self.tokens_emitted,
+                schema.k_field(d, k, "draft_s"): self.draft_seconds,
+                schema.k_field(d, k, "verify_s"): self.verify_seconds,
             }
         plain = self.by_drafted[0] if self.by_drafted and not self.counterfactual else (0, 0.0)
         step_bin = bin_of(plain[1] / plain[0]) if plain[0] else None
         if step_bin is not None:
-            fields[f"{PLAIN_STEP}|{batch_bucket(self.batch_size)}|{step_bin}"] = 1.0
-        kind = COUNTERFACTUAL if self.counterfactual else SERVED
+            fields[schema.plain_step_field(batch_bucket(self.batch_size), step_bin)] = 1.0
+        scored = self.counterfactual
         for i in range(k):
-            fields[f"{kind}|{d}|{i}|offered"] = self.rounds
-            fields[f"{kind}|{d}|{i}|proposed"] = _at(self.proposed_per_position, i)
-            fields[f"{kind}|{d}|{i}|verified"] = _at(self.verified_per_position, i)
-            fields[f"{kind}|{d}|{i}|accepted"] = _at(self.accepted_per_position, i)
+            fields[schema.position_field(d, i, "offered", scored)] = self.rounds
+            fields[schema.position_field(d, i, "proposed", scored)] = _at(self.proposed_per_position, i)
+            fields[schema.position_field(d, i, "verified", scored)] = _at(self.verified_per_position, i)
+            fields[schema.position_field(d, i, "accepted", scored)] = _at(self.accepted_per_position, i)
         return {name: float(v) for name, v in fields.items()}
 
     def cost_fields(self) -> dict[str, float]:
@@ -286,18 +265,18 @@ class Aggregate:
         bucket = batch_bucket(self.batch_size)
         fields: dict[str, float] = {}
         if self.drafter != "none" and self.num_drafted:
-            fields[f"e|{self.drafter}|{bucket}|s"] = self.draft_seconds
-            fields[f"e|{self.drafter}|{bucket}|n"] = float(self.num_drafted)
+            fields[schema.draft_cost_field(self.drafter, bucket, "s")] = self.draft_seconds
+            fields[schema.draft_cost_field(self.drafter, bucket, "n")] = float(self.num_drafted)
             b = bin_of(self.draft_seconds / self.num_drafted)
             if b is not None:
-                fields[f"{DRAFT_HIST}|{self.drafter}|{bucket}|{b}"] = 1.0  # one request, one observation
+                fields[schema.draft_hist_field(self.drafter, bucket, b)] = 1.0  # one request, one observation
         for n, (rounds, seconds) in enumerate(self.by_drafted):
             if rounds:
-                fields[f"w|{n}|{bucket}|s"] = seconds
-                fields[f"w|{n}|{bucket}|r"] = float(rounds)
+                fields[schema.verify_cost_field(n, bucket, "s")] = seconds
+                fields[schema.verify_cost_field(n, bucket, "r")] = float(rounds)
                 b = bin_of(seconds / rounds)
                 if b is not None:
-                    fields[f"{VERIFY_HIST}|{n}|{bucket}|{b}"] = 1.0
+                    fields[schema.verify_hist_field(n, bucket, b)] = 1.0
         return fields
 
 

@@ -85,7 +85,7 @@ class Journal:
 
     def append(self, report_id: str, aggregates: Sequence[Aggregate]) -> None:
         """Write one report durably, or raise JournalFull (a bound, or the disk refused the write)."""
-        line = json.dumps({"report_id": report_id, "aggregates": [asdict(a) for a in aggregates]})
+        line = json.dumps({"report_id": report_id, "aggregates": [record(a) for a in aggregates]})
         data = (line + "\n").encode()
         with self._lock:
             if self._count >= self.max_reports or self._size + len(data) > self.max_bytes:
@@ -246,7 +246,16 @@ class Journal:
             log.error("cannot cut a failed append from %s: %s", self.path, e)
 
 
-RENAMED = {"num_draft_tokens": "k", "proposed": "num_drafted"}  # a journal written before the 0.2 names
+# An entry's aggregates are their fields as JSON, under the names of the journal written since 0.2, which a controller
+# of either side of a rename reads: num_accepted is written as "accepted". A journal written before 0.2 also has
+# num_draft_tokens (now k) and proposed (now num_drafted).
+WRITTEN_AS = {"num_accepted": "accepted"}
+READ_AS = {"accepted": "num_accepted", "num_draft_tokens": "k", "proposed": "num_drafted"}
+
+
+def record(a: Aggregate) -> dict[str, object]:
+    """``a`` as an entry of a journal line holds it."""
+    return {WRITTEN_AS.get(name, name): value for name, value in asdict(a).items()}
 
 
 def _parse(line: bytes) -> Entry:
@@ -254,7 +263,7 @@ def _parse(line: bytes) -> Entry:
     aggregates = []
     known = {f.name for f in fields(Aggregate)}
     for a in record["aggregates"]:
-        a = {RENAMED.get(name, name): value for name, value in a.items()}
+        a = {READ_AS.get(name, name): value for name, value in a.items()}
         for name in ("proposed_per_position", "verified_per_position", "accepted_per_position"):
             a[name] = tuple(a[name])
         a["by_drafted"] = tuple((int(r), float(s)) for r, s in a.get("by_drafted", ()))

@@ -1,34 +1,6 @@
-"""Telemetry in Redis: the key schema, atomic ingestion, and decayed reads.
+"""Telemetry in Redis: atomic ingestion and decayed reads (the I/O and the Lua scripts). Key and field names, and
+the stored rows, are redis_schema.py's.
 
-Key schema (``P`` is the configurable prefix, default ``specd``; the schema version is part of every key). Every key
-carries a hash tag (``{...}``: Redis Cluster places a key by the text between its first braces), either its
-segment's or the fixed tag ``{#global}`` (``#`` is never part of a segment name), so that each Lua script below
-touches keys of one slot only and runs unchanged on one server or on a cluster:
-
-    P:v1:seg:{S}:<bucket>           hash   counters of segment S in one time bucket (see counts.py fields:
-                                           k|{drafter}|{K}|{rounds,proposed,accepted,tokens,draft_s,verify_s},
-                                           p|{drafter}|{position}|{offered,proposed,verified,accepted} (served),
-                                           q|{drafter}|{position}|{...the same} (counterfactual),
-                                           cal|{drafter}|{bin} requests by realised / expected speedup, updated)
-    P:v1:report:{S}:<report_id>     string dedup marker of the part of a report counted under segment S (expires)
-    P:v1:report:{#global}:<report_id>
-                                    string dedup marker of the report's global part; its value is the segment each
-                                           of the report's segments was counted as (the cap's verdict), so that a
-                                           retry writes its segment parts where the first delivery decided
-    P:v1:segments:{#global}         zset   segment -> last report time (the cap on distinct active segments;
-                                           segments silent for a whole window are dropped from it)
-    P:v1:cost:{#global}:<bucket>    hash   e|{drafter}|{batch bucket}|{s,n} drafting seconds / tokens drafted,
-                                           w|{n}|{batch bucket}|{s,r} verify seconds / rounds that verified
-                                           exactly n drafts (fields of an earlier schema, d|... and v|..., which
-                                           mixed round lengths, are ignored),
-                                           he|{drafter}|{batch bucket}|{bin}, hw|{n}|{batch bucket}|{bin}
-                                           requests by seconds per drafted token / per round verifying n
-                                           (timing_histogram.py: the costs are their medians)
-    P:v1:samples:{#global}          list   recent per-aggregate feature rows for the prior model (capped)
-    P:v1:prior                      string the prior model's coefficients as JSON (never pickle)
-
-In key names, ``{S}`` (the segment's name) and ``{#global}`` are written with their braces: they are the hash tags;
-``<...>`` stands for a value (in field names, ``{...}`` does). ``bucket`` = floor(unix time / bucket_seconds).
 Buckets expire after the learning window; reads weight each bucket by 0.5^(age / half_life), so recent traffic
 dominates and α follows drift within minutes.
 
@@ -43,7 +15,7 @@ on one slot, so it is exact: two new segments racing for the last place are seri
 atomic is the report as a whole: between parts, a reader may see a segment admitted whose counts have not landed.
 
 Keys of the layout before hash tags (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``, ``P:v1:cost:b``,
-``P:v1:samples``) are moved to these names at start-up (``upgrade_untagged_keys``), merged with what is there.
+``P:v1:samples``) are moved to their tagged names at start-up (``upgrade_untagged_keys``), merged with what is there.
 """
 
 from __future__ import annotations
@@ -61,13 +33,12 @@ from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
+from controller.redis_schema import Keys, encode_sample, first_position, sample_row
 from specd_api.segments import OVERFLOW_SEGMENT, valid_segment
 
 log = logging.getLogger(__name__)
 
 RedisClient = redis.Redis | RedisCluster  # one server, or a cluster (``redis+cluster://``; redis_conn.py)
-
-GLOBAL_TAG = "#global"  # the hash tag of the keys every report touches; '#' is never in a segment name
 
 HEAD_LUA = """
 -- KEYS[1] the report's global dedup marker, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
@@ -196,31 +167,19 @@ class Snapshot:
 
 
 class TelemetryStore:
-    """Reads and writes the key schema above; all methods may raise redis.RedisError."""
+    """Reads and writes the keys of redis_schema.py; all methods may raise redis.RedisError."""
 
     def __init__(self, client: RedisClient, config: StoreConfig, clock: Callable[[], float]) -> None:
         self.client = client
         self.config = config
         self.clock = clock
+        self.keys = Keys(config.prefix)
         self._head = client.register_script(HEAD_LUA)
         self._segment = client.register_script(SEGMENT_LUA)
         self._upgrade = client.register_script(UPGRADE_LUA)
         self.skipped = SkippedEntries()  # stored entries no read could use (counted, each key logged once)
         self._closed: dict[str, dict[str, float]] = {}  # cache of buckets that no longer receive writes
         self._closed_read_at: dict[str, float] = {}
-
-    def key(self, *parts: str | int) -> str:
-        return ":".join((self.config.prefix, "v1", *map(str, parts)))
-
-    def segment_key(self, segment: str, bucket: int) -> str:
-        return self.key("seg", f"{{{segment}}}", bucket)
-
-    def report_key(self, report_id: str, segment: str | None = None) -> str:
-        """The dedup marker of ``report_id``'s part counted under ``segment``, or of its global part (None)."""
-        return self.key("report", f"{{{GLOBAL_TAG if segment is None else segment}}}", report_id)
-
-    def global_key(self, name: str, *parts: str | int) -> str:
-        return self.key(name, f"{{{GLOBAL_TAG}}}", *parts)
 
     def bucket(self, now: float) -> int:
         return int(now // self.config.bucket_seconds)
@@ -249,7 +208,7 @@ class TelemetryStore:
         self._ingest_segments(
             [
                 (
-                    [self.report_key(report_id, segment), self.segment_key(segment, self.bucket(now))],
+                    [self.keys.report(report_id, segment), self.keys.segment_bucket(segment, self.bucket(now))],
                     [c.report_ttl_seconds, now, c.bucket_ttl_seconds, json.dumps(fields)],
                 )
                 for segment, fields in parts.items()
@@ -270,7 +229,15 @@ class TelemetryStore:
             "segments": segments,
             "cost": _nonzero(cost),
             "samples": [
-                json.dumps(_sample_row(a, now))
+                encode_sample(
+                    drafter=a.drafter,
+                    temperature=a.temperature,
+                    prompt_tokens=a.prompt_tokens,
+                    self_repetition=a.self_repetition,
+                    verified=sum(a.verified_per_position),
+                    accepted=sum(a.accepted_per_position),
+                    at=now,
+                )
                 for a in aggregates
                 if a.drafter != "none" and a.rounds and not a.calibration
             ],
@@ -278,10 +245,10 @@ class TelemetryStore:
         c = self.config
         seen, verdict = self._head(
             keys=[
-                self.report_key(report_id),
-                self.global_key("segments"),
-                self.global_key("cost", self.bucket(now)),
-                self.global_key("samples"),
+                self.keys.report(report_id),
+                self.keys.segments(),
+                self.keys.cost_bucket(self.bucket(now)),
+                self.keys.samples(),
             ],
             args=[
                 c.report_ttl_seconds,
@@ -318,37 +285,20 @@ class TelemetryStore:
                 self.client.script_load(SEGMENT_LUA)
 
     def save_prior(self, document: dict[str, Any]) -> None:
-        self.client.set(self.key("prior"), json.dumps(document))
+        self.client.set(self.keys.prior(), json.dumps(document))
 
     def upgrade_untagged_keys(self) -> int:
         """Move what a controller before hash tags stored (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``,
-        ``P:v1:cost:b``, ``P:v1:samples``) to the names above, merging with anything already there; returns how many
+        ``P:v1:cost:b``, ``P:v1:samples``) to their tagged names, merging with anything already there; returns how many
         keys moved. Only one server can hold that layout: on a cluster there is nothing to do."""
         if isinstance(self.client, RedisCluster):
             return 0
-        base = self.key() + ":"
         moved = 0
-        for old in self.client.scan_iter(f"{base}*", count=1000):
-            new = self._tagged_name(str(old)[len(base) :])
+        for old in self.client.scan_iter(self.keys.every_key_pattern(), count=1000):
+            new = self.keys.tagged_name(str(old))
             if new is not None:
                 moved += int(self._upgrade(keys=[old, new], args=[self.config.samples_max]))
         return moved
-
-    def _tagged_name(self, rest: str) -> str | None:
-        """The key's name now, from its name before hash tags without the ``P:v1:`` (None: not such a key)."""
-        if "{" in rest:
-            return None
-        kind, _, tail = rest.partition(":")
-        if kind == "seg" and ":" in tail:
-            segment, bucket = tail.rsplit(":", 1)
-            return self.key("seg", f"{{{segment}}}", bucket)
-        if kind == "report" and tail:
-            return self.report_key(tail)
-        if kind in ("segments", "samples") and not tail:
-            return self.global_key(kind)
-        if kind == "cost" and tail:
-            return self.global_key("cost", tail)
-        return None
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -356,7 +306,7 @@ class TelemetryStore:
         """The segments with a report in the window. A key of the wrong type there (hand-edited data) is skipped
         and counted: no segment is then tracked until reports rebuild it, but decisions go on."""
         since = self.clock() - self.config.bucket_seconds * self.config.window_buckets
-        key = self.global_key("segments")
+        key = self.keys.segments()
         try:
             members = self.client.zrangebyscore(key, since, "+inf")
         except redis.ResponseError as e:  # WRONGTYPE: not a connection problem, nothing a retry would fix
@@ -371,8 +321,8 @@ class TelemetryStore:
         now = self.clock()
         current = self.bucket(now)
         buckets = range(current - self.config.window_buckets + 1, current + 1)
-        keys = [self.segment_key(s, b) for s in segments for b in buckets]
-        keys += [self.global_key("cost", b) for b in buckets]
+        keys = [self.keys.segment_bucket(s, b) for s in segments for b in buckets]
+        keys += [self.keys.cost_bucket(b) for b in buckets]
         fields = self._read_buckets(keys, current_suffix=f":{current}", now=now)
         snapshot = Snapshot(taken_at=now)
         weights = {
@@ -383,7 +333,7 @@ class TelemetryStore:
             counts = SegmentCounts()
             series: dict[str, list[tuple[int, float, float]]] = {}
             for b in buckets:
-                bucket_fields = fields[self.segment_key(s, b)]
+                bucket_fields = fields[self.keys.segment_bucket(s, b)]
                 if b >= since.get(s, b):
                     counts.add_fields(bucket_fields, weights[b])
                 for drafter, accepted, verified in first_position(bucket_fields):
@@ -391,13 +341,13 @@ class TelemetryStore:
             snapshot.segments[s] = counts
             snapshot.series[s] = series
         for b in buckets:
-            snapshot.costs.add_fields(fields[self.global_key("cost", b)], weights[b])
+            snapshot.costs.add_fields(fields[self.keys.cost_bucket(b)], weights[b])
         return snapshot
 
     def read_samples(self, limit: int) -> list[dict[str, Any]]:
         """The prior's training rows; a row that is not one (not JSON, a field missing or out of range) is skipped
         and counted, as is a key of the wrong type."""
-        key = self.global_key("samples")
+        key = self.keys.samples()
         try:
             raw_rows = self.client.lrange(key, 0, limit - 1)
         except redis.ResponseError as e:
@@ -415,7 +365,7 @@ class TelemetryStore:
     def read_prior(self) -> dict[str, Any] | None:
         """The stored prior model's document, or None (none stored, or one that is not a JSON object: skipped and
         counted; the prior is refitted from the samples at its next due time)."""
-        key = self.key("prior")
+        key = self.keys.prior()
         try:
             raw = self.client.get(key)
         except redis.ResponseError as e:
@@ -493,32 +443,6 @@ def _text(value: object) -> str | None:
     return str(value)
 
 
-SAMPLE_NUMBERS = {
-    "temperature": 100.0,
-    "prompt_tokens": 1e9,
-    "self_repetition": 1.0,
-    "verified": 1e12,
-    "accepted": 1e12,
-}
-
-
-def sample_row(raw: object) -> dict[str, Any] | None:
-    """One stored training row as the prior reads it, or None when it is not one."""
-    try:
-        row = json.loads(raw)  # type: ignore[arg-type]
-    except (ValueError, TypeError, UnicodeDecodeError):
-        return None
-    if not isinstance(row, dict) or not isinstance(row.get("drafter"), str):
-        return None
-    for name, high in SAMPLE_NUMBERS.items():
-        value = row.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value <= high):
-            return None  # NaN fails the comparison too
-    if row["accepted"] > row["verified"]:
-        return None
-    return row
-
-
 def upgrade_keys(store: TelemetryStore) -> None:
     """``store.upgrade_untagged_keys()`` at start-up, logged; a Redis that does not answer is not fatal (contract 3):
     the keys then stay where they are, unread, until a later start moves them."""
@@ -542,17 +466,6 @@ def _numbers(raw: Mapping[object, object]) -> dict[str, float]:
     return parsed
 
 
-def first_position(fields: Mapping[str, float]) -> list[tuple[str, float, float]]:
-    """(drafter, accepted, verified) at draft position 0 in one bucket hash, served and counterfactual together."""
-    totals: dict[str, list[float]] = {}
-    for name, value in fields.items():
-        parts = name.split("|")
-        if len(parts) == 4 and parts[0] in ("p", "q") and parts[2] == "0" and parts[3] in ("accepted", "verified"):
-            entry = totals.setdefault(parts[1], [0.0, 0.0])
-            entry[0 if parts[3] == "accepted" else 1] += value if math.isfinite(value) and value > 0 else 0.0
-    return [(d, a, v) for d, (a, v) in sorted(totals.items()) if v > 0]
-
-
 def _nonzero(fields: dict[str, float]) -> dict[str, float]:
     return {name: value for name, value in fields.items() if value}
 
@@ -560,18 +473,3 @@ def _nonzero(fields: dict[str, float]) -> dict[str, float]:
 def _a_sample(agg: Aggregate) -> bool:
     """Does ``agg`` train the prior? Served traffic that speculated (not a worker's start-up calibration)."""
     return agg.drafter != "none" and agg.rounds > 0 and not agg.calibration
-
-
-def _sample_row(agg: Aggregate, now: float) -> dict[str, float | str]:
-    """One training row for the prior: request features and the per-token acceptance outcome."""
-    verified = sum(agg.verified_per_position)
-    accepted = sum(agg.accepted_per_position)
-    return {
-        "drafter": agg.drafter,
-        "temperature": agg.temperature,
-        "prompt_tokens": agg.prompt_tokens,
-        "self_repetition": agg.self_repetition,
-        "verified": verified,
-        "accepted": accepted,
-        "at": now,
-    }

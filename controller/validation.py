@@ -91,7 +91,7 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
         k=a.k,
         rounds=a.rounds,
         num_drafted=a.num_drafted,
-        accepted=a.num_accepted,
+        num_accepted=a.num_accepted,
         proposed_per_position=tuple(a.proposed_per_position),
         verified_per_position=tuple(a.verified_per_position),
         accepted_per_position=tuple(a.accepted_per_position),

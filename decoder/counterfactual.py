@@ -17,35 +17,22 @@ K = 0 proposes nothing and is not counted, as a served one counts as plain decod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from decoder.drafters.prompt_lookup import NgramIndex, PromptLookupConfig
 from decoder.engine import clamp_k
 from decoder.stopping import StopRules
+from specd_api.position_tally import PositionTally
 
 
 @dataclass
-class PositionTally:
-    """Per draft position over scored rounds of one ceiling K (the fields of a RoundsAggregate with
-    ``counterfactual`` set)."""
+class Scored:
+    """A drafter that did not run, scored over rounds of one ceiling K (a RoundsAggregate with ``counterfactual``
+    set)."""
 
     drafter: str
     k: int  # the rounds' ceiling: positions 0..k-1 were offered
-    rounds: int = 0
-    proposed: list[int] = field(default_factory=list)  # [k] rounds whose proposal reached position i
-    verified: list[int] = field(default_factory=list)  # [k] ... with every earlier position accepted
-    accepted: list[int] = field(default_factory=list)  # [k] ... and position i accepted too
-
-    def __post_init__(self) -> None:
-        self.proposed, self.verified, self.accepted = [0] * self.k, [0] * self.k, [0] * self.k
-
-    @property
-    def num_drafted(self) -> int:
-        return sum(self.proposed)
-
-    @property
-    def num_accepted(self) -> int:
-        return sum(self.accepted)
+    tally: PositionTally  # [k] per position
 
 
 def replay_lookup(
@@ -55,9 +42,9 @@ def replay_lookup(
     k: int,
     rules: StopRules,
     max_context: int | None,
-) -> list[PositionTally]:
-    """Prompt lookup at ceiling ``k``, replayed over ``generated``: one tally per ceiling the rounds had."""
-    tallies: dict[int, PositionTally] = {}
+) -> list[Scored]:
+    """Prompt lookup at ceiling ``k``, replayed over ``generated``: one score per ceiling the rounds had."""
+    scored: dict[int, Scored] = {}
     index = NgramIndex(config)
     tokens = [*prompt_ids]
     index.extend(tokens)
@@ -66,21 +53,17 @@ def replay_lookup(
         ceiling = clamp_k(k, len(tokens), done, rules, max_context)
         proposal = index.propose(ceiling) if ceiling else []
         accepted = 0
+        for i, token in enumerate(proposal):
+            if done + i >= len(generated):
+                break  # the request ended here: later positions are proposed but never verified
+            if token != generated[done + i]:
+                break
+            accepted += 1
         if ceiling:
-            tally = tallies.setdefault(ceiling, PositionTally("prompt_lookup", ceiling))
-            tally.rounds += 1
-            for i in range(len(proposal)):
-                tally.proposed[i] += 1
-            for i, token in enumerate(proposal):
-                if done + i >= len(generated):
-                    break  # the request ended here: later positions are proposed but never verified
-                tally.verified[i] += 1
-                if token != generated[done + i]:
-                    break
-                tally.accepted[i] += 1
-                accepted += 1
+            tally = scored.setdefault(ceiling, Scored("prompt_lookup", ceiling, PositionTally.of_width(ceiling))).tally
+            tally.add(len(proposal), accepted, verifiable=len(generated) - done)
         step = min(accepted + 1, len(generated) - done)
         tokens.extend(generated[done : done + step])
         index.extend(tokens)
         done += step
-    return [tallies[c] for c in sorted(tallies)]
+    return [scored[c] for c in sorted(scored)]

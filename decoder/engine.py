@@ -72,7 +72,7 @@ class GenerationResult:
             "prefill_seconds": s.prefill_seconds,
             "draft_seconds": s.draft_seconds,
             "verify_seconds": s.verify_seconds,
-            "accepted_per_position": s.accepted_per_position(),
+            "accepted_per_position": s.position_tally().proposed_and_accepted(),
         }
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specd_api.position_tally import PositionTally
+
 
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
@@ -20,11 +22,6 @@ class RoundRecord:
     draft_seconds: float
     verify_seconds: float
     batch_size: int = 1  # sequences in the step this round ran in
-
-    @property
-    def position_accepted(self) -> tuple[bool, ...]:
-        """Per draft position: was it accepted. Acceptance is a prefix, so this is derived, not stored."""
-        return tuple(i < self.num_accepted for i in range(self.num_drafted))
 
 
 @dataclass(slots=True)
@@ -92,12 +89,9 @@ class RequestStats:
         total = self.total_seconds
         return self.num_new_tokens / total if total > 0 else 0.0
 
-    def accepted_per_position(self) -> list[tuple[int, int]]:
-        """For each draft position i: (rounds that proposed a token there, rounds that accepted it)."""
-        longest = max((r.num_drafted for r in self.rounds), default=0)
-        counts = [[0, 0] for _ in range(longest)]
+    def position_tally(self) -> PositionTally:
+        """The rounds per draft position (as long as the longest round proposed)."""
+        tally = PositionTally()
         for r in self.rounds:
-            for i in range(r.num_drafted):
-                counts[i][0] += 1
-                counts[i][1] += i < r.num_accepted
-        return [(proposed, accepted) for proposed, accepted in counts]
+            tally.add(r.num_drafted, r.num_accepted)
+        return tally

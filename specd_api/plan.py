@@ -9,9 +9,10 @@ rounds, and the costs at the request's batch size.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
+from specd_api.position_tally import PositionTally
 from specd_api.speedup import best_k, speedup_curve
 
 if TYPE_CHECKING:
@@ -180,31 +181,13 @@ def worth_remembering(plan: Plan) -> bool:
     return plan.source in ("controller", "table") and not plan.exploration and plan.reason != BATCH_RULE_REASON
 
 
-@dataclass
-class Observed:
-    """The request's own rounds so far, per draft position: how often verified, how often accepted."""
-
-    rounds: int = 0
-    verified: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """One round: positions 0..num_drafted-1 were proposed; acceptance is a prefix of length num_accepted."""
-        self.rounds += 1
-        while len(self.verified) < num_drafted:
-            self.verified.append(0)
-            self.accepted.append(0)
-        for i in range(min(num_drafted, num_accepted + 1)):  # position i is verified when all before it were kept
-            self.verified[i] += 1
-            self.accepted[i] += i < num_accepted
-
-
 MAX_ADAPTED_ACCEPTANCE = 0.99  # a request's own luck never makes acceptance certain
 OPTIMISM_Z = 1.28  # stop drafting only when even the upper 90% bound of the lift says it does not pay
 
 
-def round_k(plan: Plan, observed: Observed, ceiling: int) -> int:
-    """This round's K, at most ``ceiling`` (the plan's k cut to the request's budget).
+def round_k(plan: Plan, observed: PositionTally, ceiling: int) -> int:
+    """This round's K, at most ``ceiling`` (the plan's k cut to the request's budget), given ``observed``: the
+    request's own rounds so far.
 
     A plan without estimates runs every round at the ceiling, and so does a probe for its first ``probe_rounds``
     rounds. Otherwise the plan's per-position acceptance is scaled by how this request has done against it: the
@@ -220,7 +203,7 @@ def round_k(plan: Plan, observed: Observed, ceiling: int) -> int:
         return max(ceiling, 0)
     s = max(plan.prior_strength, 0.0)
     expected = sum(v * a for v, a in zip(observed.verified, plan.acceptance, strict=False))
-    accepted = sum(observed.accepted)
+    accepted = observed.num_accepted
     if expected + s <= 0:
         return ceiling
     lift = (accepted + s) / (expected + s)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from specd_api.checks import MAX_EXPECTED_SPEEDUP
 from specd_api.plan import batch_bucket
+from specd_api.position_tally import PositionTally
 from specd_api.v1 import controller_pb2 as pb
 
 SELF_REPETITION_N = 3  # the n of PromptFeatures.self_repetition (controller.proto)
@@ -42,20 +43,14 @@ class RoundLike(Protocol):
 
 
 class ScoredLike(Protocol):
-    """A drafter scored counterfactually over one request's rounds (decoder.counterfactual.PositionTally)."""
+    """A drafter scored counterfactually over one request's rounds (decoder.counterfactual.Scored)."""
 
     @property
     def drafter(self) -> str: ...
     @property
     def k(self) -> int: ...  # positions scored per round
     @property
-    def rounds(self) -> int: ...
-    @property
-    def proposed(self) -> Sequence[int]: ...  # [k] per position
-    @property
-    def verified(self) -> Sequence[int]: ...
-    @property
-    def accepted(self) -> Sequence[int]: ...
+    def tally(self) -> PositionTally: ...  # [k] per position
 
 
 @dataclass
@@ -64,37 +59,25 @@ class _Group:
 
     k: int
     batch_size: int  # the largest batch among the group's rounds (they share a bucket)
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
     emitted: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
-    proposed_at: list[int] = field(default_factory=list)  # [k]
-    verified_at: list[int] = field(default_factory=list)  # [k]
-    accepted_at: list[int] = field(default_factory=list)  # [k]
-    rounds_by_drafted: list[int] = field(default_factory=list)  # [k + 1]
-    seconds_by_drafted: list[float] = field(default_factory=list)  # [k + 1]
+    tally: PositionTally = field(init=False)  # [k]
+    rounds_by_drafted: list[int] = field(init=False)  # [k + 1]
+    seconds_by_drafted: list[float] = field(init=False)  # [k + 1]
 
     def __post_init__(self) -> None:
-        self.proposed_at, self.verified_at, self.accepted_at = [0] * self.k, [0] * self.k, [0] * self.k
+        self.tally = PositionTally.of_width(self.k)
         self.rounds_by_drafted, self.seconds_by_drafted = [0] * (self.k + 1), [0.0] * (self.k + 1)
 
     def add(self, r: RoundLike) -> None:
-        self.rounds += 1
-        self.drafted += r.num_drafted
-        self.accepted += r.num_accepted
+        self.tally.add(r.num_drafted, r.num_accepted)
         self.emitted += r.num_emitted
         self.draft_seconds += r.draft_seconds
         self.verify_seconds += r.verify_seconds
         self.batch_size = max(self.batch_size, r.batch_size)
         self.rounds_by_drafted[r.num_drafted] += 1
         self.seconds_by_drafted[r.num_drafted] += r.verify_seconds
-        # acceptance is a prefix: position i is verified when every position before it was accepted
-        for i in range(r.num_drafted):
-            self.proposed_at[i] += 1
-            self.verified_at[i] += i <= r.num_accepted
-            self.accepted_at[i] += i < r.num_accepted
 
 
 def round_key(r: RoundLike) -> tuple[str, int, int]:
@@ -151,12 +134,12 @@ def rounds_to_aggregates(
             segment=segment,
             drafter=drafter,
             k=g.k,
-            rounds=g.rounds,
-            num_drafted=g.drafted,
-            num_accepted=g.accepted,
-            proposed_per_position=g.proposed_at,
-            verified_per_position=g.verified_at,
-            accepted_per_position=g.accepted_at,
+            rounds=g.tally.rounds,
+            num_drafted=g.tally.num_drafted,
+            num_accepted=g.tally.num_accepted,
+            proposed_per_position=g.tally.proposed,
+            verified_per_position=g.tally.verified,
+            accepted_per_position=g.tally.accepted,
             tokens_emitted=g.emitted,
             draft_seconds=g.draft_seconds,
             verify_seconds=g.verify_seconds,
@@ -176,12 +159,12 @@ def rounds_to_aggregates(
             segment=segment,
             drafter=t.drafter,
             k=t.k,
-            rounds=t.rounds,
-            num_drafted=sum(t.proposed),
-            num_accepted=sum(t.accepted),
-            proposed_per_position=t.proposed,
-            verified_per_position=t.verified,
-            accepted_per_position=t.accepted,
+            rounds=t.tally.rounds,
+            num_drafted=t.tally.num_drafted,
+            num_accepted=t.tally.num_accepted,
+            proposed_per_position=t.tally.proposed,
+            verified_per_position=t.tally.verified,
+            accepted_per_position=t.tally.accepted,
             batch_size=1,
             counterfactual=True,
             temperature=temperature,
@@ -189,7 +172,7 @@ def rounds_to_aggregates(
             self_repetition=self_repetition,
         )
         for t in scored
-        if t.rounds
+        if t.tally.rounds
     ]
     return served + counterfactual
 

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from specd_api.plan import Observed, Plan, round_k
+from specd_api.plan import Plan, round_k
+from specd_api.position_tally import PositionTally
 
 if TYPE_CHECKING:
     from decoder.drafters.draft_model import DraftModelDrafter
@@ -35,13 +36,13 @@ class KSchedule:
 
     def __init__(self, plan: Plan | None = None) -> None:
         self.plan = plan
-        self.observed = Observed()
+        self.observed = PositionTally()  # the request's own rounds so far
 
     def next_k(self, ceiling: int) -> int:
         return ceiling if self.plan is None else round_k(self.plan, self.observed, ceiling)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.observed.observe(num_drafted, num_accepted)
+        self.observed.add(num_drafted, num_accepted)
 
 
 class Drafter(ABC):

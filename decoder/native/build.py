@@ -100,6 +100,12 @@ def _selected() -> tuple[str, str]:
     raise AssertionError("unreachable")
 
 
+def reselect() -> None:
+    """Read ``SPECD_NATIVE_ISA`` again (tests and benchmarks that compare builds in one process; pools and packed
+    weights made before keep the build they were made with)."""
+    _selected.cache_clear()
+
+
 def selected_isa() -> str:
     """The name of the build ``load()`` returns (empty when ``SPECD_NATIVE_ISA`` names none)."""
     return _selected()[0]

@@ -24,6 +24,7 @@ from decoder.runners.base import ForwardPass
 from decoder.telemetry import RequestStats
 from decoder.worker.scheduler import StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
+from specd_api.position_tally import PositionTally
 from specd_api.segments import OVERFLOW_SEGMENT
 
 DEFAULT_MAX_SEGMENTS = 100
@@ -148,6 +149,7 @@ class WorkerMetrics:
         counters.requests += 1
         if stats is None:
             return
+        positions: dict[str, PositionTally] = {}  # by drafter
         for round_ in stats.rounds:
             drafter = round_.drafter if round_.k > 0 else "none"
             self.rounds.labels(segment, drafter).inc()
@@ -157,10 +159,12 @@ class WorkerMetrics:
                 self.accepted.labels(segment, drafter).inc(round_.num_accepted)
                 counters.proposed[drafter] = counters.proposed.get(drafter, 0) + round_.num_drafted
                 counters.accepted[drafter] = counters.accepted.get(drafter, 0) + round_.num_accepted
-            for i in range(round_.num_drafted):
-                self.position_proposed.labels(segment, drafter, str(i)).inc()
-                if i < round_.num_accepted:
-                    self.position_accepted.labels(segment, drafter, str(i)).inc()
+            positions.setdefault(drafter, PositionTally()).add(round_.num_drafted, round_.num_accepted)
+        for drafter, tally in positions.items():
+            for i, (proposed, accepted) in enumerate(tally.proposed_and_accepted()):
+                self.position_proposed.labels(segment, drafter, str(i)).inc(proposed)
+                if accepted:
+                    self.position_accepted.labels(segment, drafter, str(i)).inc(accepted)
         self.generated.labels(segment).inc(stats.num_new_tokens)
         counters.tokens += stats.num_new_tokens
         counters.decode_seconds += stats.total_seconds

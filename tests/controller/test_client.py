@@ -37,10 +37,11 @@ from controller.client.fallback import DecisionMemory
 from controller.config import ControllerConfig, LearningConfig
 from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
-from decoder.counterfactual import PositionTally
+from decoder.counterfactual import Scored
 from decoder.telemetry import RoundRecord
 from specd_api.checks import check_aggregate
 from specd_api.plan import Plan
+from specd_api.position_tally import PositionTally
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.waiting import free_port, wait_until
@@ -179,9 +180,10 @@ def test_rounds_of_different_batch_buckets_are_reported_apart():
 
 
 def test_counterfactual_tallies_become_scored_aggregates():
-    tally = PositionTally("prompt_lookup", 3)
-    tally.rounds, tally.proposed, tally.verified, tally.accepted = 4, [3, 2, 1], [3, 2, 1], [2, 1, 0]
-    (served, scored) = rounds_to_aggregates("code", [draft(2, 2, 1)], **REPORT_ARGS, scored=[tally])
+    tally = PositionTally(rounds=4, proposed=[3, 2, 1], verified=[3, 2, 1], accepted=[2, 1, 0])
+    (served, scored) = rounds_to_aggregates(
+        "code", [draft(2, 2, 1)], **REPORT_ARGS, scored=[Scored("prompt_lookup", 3, tally)]
+    )
     assert not served.counterfactual and scored.counterfactual
     assert summary(scored) == ("prompt_lookup", 3, 4, 6, 3, 0, [3, 2, 1], [3, 2, 1], [2, 1, 0])
     assert (scored.draft_seconds, scored.verify_seconds, list(scored.rounds_by_drafted)) == (0.0, 0.0, [])

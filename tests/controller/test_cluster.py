@@ -17,7 +17,8 @@ from redis.cluster import RedisCluster
 
 from controller.counts import Aggregate
 from controller.redis_conn import make_client, make_cluster_client
-from controller.store import GLOBAL_TAG, RedisClient, StoreConfig, TelemetryStore
+from controller.redis_schema import GLOBAL_TAG
+from controller.store import RedisClient, StoreConfig, TelemetryStore
 from specd_api.segments import OVERFLOW_SEGMENT
 from tests.controller.local_cluster import LocalCluster, cluster_mode_available, local_cluster
 from tests.controller.test_store import T0, FakeClock, run_threads, small
@@ -50,7 +51,7 @@ def make_store(client: RedisClient, prefix: str, **config: Any) -> TelemetryStor
 
 
 def raw_counts(client: RedisClient, store: TelemetryStore, segment: str) -> dict[str, float]:
-    raw = client.hgetall(store.segment_key(segment, store.bucket(T0)))
+    raw = client.hgetall(store.keys.segment_bucket(segment, store.bucket(T0)))
     return {name: float(value) for name, value in raw.items() if name != "updated"}
 
 
@@ -227,15 +228,15 @@ def test_segments_spread_over_slots_and_nodes(
     for i, segment in enumerate(segments):
         store.ingest(f"r{i}", [small(segment, rounds=1)])
     bucket = store.bucket(T0)
-    slot_of = {s: int(cluster_client.keyslot(store.segment_key(s, bucket))) for s in segments}
+    slot_of = {s: int(cluster_client.keyslot(store.keys.segment_bucket(s, bucket))) for s in segments}
     for s in segments:  # a segment's keys share its slot: its script touches one slot
-        assert cluster_client.keyslot(store.report_key(f"r{segments.index(s)}", s)) == slot_of[s]
+        assert cluster_client.keyslot(store.keys.report(f"r{segments.index(s)}", s)) == slot_of[s]
     assert len(set(slot_of.values())) == len(segments), "40 segment tags, 40 slots"
     global_slots = {
         cluster_client.keyslot(k)
-        for k in (store.report_key("r0"), store.global_key("segments"), store.global_key("cost", bucket))
+        for k in (store.keys.report("r0"), store.keys.segments(), store.keys.cost_bucket(bucket))
     }
-    assert len(global_slots) == 1 and f"{{{GLOBAL_TAG}}}" in store.global_key("samples")
+    assert len(global_slots) == 1 and f"{{{GLOBAL_TAG}}}" in store.keys.samples()
     per_node = []
     for index in range(MASTERS):  # each master's own keys, asked directly
         node = cluster.node(index)

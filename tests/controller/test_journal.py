@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from controller.client.config import ClientConfig
 from controller.client.reports import rounds_to_aggregates
 from controller.config import ControllerConfig, LearningConfig
 from controller.counts import Aggregate
-from controller.journal import Journal, JournalFull
+from controller.journal import Journal, JournalFull, record
 from controller.learner import Learner
 from controller.redis_conn import make_client, start_embedded
 from controller.server import REDIS_HEALTH, ControllerDaemon
@@ -53,7 +52,7 @@ def aggregate(rounds: int, segment: str = "chat", k: int = 4) -> Aggregate:
     """``rounds`` rounds at K = ``k``: position i accepted rounds - i times (so every position counts something)."""
     accepted = tuple(max(rounds - i, 0) for i in range(k))
     return Aggregate(
-        segment=segment, drafter="draft", k=k, rounds=rounds, num_drafted=k * rounds, accepted=sum(accepted),
+        segment=segment, drafter="draft", k=k, rounds=rounds, num_drafted=k * rounds, num_accepted=sum(accepted),
         proposed_per_position=(rounds,) * k, verified_per_position=(rounds,) * k, accepted_per_position=accepted,
         tokens_emitted=sum(accepted) + rounds, draft_seconds=0.001 * rounds, verify_seconds=0.01 * rounds,
         by_drafted=((0, 0.0),) * k + ((rounds, 0.01 * rounds),),
@@ -68,7 +67,7 @@ def write_journal(path: Path, reports: int, per_report: int, torn_tail: bool = F
         for r in range(reports):
             aggregates = [aggregate(5 + (r + i) % 7, segment=f"seg{i % 3}") for i in range(per_report)]
             rounds += sum(a.rounds for a in aggregates)
-            f.write(json.dumps({"report_id": uuid.uuid4().hex, "aggregates": [asdict(a) for a in aggregates]}) + "\n")
+            f.write(json.dumps({"report_id": uuid.uuid4().hex, "aggregates": [record(a) for a in aggregates]}) + "\n")
         if torn_tail:
             f.write('{"report_id": "torn", "aggregates": [{"segment": "se')  # the write a crash cut short
     return rounds
@@ -332,6 +331,20 @@ def test_a_torn_last_line_is_skipped_with_one_log_line(
     torn = [r for r in caplog.records if "torn" in r.getMessage()]
     assert len(torn) == 1 and torn[0].levelno == logging.WARNING, [r.getMessage() for r in torn]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "skipped, not an error, not a crash"
+
+
+def test_a_journal_line_keeps_the_names_every_version_reads(tmp_path: Path) -> None:
+    # Aggregate.num_accepted is written "accepted", as before the rename, so a controller on either side of it reads
+    # the other's journal; one written before 0.2 also has num_draft_tokens (k) and proposed (num_drafted).
+    journal = Journal(tmp_path / "journal.jsonl", max_reports=10)
+    journal.append("r1", [aggregate(3, k=2)])
+    (line,) = (tmp_path / "journal.jsonl").read_text().splitlines()
+    stored = json.loads(line)["aggregates"][0]
+    assert list(stored)[:6] == ["segment", "drafter", "k", "rounds", "num_drafted", "accepted"]
+    before_0_2 = {{"k": "num_draft_tokens", "num_drafted": "proposed"}.get(n, n): v for n, v in stored.items()}
+    (tmp_path / "old.jsonl").write_text(json.dumps({"report_id": "r1", "aggregates": [before_0_2]}) + "\n")
+    old = Journal(tmp_path / "old.jsonl", max_reports=10)
+    assert old.entries() == journal.entries() == [("r1", [aggregate(3, k=2)])]
 
 
 def test_journal_settings_are_validated(tmp_path: Path) -> None:

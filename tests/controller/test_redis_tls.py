@@ -202,9 +202,9 @@ def test_the_acl_covers_every_command_of_the_store_and_nothing_else(server: TlsR
     try:
         store = TelemetryStore(client, StoreConfig(), lambda: T0)
         aggregate = Aggregate(
-            segment=SEGMENT, drafter="draft", k=2, rounds=2, num_drafted=4, accepted=2, proposed_per_position=(2, 2),
-            verified_per_position=(2, 2), accepted_per_position=(2, 0), tokens_emitted=4, draft_seconds=0.5,
-            verify_seconds=1.0, batch_size=1, by_drafted=((0, 0.0), (0, 0.0), (2, 1.0)),
+            segment=SEGMENT, drafter="draft", k=2, rounds=2, num_drafted=4, num_accepted=2,
+            proposed_per_position=(2, 2), verified_per_position=(2, 2), accepted_per_position=(2, 0), tokens_emitted=4,
+            draft_seconds=0.5, verify_seconds=1.0, batch_size=1, by_drafted=((0, 0.0), (0, 0.0), (2, 1.0)),
         )  # fmt: skip
         store.ingest("a1", [aggregate])
         server.admin.script_flush()  # as after a restart or a failover

@@ -32,7 +32,7 @@ def request(rng: random.Random, stall: float = 0.0, n: int = 4, rounds: int = 12
     plain = PLAIN * STEP * pace
     by_drafted = tuple((PLAIN, plain) if i == 0 else ((rounds, verify_n) if i == n else (0, 0.0)) for i in range(n + 1))
     return Aggregate(
-        segment="s", drafter=drafter, k=n, rounds=rounds + PLAIN, num_drafted=rounds * n, accepted=rounds * n // 2,
+        segment="s", drafter=drafter, k=n, rounds=rounds + PLAIN, num_drafted=rounds * n, num_accepted=rounds * n // 2,
         proposed_per_position=(rounds,) * n, verified_per_position=(rounds,) * n,
         accepted_per_position=(rounds // 2,) * n, tokens_emitted=rounds * (n // 2 + 1) + PLAIN,
         draft_seconds=rounds * n * C_DRAFT * STEP * pace, verify_seconds=plain + verify_n, by_drafted=by_drafted,

@@ -28,8 +28,9 @@ import pytest
 from controller.client.reports import rounds_to_aggregates
 from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
-from decoder.counterfactual import PositionTally
-from specd_api.plan import Observed, Plan, round_k
+from decoder.counterfactual import Scored
+from specd_api.plan import Plan, round_k
+from specd_api.position_tally import PositionTally
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
@@ -78,7 +79,7 @@ class Served:
 def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random, stall: float = 0.0) -> Served:
     """One request run as the worker runs a plan: each round's K by ``round_k`` under the plan's ceiling; ``stall``
     seconds added to its second round (the machine's, not the work's)."""
-    observed, rounds, emitted, seconds = Observed(), [], 0, 0.0
+    observed, rounds, emitted, seconds = PositionTally(), [], 0, 0.0
     while emitted < TOKENS_PER_REQUEST:
         ceiling = min(plan.k, TOKENS_PER_REQUEST - emitted - 1)
         k = round_k(plan, observed, ceiling) if plan.drafter != "none" else 0
@@ -89,7 +90,7 @@ def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random, stall: fl
         draft_s = STEP_SECONDS * COST_RATIO.get(plan.drafter, 0.0) * n
         verify_s = STEP_SECONDS * VERIFY[n] * rng.uniform(0.97, 1.03) + (stall if len(rounds) == 1 else 0.0)
         rounds.append(Round(plan.drafter if k else "none", k, n, accepted, accepted + 1, draft_s, verify_s))
-        observed.observe(n, accepted)
+        observed.add(n, accepted)
         emitted += accepted + 1
         seconds += draft_s + verify_s
     scored = replay_lookup(truth, emitted, rng) if plan.counterfactual_k and plan.drafter != "prompt_lookup" else []
@@ -106,28 +107,23 @@ def proposed(drafter: str, truth: Truth, k: int, rng: random.Random) -> int:
     return n
 
 
-def replay_lookup(truth: Truth, emitted: int, rng: random.Random) -> list[PositionTally]:
+def replay_lookup(truth: Truth, emitted: int, rng: random.Random) -> list[Scored]:
     """Prompt lookup replayed over the request's tokens, as the worker does (decoder.counterfactual): rounds at
     its ceiling, each starting after the previous one's accepted tokens and bonus token."""
-    tallies: dict[int, PositionTally] = {}
+    scored: dict[int, Scored] = {}
     done = 0
     while done < emitted:
         ceiling = min(LOOKUP_K, TOKENS_PER_REQUEST - done - 1)
         accepted = 0
         if ceiling > 0:
-            tally = tallies.setdefault(ceiling, PositionTally("prompt_lookup", ceiling))
-            tally.rounds += 1
             n = proposed("prompt_lookup", truth, ceiling, rng)
-            for i in range(n):
-                tally.proposed[i] += 1
-            for i in range(n):
-                tally.verified[i] += 1
-                if rng.random() >= truth.lookup:
-                    break
-                tally.accepted[i] += 1
+            while accepted < n and rng.random() < truth.lookup:
                 accepted += 1
+            scored.setdefault(ceiling, Scored("prompt_lookup", ceiling, PositionTally.of_width(ceiling))).tally.add(
+                n, accepted
+            )
         done += accepted + 1
-    return list(tallies.values())
+    return list(scored.values())
 
 
 def static_throughput(truth: Truth, drafter: str, k: int, requests: int = 60) -> float:

@@ -45,7 +45,7 @@ def four_rounds(segment: str = "chat", drafter: str = "draft") -> Aggregate:
         k=3,
         rounds=4,
         num_drafted=11,
-        accepted=6,
+        num_accepted=6,
         proposed_per_position=(4, 4, 3),
         verified_per_position=(4, 3, 2),
         accepted_per_position=(3, 2, 1),
@@ -65,7 +65,7 @@ def small(segment: str = "chat", k: int = 2, rounds: int = 1, accepted: int = 1)
         k=k,
         rounds=rounds,
         num_drafted=rounds * k,
-        accepted=rounds * accepted,
+        num_accepted=rounds * accepted,
         proposed_per_position=(rounds,) * k,
         verified_per_position=tuple(rounds if i <= accepted else 0 for i in range(k)),
         accepted_per_position=tuple(rounds if i < accepted else 0 for i in range(k)),
@@ -78,7 +78,7 @@ def small(segment: str = "chat", k: int = 2, rounds: int = 1, accepted: int = 1)
 
 def raw_bucket(client: redis.Redis, store: TelemetryStore, segment: str, now: float = T0) -> dict[str, float]:
     """The segment's hash in the current bucket, straight from Redis (no parsing by the code under test)."""
-    raw = client.hgetall(store.segment_key(segment, store.bucket(now)))
+    raw = client.hgetall(store.keys.segment_bucket(segment, store.bucket(now)))
     return {name: float(value) for name, value in raw.items() if name != "updated"}
 
 
@@ -170,8 +170,8 @@ def test_same_report_id_counts_once(redis_client: redis.Redis, prefix: str) -> N
     assert (again.rounds, other_payload.rounds) == (0, 0)
     assert raw_bucket(redis_client, store, "chat")["k|draft|3|rounds"] == 4
     assert "k|draft|2|rounds" not in raw_bucket(redis_client, store, "chat")
-    assert redis_client.ttl(store.report_key("r1")) > 0, "dedup markers expire (the global part's)"
-    assert redis_client.ttl(store.report_key("r1", "chat")) > 0, "dedup markers expire (the segment part's)"
+    assert redis_client.ttl(store.keys.report("r1")) > 0, "dedup markers expire (the global part's)"
+    assert redis_client.ttl(store.keys.report("r1", "chat")) > 0, "dedup markers expire (the segment part's)"
 
 
 def test_a_dedup_marker_outlives_an_hour_long_outage(redis_client: redis.Redis, prefix: str) -> None:
@@ -179,7 +179,7 @@ def test_a_dedup_marker_outlives_an_hour_long_outage(redis_client: redis.Redis, 
     # Redis outage), so the marker must outlive such an outage, or the retry after it counts twice.
     store = make_store(redis_client, prefix, FakeClock())
     store.ingest("r1", [four_rounds()])
-    for marker in (store.report_key("r1"), store.report_key("r1", "chat")):  # global part, segment part
+    for marker in (store.keys.report("r1"), store.keys.report("r1", "chat")):  # global part, segment part
         ttl = redis_client.ttl(marker)
         assert ttl >= 3600 - 5, f"the dedup marker {marker} expires after {ttl} s"
 

@@ -7,7 +7,8 @@ import json
 
 import redis
 
-from controller.store import GLOBAL_TAG, StoreConfig, TelemetryStore
+from controller.redis_schema import GLOBAL_TAG
+from controller.store import StoreConfig, TelemetryStore
 from tests.controller.test_store import T0, FakeClock, raw_bucket, small
 
 
@@ -35,33 +36,33 @@ def test_untagged_keys_move_and_merge(redis_client: redis.Redis, prefix: str) ->
     assert store.upgrade_untagged_keys() == 0, "nothing left to move"
     assert sorted(redis_client.scan_iter(f"{prefix}:v1:*")) == sorted(
         [
-            store.segment_key("chat:eu", bucket),
-            store.global_key("segments"),
-            store.global_key("cost", bucket),
-            store.global_key("samples"),
-            store.report_key("old-1"),
-            store.report_key("new-1"),
-            store.report_key("new-1", "chat:eu"),
+            store.keys.segment_bucket("chat:eu", bucket),
+            store.keys.segments(),
+            store.keys.cost_bucket(bucket),
+            store.keys.samples(),
+            store.keys.report("old-1"),
+            store.keys.report("new-1"),
+            store.keys.report("new-1", "chat:eu"),
             f"{prefix}:v1:prior",
         ]
     )
     fields = raw_bucket(redis_client, store, "chat:eu", T0)
     assert fields["k|draft|2|rounds"] == 4 + 3, "counts added"
     assert fields["p|draft|0|offered"] == 4 + 3
-    assert "junk" not in redis_client.hgetall(store.segment_key("chat:eu", bucket)), "a non-number is dropped"
-    assert float(redis_client.hget(store.segment_key("chat:eu", bucket), "updated")) == T0 + 5, "the later time"
-    assert 2990 < redis_client.ttl(store.segment_key("chat:eu", bucket)) <= 3660, "the longer TTL"
+    assert "junk" not in redis_client.hgetall(store.keys.segment_bucket("chat:eu", bucket)), "a non-number is dropped"
+    assert float(redis_client.hget(store.keys.segment_bucket("chat:eu", bucket), "updated")) == T0 + 5, "the later time"
+    assert 2990 < redis_client.ttl(store.keys.segment_bucket("chat:eu", bucket)) <= 3660, "the longer TTL"
     assert store.active_segments() == ["chat:eu"]
     assert dict(store.read_snapshot(["chat:eu"]).costs.drafted)[("draft", 1)] == 8 + 6, "old costs + new (3 x K 2)"
     samples = store.read_samples(10)
     assert len(samples) == 3 and [s["at"] for s in samples[1:]] == [2, 1], "newest first, trimmed to samples_max"
-    assert redis_client.ttl(store.report_key("old-1")) > 2990
+    assert redis_client.ttl(store.keys.report("old-1")) > 2990
     assert store.read_prior() == {"kept": True}
 
     retry = store.ingest("old-1", [small("chat:eu", k=2, rounds=4)])  # a worker retries a report acked before
     assert retry.duplicate, "the old dedup marker still guards its report"
     assert raw_bucket(redis_client, store, "chat:eu", T0)["k|draft|2|rounds"] == 7, "and nothing is counted twice"
-    assert f"{{{GLOBAL_TAG}}}" in store.report_key("old-1")
+    assert f"{{{GLOBAL_TAG}}}" in store.keys.report("old-1")
 
 
 def test_an_unreachable_redis_does_not_stop_a_start(caplog) -> None:

@@ -11,7 +11,8 @@ import pytest
 from controller.counts import SegmentCounts
 from controller.journal import Journal
 from controller.learner import Learner
-from controller.store import StoreConfig, TelemetryStore, sample_row
+from controller.redis_schema import sample_row
+from controller.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_service import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
@@ -29,7 +30,7 @@ def make(redis_client, prefix: str, tmp_path) -> tuple[TelemetryStore, Learner]:
 def test_an_unreadable_prior_is_skipped_and_learning_goes_on(redis_client, prefix, tmp_path, value) -> None:
     store, learner = make(redis_client, prefix, tmp_path)
     store.ingest("r1", [small("chat", rounds=3)])
-    redis_client.set(store.key("prior"), value)
+    redis_client.set(store.keys.prior(), value)
     assert learner.refresh() is True and not learner.stale
     assert learner.segment_counts("chat").rounds == 3
     assert learner.prior is None and store.skipped.count >= 1
@@ -37,7 +38,7 @@ def test_an_unreadable_prior_is_skipped_and_learning_goes_on(redis_client, prefi
 
 def test_a_prior_key_of_another_type_is_skipped(redis_client, prefix, tmp_path) -> None:
     store, learner = make(redis_client, prefix, tmp_path)
-    redis_client.rpush(store.key("prior"), "x")
+    redis_client.rpush(store.keys.prior(), "x")
     assert learner.refresh() is True and store.skipped.count == 1
     assert learner.refresh() is True and store.skipped.count == 2  # counted at each read, logged once
 
@@ -49,7 +50,7 @@ def test_bad_sample_rows_are_skipped_and_the_good_ones_kept(redis_client, prefix
     bad = ["{oops", "[1]", '{"drafter": 3}', good.replace('"verified": 5', '"verified": -5'),
            good.replace('"accepted": 3', '"accepted": 9'), good.replace('"temperature": 0', '"temperature": NaN'),
            good.replace('"prompt_tokens": 10', '"prompt_tokens": "10"')]  # fmt: skip
-    redis_client.rpush(store.global_key("samples"), good, *bad, good)
+    redis_client.rpush(store.keys.samples(), good, *bad, good)
     rows = store.read_samples(100)
     assert len(rows) == 2 and store.skipped.count == len(bad)
     assert sample_row(good) == rows[0]
@@ -67,13 +68,13 @@ def test_a_position_far_past_any_k_is_ignored() -> None:
 def test_a_bucket_of_the_wrong_type_spoils_that_bucket_only(redis_client, prefix, tmp_path) -> None:
     store, learner = make(redis_client, prefix, tmp_path)
     store.ingest("r1", [small("good", rounds=3), small("bad", rounds=2)])
-    redis_client.delete(store.segment_key("bad", store.bucket(T0)))
-    redis_client.rpush(store.segment_key("bad", store.bucket(T0)), "x")  # a list where a hash belongs
+    redis_client.delete(store.keys.segment_bucket("bad", store.bucket(T0)))
+    redis_client.rpush(store.keys.segment_bucket("bad", store.bucket(T0)), "x")  # a list where a hash belongs
     assert learner.refresh() is True and not learner.stale
     assert learner.segment_counts("good").rounds == 3  # every other segment still learns
     assert store.skipped.count >= 1
-    redis_client.delete(store.global_key("segments"))
-    redis_client.set(store.global_key("segments"), "x")
+    redis_client.delete(store.keys.segments())
+    redis_client.set(store.keys.segments(), "x")
     assert learner.refresh() is True and not learner.stale and learner.segments() == []
 
 

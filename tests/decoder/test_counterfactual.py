@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from decoder.counterfactual import PositionTally, replay_lookup
+from decoder.counterfactual import Scored, replay_lookup
 from decoder.drafters import PromptLookupConfig
 from decoder.engine import SpeculativeDecoder
 from decoder.sampling import SamplingParams
@@ -22,22 +22,23 @@ GREEDY = SamplingParams()
 
 
 def served_tallies(rounds) -> list[tuple[int, int, list[int], list[int], list[int]]]:
-    """Per ceiling K, the served prompt lookup rounds' (K, rounds, proposed, verified, accepted) per position."""
-    by_k: dict[int, PositionTally] = {}
+    """Per ceiling K, the served prompt lookup rounds' (K, rounds, proposed, verified, accepted) per position,
+    counted here from the rounds (not with the PositionTally the replay counts with)."""
+    by_k: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}
     for r in rounds:
         if r.k == 0:
             continue  # a round the budget cut to K = 0 is plain decoding
-        tally = by_k.setdefault(r.k, PositionTally("prompt_lookup", r.k))
-        tally.rounds += 1
+        count, proposed, verified, accepted = by_k.setdefault(r.k, ([0], [0] * r.k, [0] * r.k, [0] * r.k))
+        count[0] += 1
         for i in range(r.num_drafted):
-            tally.proposed[i] += 1
-            tally.verified[i] += i <= r.num_accepted
-            tally.accepted[i] += i < r.num_accepted
-    return [as_tuple(by_k[k]) for k in sorted(by_k)]
+            proposed[i] += 1
+            verified[i] += i <= r.num_accepted
+            accepted[i] += i < r.num_accepted
+    return [(k, by_k[k][0][0], *by_k[k][1:]) for k in sorted(by_k)]
 
 
-def as_tuple(t: PositionTally) -> tuple[int, int, list[int], list[int], list[int]]:
-    return t.k, t.rounds, t.proposed, t.verified, t.accepted
+def as_tuple(t: Scored) -> tuple[int, int, list[int], list[int], list[int]]:
+    return t.k, t.tally.rounds, t.tally.proposed, t.tally.verified, t.tally.accepted
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:

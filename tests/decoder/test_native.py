@@ -56,8 +56,8 @@ def isa(request, monkeypatch) -> str:
     if build.load(name) is None:
         pytest.skip(f"no {name} build here: {build.why_not(name)}")
     monkeypatch.setenv(build.ISA_ENV, name)
-    build._selected.cache_clear()
-    request.addfinalizer(build._selected.cache_clear)
+    build.reselect()
+    request.addfinalizer(build.reselect)
     return name
 
 
@@ -72,24 +72,24 @@ def test_the_ci_machine_runs_it():
 
 def test_the_best_build_runs_unless_one_is_named(monkeypatch):
     monkeypatch.delenv(build.ISA_ENV, raising=False)
-    build._selected.cache_clear()
+    build.reselect()
     try:
         if build.load() is not None:
             assert build.selected_isa() == build.available_isas()[-1]
         monkeypatch.setenv(build.ISA_ENV, "amx")  # no AMX build: refused by name, never quietly replaced
-        build._selected.cache_clear()
+        build.reselect()
         assert build.load() is None and build.why_not() == "SPECD_NATIVE_ISA='amx' is not one of avx2, avx512bf16"
         monkeypatch.setenv(build.ISA_ENV, " AVX2")  # read case- and space-insensitively
-        build._selected.cache_clear()
+        build.reselect()
         assert build.selected_isa() == "avx2" and (build.load() is not None or build.why_not().startswith("SPECD"))
         if "avx512_bf16" not in build._cpu_flags():
             monkeypatch.setenv(build.ISA_ENV, "avx512bf16")
-            build._selected.cache_clear()
+            build.reselect()
             assert build.load() is None and "the CPU lacks" in build.why_not() and "avx512_bf16" in build.why_not()
             assert pool_of(llama(bf16_weights=True), runner="auto").forward_pass.name == "lean"
     finally:
         monkeypatch.delenv(build.ISA_ENV, raising=False)
-        build._selected.cache_clear()
+        build.reselect()
 
 
 # Logits against transformers in float64: float32 products agree to float32 rounding; bfloat16 products round

@@ -7,7 +7,6 @@ import pytest
 from specd_api.plan import (
     BATCH_RULE_REASON,
     LOCAL_DEFAULT_REASON,
-    Observed,
     Plan,
     batch_bucket,
     fallback_plan,
@@ -16,6 +15,7 @@ from specd_api.plan import (
     speculation_allowed,
     worth_remembering,
 )
+from specd_api.position_tally import PositionTally
 
 CPU_V = (1.0, 1.39, 1.71, 1.58, 1.21, 1.9, 2.3, 2.7, 3.1)  # non-monotonic, as measured on a CPU in float32
 
@@ -81,18 +81,10 @@ def test_worth_remembering(plan, worth, why):
     assert worth_remembering(plan) is worth, why
 
 
-def test_observed_counts_the_verified_prefix():
-    seen = Observed()
-    seen.observe(4, 2)  # positions 0, 1 accepted; 2 verified and rejected; 3 never verified
-    seen.observe(2, 2)
-    seen.observe(0, 0)
-    assert (seen.rounds, seen.verified, seen.accepted) == (3, [2, 2, 1, 0], [2, 2, 0, 0])
-
-
-def observed(rounds: int, drafted: int, accepted: int) -> Observed:
-    seen = Observed()
+def observed(rounds: int, drafted: int, accepted: int) -> PositionTally:
+    seen = PositionTally()
     for _ in range(rounds):
-        seen.observe(drafted, accepted)
+        seen.add(drafted, accepted)
     return seen
 
 
@@ -103,17 +95,17 @@ ADAPTIVE = Plan("draft", 8, acceptance=(0.9,) * 8, proposal=(1.0,) * 8, prior_st
 @pytest.mark.parametrize(
     ("plan", "seen", "ceiling", "k", "why"),
     [
-        (Plan("draft", 4), Observed(), 4, 4, "no estimates: every round at the ceiling"),
-        (ADAPTIVE, Observed(), 8, 4, "the estimates alone: v(n) makes K = 4 the best, not the largest"),
-        (ADAPTIVE, Observed(), 3, 3, "the budget cuts the ceiling"),
-        (Plan(**{**ADAPTIVE.__dict__, "k": 2}), Observed(), 8, 2, "never above the plan's k"),
+        (Plan("draft", 4), PositionTally(), 4, 4, "no estimates: every round at the ceiling"),
+        (ADAPTIVE, PositionTally(), 8, 4, "the estimates alone: v(n) makes K = 4 the best, not the largest"),
+        (ADAPTIVE, PositionTally(), 3, 3, "the budget cuts the ceiling"),
+        (Plan(**{**ADAPTIVE.__dict__, "k": 2}), PositionTally(), 8, 2, "never above the plan's k"),
         (ADAPTIVE, observed(30, 4, 0), 8, 0, "this request rejects everything: plain steps"),
         (ADAPTIVE, observed(2, 4, 0), 8, 4, "two bad rounds do not outweigh eight pseudo-rounds of 0.9"),
         (Plan(**{**ADAPTIVE.__dict__, "probe_rounds": 4}), observed(3, 4, 0), 8, 8, "a probe runs at k first"),
         (Plan(**{**ADAPTIVE.__dict__, "probe_rounds": 4}), observed(30, 4, 0), 8, 0, "... then adapts"),
         (Plan(**{**ADAPTIVE.__dict__, "acceptance": (0.3,) * 8}), observed(30, 4, 4), 8, 4,
          "this request accepts everything where the segment rarely does: it drafts"),
-        (Plan(**{**ADAPTIVE.__dict__, "verify_cost": (1.0,) * 9}), Observed(), 8, 8, "flat v(n): the largest K"),
+        (Plan(**{**ADAPTIVE.__dict__, "verify_cost": (1.0,) * 9}), PositionTally(), 8, 8, "flat v(n): the largest K"),
     ],
 )  # fmt: skip
 def test_round_k(plan, seen, ceiling, k, why):

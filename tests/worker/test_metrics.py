@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from decoder.telemetry import RequestStats, RoundRecord
 from decoder.worker.metrics import SegmentLabels, WorkerMetrics
 from specd_api.segments import OVERFLOW_SEGMENT
 
@@ -40,3 +41,19 @@ def test_2000_segments_do_not_grow_the_exposition():
     assert len(exposition) < bounded * 1.2, (bounded, len(exposition))
     assert f'specd_requests_total{{segment="{OVERFLOW_SEGMENT}",status="finished"}} 1990.0' in exposition
     assert set(metrics.by_segment) == segments
+
+
+def test_per_position_series_count_the_accepted_prefix():
+    stats = RequestStats(prompt_tokens=4)
+    for drafted, accepted in ((3, 1), (3, 3), (0, 0)):
+        stats.observe(RoundRecord("draft", 3, drafted, accepted, accepted + 1, 0.0, 0.01))
+    metrics = WorkerMetrics()
+    metrics.observe_request("s", "finished", stats, 0.1)
+
+    def at(name: str, position: int) -> float | None:
+        labels = {"segment": "s", "drafter": "draft", "position": str(position)}
+        return metrics.registry.get_sample_value(f"specd_position_{name}_total", labels)
+
+    assert [at("proposed", i) for i in range(4)] == [2.0, 2.0, 2.0, None], "two rounds proposed 3 tokens"
+    assert [at("accepted", i) for i in range(3)] == [2.0, 1.0, 1.0], "the first round kept position 0 only"
+    assert metrics.registry.get_sample_value("specd_rounds_total", {"segment": "s", "drafter": "draft"}) == 3.0
