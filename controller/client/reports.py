@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from specd_api.checks import MAX_EXPECTED_SPEEDUP
 from specd_api.plan import batch_bucket
@@ -134,12 +134,7 @@ def rounds_to_aggregates(
             segment=segment,
             drafter=drafter,
             k=g.k,
-            rounds=g.tally.rounds,
-            num_drafted=g.tally.num_drafted,
-            num_accepted=g.tally.num_accepted,
-            proposed_per_position=g.tally.proposed,
-            verified_per_position=g.tally.verified,
-            accepted_per_position=g.tally.accepted,
+            **_tally_fields(g.tally),
             tokens_emitted=g.emitted,
             draft_seconds=g.draft_seconds,
             verify_seconds=g.verify_seconds,
@@ -159,12 +154,7 @@ def rounds_to_aggregates(
             segment=segment,
             drafter=t.drafter,
             k=t.k,
-            rounds=t.tally.rounds,
-            num_drafted=t.tally.num_drafted,
-            num_accepted=t.tally.num_accepted,
-            proposed_per_position=t.tally.proposed,
-            verified_per_position=t.tally.verified,
-            accepted_per_position=t.tally.accepted,
+            **_tally_fields(t.tally),
             batch_size=1,
             counterfactual=True,
             temperature=temperature,
@@ -175,6 +165,18 @@ def rounds_to_aggregates(
         if t.tally.rounds
     ]
     return served + counterfactual
+
+
+def _tally_fields(tally: PositionTally) -> dict[str, Any]:
+    """An aggregate's counts, as RoundsAggregate names them."""
+    return {
+        "rounds": tally.rounds,
+        "num_drafted": tally.num_drafted,
+        "num_accepted": tally.num_accepted,
+        "proposed_per_position": tally.proposed,
+        "verified_per_position": tally.verified,
+        "accepted_per_position": tally.accepted,
+    }
 
 
 def _usable_speedup(value: float) -> bool:

@@ -6,7 +6,6 @@ loop that dies, which must stop the worker process with status 1 (then systemd r
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from decoder.worker.openai_api import MAX_STOP_CHARS
 from decoder.worker.process import WorkerProcess
 from decoder.worker.service import WorkerService
 from specd_api.lifecycle import serve
+from tests.waiting import free_port
 from tests.worker.conftest import write_config
 
 MAX_K = 4
@@ -189,12 +189,6 @@ def test_a_stop_string_is_bounded_in_length(client: TestClient, stop: str | list
 
 
 # -- a decode loop that dies -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
