@@ -4,11 +4,12 @@ Relative paths in the file (the file exporter's endpoint among them) are resolve
 folder. ``SPECD_REDIS_URL`` in the environment overrides ``redis_url`` (so a password can live in a systemd
 EnvironmentFile); ``redis_tls`` holds the CA (and client certificate) for a ``rediss://`` URL. ``tls:`` and ``auth:``
 lock the gRPC port down (controller/auth.py). Every certificate and token file is checked, and the tokens read, when
-the file is loaded.
+the file is loaded. ``metrics.listen`` opens the Prometheus endpoint (controller/metrics_endpoint.py); off by default.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -69,6 +70,54 @@ class TokenAuth(Strict):
         return self
 
 
+class MetricsConfig(Strict):
+    """The Prometheus endpoint: GET /metrics over plain HTTP, with no token (controller/metrics_endpoint.py)."""
+
+    listen: str | None = Field(
+        None, description="host:port ([v6]:port) to serve GET /metrics on (port 0 picks a free one); null: off"
+    )
+    max_scrape_seconds: float = Field(
+        2.0, gt=0, le=60, description="a scrape stops reading segments after this long; the rest wait for the next"
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_host_port(value)
+        return value
+
+    @property
+    def host(self) -> str:
+        assert self.listen is not None, "metrics are off"
+        return split_host_port(self.listen)[0]
+
+    @property
+    def port(self) -> int:
+        assert self.listen is not None, "metrics are off"
+        return split_host_port(self.listen)[1]
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` as (host, port), the brackets off; a ValueError saying what is wrong."""
+    host, colon, port = listen.rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"must be host:port (port 0 picks a free one), got {listen[:80]!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host[:80]!r} in brackets is not an IPv6 address") from None
+    elif ":" in host or "[" in host or "]" in host:
+        raise ValueError(f"an IPv6 address is written [address]:port, got {listen[:80]!r}")
+    if any(c.isspace() or c == "/" for c in host):
+        raise ValueError(f"{host[:80]!r} is not a host name or IP address")
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise ValueError(f"the port must be a number in 0..65535 (0 picks a free one), got {port[:20]!r}")
+    return host, int(port)
+
+
 class ControllerConfig(Strict):
     listen: str = Field("127.0.0.1:50061", description="host:port for gRPC (port 0 picks a free one)")
     redis_url: str | None = Field(None, description="redis://, rediss:// or unix://; none starts an embedded server")
@@ -92,6 +141,7 @@ class ControllerConfig(Strict):
     telemetry: TelemetryConfig = Field(default_factory=lambda: TelemetryConfig())
     tls: ServerTls | None = Field(None, description="null: plaintext; set: TLS (with client_ca_file: mutual TLS)")
     auth: TokenAuth = Field(default_factory=lambda: TokenAuth())
+    metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig())
 
     @field_validator("redis_tls")
     @classmethod

@@ -2,7 +2,9 @@
 
 SIGTERM and SIGINT drain gracefully (a second SIGINT stops waiting for the RPCs in flight); SIGHUP reloads the
 policy. systemd is told READY, RELOADING, STOPPING and pinged for the watchdog through NOTIFY_SOCKET when it is set.
-The drain is logged: the RPCs it finished or cut short, and the reports still only in the journal.
+The drain is logged: the RPCs it finished or cut short, and the reports still only in the journal. With
+``metrics.listen`` set, GET /metrics is served beside gRPC (controller/metrics_endpoint.py), started before the gRPC
+port and stopped after it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controller.auth import TokenCheck, Tokens, exposure_warnings, server_credentials
+from controller.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, server_credentials
 from controller.config import ControllerConfig
 from controller.decoding import RefuseUndecodable
 from controller.journal import Journal
 from controller.learner import Learner
+from controller.metrics_endpoint import MetricsServer, serve_metrics
 from controller.policy import PolicyStore, load_policy
 from controller.redis_conn import RedisHandle, connect, redact
 from controller.service import Controller, ControllerServicer
@@ -58,6 +61,7 @@ class ControllerDaemon:
         self.port: int | None = None
         self.controller: Controller | None = None
         self.publisher: DecisionPublisher | None = None
+        self.metrics: MetricsServer | None = None  # GET /metrics, when metrics.listen is set
         self._in_flight = InFlight()
         self._redis: RedisHandle | None = None
         self._server: grpc.Server | None = None
@@ -75,14 +79,16 @@ class ControllerDaemon:
 
     def startup(self) -> None:
         """1. the policy (refused if invalid); 2. Redis (an embedded one supervised), the journal, the prior and the
-        learner's first snapshot; 3. tracing; 4. the gRPC server; 5. the background loops (the refresh starts at once
-        and replays what the journal holds, so a large journal never delays listening; the prior's refits have a loop
-        of their own, as they take seconds) and the watchdog; 6. READY."""
+        learner's first snapshot; 3. tracing; 4. the metrics endpoint (when asked for), then the gRPC server; 5. the
+        background loops (the refresh starts at once and replays what the journal holds, so a large journal never
+        delays listening; the prior's refits have a loop of their own, as they take seconds) and the watchdog; 6.
+        READY."""
         policies = self._load_policy()
         learner = self._open_learning()
         self.controller = Controller(learner, policies, max_remembered=self.config.learning.max_segments * 2)
         refresh = self.config.learning.refresh_seconds
         self.publisher = DecisionPublisher(self.controller, refresh, self.config.max_watchers, self.clock)
+        self._serve_metrics()
         self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher))
         self._start_loop("refresh", refresh, self._refresh, first_wait=0.0)
         self._start_loop("decision-tables", refresh, self.publisher.rebuild)
@@ -94,13 +100,14 @@ class ControllerDaemon:
             self._watchdog.start()
         assert self._redis is not None
         log.info(
-            "specd controller listening on %s (%s; policy %s from %s, redis %s%s)",
+            "specd controller listening on %s (%s; policy %s from %s, redis %s%s)%s",
             self.address,
             self._security(),
             policies.current.version,
             policies.current.path,
             redact(self._redis.url),
             ", embedded" if self._redis.embedded else "",
+            f"; metrics at http://{self.metrics.address}/metrics" if self.metrics is not None else "",
         )
         self.notifier.ready(f"serving on {self.address}")
 
@@ -169,6 +176,20 @@ class ControllerDaemon:
             self._health.set(status_name, health_pb2.HealthCheckResponse.SERVING)
         self._health.set(REDIS_HEALTH, _serving(self._redis_reachable))
 
+    def _serve_metrics(self) -> None:
+        """GET /metrics on ``metrics.listen`` (controller/metrics_endpoint.py); nothing when it is null."""
+        cfg = self.config.metrics
+        if cfg.listen is None:
+            return
+        assert self.controller is not None
+        if not is_loopback(cfg.listen):
+            log.warning("metrics on %s are served over plain HTTP with no token: whoever reaches the port reads "
+                        "every segment's name and figures", cfg.listen)  # fmt: skip
+        try:  # at most the store's cap on segments, plus _overflow (every segment past the cap)
+            self.metrics = serve_metrics(self.controller, cfg, self.config.learning.max_segments + 1)
+        except OSError as e:
+            raise StartupError(f"cannot serve metrics on {cfg.listen}: {e.strerror or e}") from None
+
     def _token_check(self) -> list[grpc.ServerInterceptor]:
         tokens = Tokens.of(self.config.auth)
         return [TokenCheck(tokens)] if tokens is not None else []
@@ -195,6 +216,8 @@ class ControllerDaemon:
         if self.publisher is not None:
             self.publisher.close()  # streams end now (workers keep their tables and reconnect elsewhere)
         in_flight, cancelled = self._stop_serving()
+        if self.metrics is not None:
+            self.metrics.close()
         for thread in self._threads:
             thread.join(timeout=5)
         if self._watchdog is not None:
