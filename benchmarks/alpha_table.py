@@ -80,7 +80,7 @@ def measure(
                 for drafter, k in arms(ks):
                     params = SamplingParams(temperature=temperature, seed=seed + n if temperature else None)
                     plan = Plan(drafter, k, segment=f"{segment}@{temperature}")  # suffix reads this segment's outputs
-                    result = decoder.generate(ids, drafter, k, params, rules, plan)
+                    result = decoder.decode(ids, params, rules, plan)
                     cells[(segment, temperature, drafter, k)].add(result.stats)
                     served = served or result.token_ids
                 # Served only now: suffix decoding proposes from the segment's earlier prompts' outputs, as a worker

@@ -99,8 +99,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "specd_api/plan.py",
         "return batch_size <= max_batch_size",
         "return batch_size < max_batch_size",
-        ("tests/specd_api/test_plan.py", "tests/controller/test_service.py"),
+        ("tests/specd_api/test_plan.py", "tests/specd_api/test_round_policy.py", "tests/controller/test_service.py"),
         "speculation switched off at max_batch_size instead of above it",
+    ),
+    Mutation(
+        "batch-threshold-from-the-worker",
+        "specd_api/round_policy.py",
+        "threshold = plan.max_batch_size if plan.max_batch_size is not None else fallback_max_batch_size",
+        "threshold = fallback_max_batch_size",
+        ("tests/specd_api/test_round_policy.py", "tests/worker/test_scheduler.py"),
+        "the worker's speculation_max_batch overrides the policy's batch threshold carried in the plan (two "
+        "thresholds again: a policy lower than the worker's is not applied as the batch grows)",
     ),
     Mutation(
         "dedup-off",
@@ -211,8 +220,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "decode-fault-not-confined",
         "decoder/worker/scheduler.py",
-        "        emitted = self._round(sessions, ks)",
-        "        emitted = self.engine.step(sessions, ks)",
+        "        emitted = self._round(sessions)",
+        "        emitted = self.engine.step(sessions)",
         ("tests/worker/test_scheduler.py",),
         "an exception in one sequence's round ends the decode loop, and every request after it gets 503",
     ),

@@ -24,6 +24,7 @@ from decoder.batch_engine import BatchEngine
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import requested
 from workloads import load_all
 
 GREEDY = SamplingParams()
@@ -43,10 +44,10 @@ def decode_batch(
     """Decode all prompts together; returns (tokens/s, outputs, α)."""
     rules = StopRules(max_new_tokens=tokens)  # no EOS: every sequence decodes the full budget
     started = time.perf_counter()
-    sessions = [engine.open(p, drafter, GREEDY, rules) for p in prompts]
+    sessions = [engine.open(p, GREEDY, rules, requested(drafter, k)) for p in prompts]  # no batch rule: every K
     live = list(sessions)
     while live:
-        engine.step(live, [k] * len(live))
+        engine.step(live)
         for s in [s for s in live if s.finish_reason is not None]:
             engine.close(s)
         live = [s for s in live if s.finish_reason is None]

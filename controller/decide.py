@@ -260,7 +260,8 @@ class _PlanMaker:
     lookup_k: int
 
     def off(self, reason: str, speedup: float = 1.0) -> Plan:
-        return replace(off(reason, self.policy_version, self.segment, speedup), counterfactual_k=self.lookup_k)
+        plan = off(reason, self.policy_version, self.segment, speedup)
+        return replace(plan, counterfactual_k=self.lookup_k, max_batch_size=self.settings.max_batch_size)
 
     def plan(self, arm: Arm, reason: str, k: int, probe_rounds: int = 0) -> Plan:
         estimate = self.estimates[arm.drafter]
@@ -282,6 +283,7 @@ class _PlanMaker:
             probe_rounds=probe_rounds,
             counterfactual_k=self.lookup_k,
             calibration=estimate.calibration,
+            max_batch_size=self.settings.max_batch_size,
         )
 
 
@@ -298,7 +300,8 @@ def _ruled(settings: Settings, request: Request, make: _PlanMaker) -> Plan | Non
             return make.off("request_too_short")
         threshold = forced.stop_threshold if runs_draft_model(settings.force) else 0.0
         return Plan(settings.force, k, "policy_forced", make.policy_version, segment=make.segment,
-                    stop_threshold=threshold, counterfactual_k=make.lookup_k)  # fmt: skip
+                    stop_threshold=threshold, counterfactual_k=make.lookup_k,
+                    max_batch_size=settings.max_batch_size)  # fmt: skip
     return None
 
 

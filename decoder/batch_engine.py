@@ -1,11 +1,13 @@
 """Continuous batching: several sequences decoded together, one round each per step, with ragged acceptance.
 
-Sequences join (prefill) and leave between steps. Each step drafts for every sequence (the draft model in
+Sequences join (prefill) and leave between steps. Each sequence opens with its plan, held by its round policy
+(specd_api/round_policy.py), which answers its K every step: the batch rule at the step's batch size first, then
+its ceiling cut to its budget, then its plan's rule. Each step drafts for every sequence (the draft model in
 one batched pass per draft position, a chain's rounds that lookup cannot serve included; prompt lookup per
 sequence), verifies all of them in one batched target pass, and lets each sequence accept and roll back on its
 own: each advances by its own accepted count, and no accepted token is ever recomputed (the KV slots are
 truncated, not rebuilt).
-A sequence asked to draft 0 tokens decodes one plain target step in the same pass.
+A sequence whose round runs at K = 0 decodes one plain target step in the same pass.
 
 Costs are attributed per sequence, as the controller learns them: each sequence is charged an equal share of
 every batched pass it took part in (a draft pass per position among the sequences still drafting; the target
@@ -21,13 +23,13 @@ import torch
 
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig, SuffixCache
 from decoder.drafters.draft_model import propose_together
-from decoder.engine import DecodeSession, SpeculativeDecoder, make_drafter
+from decoder.engine import DecodeSession, SpeculativeDecoder
 from decoder.kv_cache import ModelSequence
 from decoder.models import LoadedModel
 from decoder.runners import KVPool, PooledSequence
 from decoder.sampling import SamplingParams, make_generator
 from decoder.stopping import StopRules
-from specd_api.plan import Plan
+from specd_api.plan import Plan, requested
 from specd_api.speedup import runs_draft_model
 
 WARM_UP_MAX_K = 8  # the K ceilings the default policy lets the draft model run
@@ -45,8 +47,9 @@ class BatchEngine(SpeculativeDecoder):
         prompt_lookup: PromptLookupConfig | None = None,
         max_batch: int = 16,
         suffix_cache: SuffixCache | None = None,
+        fallback_max_batch_size: int | None = None,
     ) -> None:
-        super().__init__(target, draft, prompt_lookup, suffix_cache)
+        super().__init__(target, draft, prompt_lookup, suffix_cache, fallback_max_batch_size)
         self.max_batch = max_batch
         self.target_pool = KVPool(target, max_batch, capacity=target.max_context or 1024)
         self.draft_pool = KVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None
@@ -56,21 +59,23 @@ class BatchEngine(SpeculativeDecoder):
     def free_slots(self) -> int:
         return self.target_pool.free_slots
 
-    def open(
-        self, prompt_ids: list[int], drafter: str, params: SamplingParams, rules: StopRules, plan: Plan | None = None
-    ) -> DecodeSession:
-        """A new sequence in a free slot, prefilled and ready for ``step``. Raises ValueError on a bad request."""
+    def open(self, prompt_ids: list[int], params: SamplingParams, rules: StopRules, plan: Plan) -> DecodeSession:
+        """A new sequence in a free slot, decoded as ``plan`` says, prefilled and ready for ``step``. Raises
+        ValueError on a bad request (a drafter this engine does not offer, a prompt too long)."""
         generator = make_generator(params.seed, self.target.device)
         target_seq = self.target_pool.open()
-        made: Drafter | None = None
+        draft_seq: PooledSequence | None = None
         try:
-            made = self._pooled_drafter(drafter, params, generator, plan)
-            session = DecodeSession(self.target, made, prompt_ids, params, rules, generator, target_seq)
+            if runs_draft_model(plan.drafter) and self.draft_pool is not None:
+                draft_seq = self.draft_pool.open()
+            policy = self._open_policy(plan, params, generator, draft_seq)
+            session = DecodeSession(self.target, policy, prompt_ids, params, rules, generator, target_seq)
             session.prefill()
         except BaseException:
             self.target_pool.release(target_seq)
-            if made is not None:
-                self._release_drafter(made)
+            if draft_seq is not None:
+                assert self.draft_pool is not None
+                self.draft_pool.release(draft_seq)
             raise
         return session
 
@@ -82,11 +87,11 @@ class BatchEngine(SpeculativeDecoder):
         self._release_drafter(session.drafter)
 
     @torch.inference_mode()
-    def step(self, sessions: Sequence[DecodeSession], ks: Sequence[int]) -> list[list[int]]:
-        """One round for each session (ceiling ``ks[i]``; the round's K is its drafter's choice under it, cut to
-        the budget); returns the tokens each emitted."""
-        assert len(sessions) == len(ks) and sessions, (len(sessions), len(ks))
-        ks = [s.round_k(k) for s, k in zip(sessions, ks, strict=True)]
+    def step(self, sessions: Sequence[DecodeSession]) -> list[list[int]]:
+        """One round for each session, decoded together (each one's K is its round policy's at this batch size);
+        returns the tokens each emitted."""
+        assert sessions, "a step of no sequence"
+        ks = [s.policy.round_k(len(sessions), s.draft_budget()) for s in sessions]
         # 1. Draft, batched across the sequences that use the draft model; each is charged its share.
         draft_seconds = [0.0] * len(sessions)
         drafts = self._draft(sessions, ks, draft_seconds)
@@ -128,15 +133,17 @@ class BatchEngine(SpeculativeDecoder):
         for drafter in self.drafters:
             if drafter == "chain":
                 continue  # its rounds are prompt lookup's and the draft model's, in the shapes warmed for those
+            ks = [k for k in ([0] if drafter == "none" else range(1, max_k + 1)) for _ in range(2)]  # 2 rounds per K
             for batch in sorted({min(b, self.free_slots) for b in batch_sizes if b >= 1}):
-                sessions = [self.open(prompt, drafter, SamplingParams(), rules) for _ in range(batch)]
+                # Every shape, whatever the batch rule would say: the plan's threshold is the batch.
+                plan = requested(drafter, max(ks), ks, max_batch_size=batch)
+                sessions = [self.open(prompt, SamplingParams(), rules, plan) for _ in range(batch)]
                 try:
-                    for k in [0] if drafter == "none" else range(1, max_k + 1):
-                        for _ in range(2):
-                            live = [s for s in sessions if s.finish_reason is None]
-                            if live:
-                                self.step(live, [k] * len(live))
-                                rounds += 1
+                    for _ in ks:
+                        live = [s for s in sessions if s.finish_reason is None]
+                        if live:
+                            self.step(live)
+                            rounds += 1
                 finally:
                     for session in sessions:
                         self.close(session)
@@ -188,13 +195,6 @@ class BatchEngine(SpeculativeDecoder):
                 drafts[i] = s.drafter.propose(s.context, k)
                 seconds[i] += time.perf_counter() - started
         return [d for d in drafts if d is not None]
-
-    def _pooled_drafter(
-        self, name: str, params: SamplingParams, generator: torch.Generator | None, plan: Plan | None
-    ) -> Drafter:
-        """Like ``_make_drafter``, with the draft model's cache in a slot of the pool (released by ``close``)."""
-        sequence = self.draft_pool.open() if runs_draft_model(name) and self.draft_pool is not None else None
-        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, sequence, plan, self.suffix_cache)
 
     def _release_drafter(self, drafter: Drafter) -> None:
         model = drafter.draft_model

@@ -16,6 +16,7 @@ from decoder.batch_engine import BatchEngine
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.telemetry import RoundRecord
+from specd_api.plan import offers, requested
 
 CALIBRATION_SEGMENT = "_calibration"  # the segment field of the calibration aggregates (counted in no segment)
 CALIBRATION_MAX_K = 8
@@ -36,7 +37,7 @@ def measure_costs(
     """Timed rounds, one list per short sequence: plain steps (n = 0), then the draft model at K = 1..max_k (it
     proposes exactly K: no stop rule here), at batch 1. Without a draft model, only the plain steps."""
     drafter_ks: list[tuple[str, int]] = [("none", 0)]
-    if "draft" in engine.drafters:
+    if offers(engine.drafters, "draft"):
         drafter_ks += [("draft", k) for k in range(1, max_k + 1)]
     prompt = calibration_prompt(engine.target.vocab_size)
     measured: list[list[RoundRecord]] = []
@@ -48,12 +49,13 @@ def measure_costs(
 
 def _sequence(engine: BatchEngine, prompt: Sequence[int], drafter: str, k: int, rounds: int) -> list[RoundRecord]:
     rules = StopRules(max_new_tokens=(k + 1) * (rounds + 1) + 1)  # never cut by the budget: every round drafts k
-    session = engine.open(list(prompt), drafter, SamplingParams(), rules)
+    plan = requested(drafter, k, max_batch_size=1)  # at batch 1, whatever the worker's batch rule
+    session = engine.open(list(prompt), SamplingParams(), rules, plan)
     try:
         for _ in range(rounds):
             if session.finish_reason is not None:
                 break
-            engine.step([session], [k])
+            engine.step([session])
     finally:
         engine.close(session)
     return list(session.stats.rounds[1:])

@@ -20,8 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from decoder.drafters.prompt_lookup import NgramIndex, PromptLookupConfig
-from decoder.engine import clamp_k
-from decoder.stopping import StopRules
+from decoder.stopping import StopRules, draft_budget
 from specd_api.position_tally import PositionTally
 
 
@@ -50,7 +49,7 @@ def replay_lookup(
     index.extend(tokens)
     done = 0  # tokens of ``generated`` the replay has emitted
     while done < len(generated) and k > 0:
-        ceiling = clamp_k(k, len(tokens), done, rules, max_context)
+        ceiling = min(k, draft_budget(len(tokens), done, rules, max_context))
         proposal = index.propose(ceiling) if ceiling else []
         accepted = 0
         for i, token in enumerate(proposal):

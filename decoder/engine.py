@@ -1,5 +1,8 @@
 """The speculative decoding loop: draft K -> verify in one target pass -> accept -> roll back -> emit.
 
+A sequence runs its plan through its round policy (specd_api/round_policy.py), built when it opens: the policy holds
+the drafter and answers each round's K; the loop tells it what each round kept.
+
 Invariant between rounds: the target's KV cache holds every token of the context but the last one,
 which is fed at the head of the next verification pass together with the draft.
 """
@@ -28,22 +31,11 @@ from decoder.drafters import (
 from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
-from decoder.stopping import StopRules, cut_round, trim_stop_string
+from decoder.stopping import StopRules, cut_round, draft_budget, trim_stop_string
 from decoder.telemetry import RequestStats, RoundRecord
-from specd_api.plan import DRAFTER_NAMES, Plan
+from specd_api.plan import DRAFTER_NAMES, Plan, offers, requested
+from specd_api.round_policy import RoundPolicy
 from specd_api.speedup import runs_draft_model
-
-
-def clamp_k(k: int, context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
-    """The largest K <= k that can neither overshoot max_new_tokens nor the model's context.
-
-    A round emits up to K + 1 tokens, and prompt + output must fit the context (as transformers' own
-    generate() requires), so K <= remaining budget - 1 and L + K + 1 <= max_context.
-    """
-    k = min(k, rules.max_new_tokens - num_generated - 1)
-    if max_context is not None:
-        k = min(k, max_context - context_length - 1)
-    return max(k, 0)
 
 
 @dataclass(frozen=True)
@@ -77,16 +69,15 @@ class GenerationResult:
 
 
 class DecodeSession:
-    """One sequence being decoded. Call ``prefill`` once, then ``step(k)`` until ``finish_reason`` is set.
+    """One sequence being decoded. Call ``prefill`` once, then ``step()`` until ``finish_reason`` is set.
 
-    ``k`` is the ceiling of a round; the drafter's schedule picks the round's K under it (``Drafter.next_k``,
-    from the plan when one is given).
+    Its ``policy`` (built from its plan when it opened) holds its drafter and picks each round's K.
     """
 
     def __init__(
         self,
         target: LoadedModel,
-        drafter: Drafter,
+        policy: RoundPolicy[Drafter],
         prompt_ids: list[int],
         params: SamplingParams,
         rules: StopRules,
@@ -101,7 +92,7 @@ class DecodeSession:
                 "for output"
             )
         self.target = target_sequence if target_sequence is not None else open_sequence(target)
-        self.drafter = drafter
+        self.policy = policy
         self.params = params
         self.rules = rules
         self.generator = generator
@@ -109,6 +100,10 @@ class DecodeSession:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.policy.drafter
 
     def prefill(self) -> None:
         start = time.perf_counter()
@@ -118,9 +113,9 @@ class DecodeSession:
         self.stats.prefill_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
-    def step(self, k: int) -> list[int]:
-        """Run one round with up to ``k`` draft tokens; return the tokens it emitted."""
-        k = self.round_k(k)
+    def step(self) -> list[int]:
+        """Run one round, alone (a batch of one); return the tokens it emitted."""
+        k = self.policy.round_k(1, self.draft_budget())
         # 1. Draft.
         start = time.perf_counter()
         draft = self.drafter.propose(self.context, k)
@@ -129,14 +124,12 @@ class DecodeSession:
         logits = self.target.forward(self.verify_input(draft))  # [K + 1, vocab]
         return self.finish_round(k, draft, logits, drafted - start, time.perf_counter() - drafted)
 
-    def round_k(self, ceiling: int) -> int:
-        """This round's K: ``ceiling`` cut to the output budget and the target's context, then the drafter's
-        choice under it."""
+    def draft_budget(self) -> int:
+        """The most tokens the next round may draft before the output budget or the target's context runs out."""
         assert self.finish_reason is None, "step() after the request finished"
         length = self.context.shape[0]
         assert self.target.length == length - 1, "step() before prefill(), or the cache lost its invariant"
-        ceiling = clamp_k(ceiling, length, len(self.generated), self.rules, self.target.lm.max_context)
-        return self.drafter.next_k(ceiling)
+        return draft_budget(length, len(self.generated), self.rules, self.target.lm.max_context)
 
     def verify_input(self, draft: Draft) -> torch.Tensor:
         """What the target runs this round: the last context token, then the draft.  # [K + 1] int64"""
@@ -176,10 +169,11 @@ class DecodeSession:
         self.generated.extend(emitted)
         self.context = torch.cat([self.context, torch.tensor(emitted, dtype=torch.long)])
 
-        # 5. Roll both caches back to the accepted prefix; the bonus token is fed next round.
+        # 5. Roll both caches back to the accepted prefix; the bonus token is fed next round. The round policy
+        # learns what the target kept.
         self.target.truncate(length + verdict.num_accepted)
         self.drafter.rollback(self.context)
-        self.drafter.update(draft.num_tokens, verdict.num_accepted)
+        self.policy.observe(draft.num_tokens, verdict.num_accepted)
         self.finish_reason = cut.finish_reason
         max_context = self.target.lm.max_context
         if self.finish_reason is None and max_context is not None and self.context.shape[0] >= max_context:
@@ -217,7 +211,8 @@ class DecodeSession:
 class SpeculativeDecoder:
     """A loaded target, optionally a draft model, and the drafters they make possible. ``suffix_cache`` holds the
     outputs suffix decoding proposes from (one per worker: whoever serves requests fills it); by default an empty
-    one, so suffix decoding reads the request's own text until something is added."""
+    one, so suffix decoding reads the request's own text until something is added. ``fallback_max_batch_size``:
+    the batch threshold of a plan that carries none (the worker's own setting); None: no batch rule."""
 
     def __init__(
         self,
@@ -225,6 +220,7 @@ class SpeculativeDecoder:
         draft: LoadedModel | None = None,
         prompt_lookup: PromptLookupConfig | None = None,
         suffix_cache: SuffixCache | None = None,
+        fallback_max_batch_size: int | None = None,
     ) -> None:
         if draft is not None:
             check_pair(target, draft)
@@ -232,86 +228,82 @@ class SpeculativeDecoder:
         self.draft = draft
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
+        self.fallback_max_batch_size = fallback_max_batch_size
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        """The drafters this worker can run: those that run the draft model (draft, chain) only with one."""
+        """The drafters this worker offers (``specd_api.plan.offers`` reads it): those that run the draft model
+        (draft, chain) only with one."""
         return tuple(name for name in DRAFTER_NAMES if self.draft is not None or not runs_draft_model(name))
 
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def session(
-        self,
-        prompt_ids: list[int],
-        drafter: str,
-        params: SamplingParams,
-        rules: StopRules,
-        plan: Plan | None = None,
-    ) -> DecodeSession:
-        """A sequence decoded with ``drafter``; with a ``plan``, K is chosen per round by its rule and the draft
-        model stops at its threshold."""
+    def session(self, prompt_ids: list[int], params: SamplingParams, rules: StopRules, plan: Plan) -> DecodeSession:
+        """A sequence decoded as ``plan`` says (its drafter, K ceiling, stop rule and per-round rule)."""
         generator = make_generator(params.seed, self.target.device)
-        made = self._make_drafter(drafter, params, generator, plan)
-        return DecodeSession(self.target, made, prompt_ids, params, rules, generator)
+        policy = self._open_policy(plan, params, generator)
+        return DecodeSession(self.target, policy, prompt_ids, params, rules, generator)
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        drafter: str,
-        k: int,
-        params: SamplingParams,
-        rules: StopRules,
-        plan: Plan | None = None,
-    ) -> GenerationResult:
-        """Decode one request with ceiling ``k`` every round (each round at ``k`` unless a ``plan`` adapts it; use
-        ``session`` to change the ceiling between rounds)."""
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        session = self.session(prompt_ids, drafter, params, rules, plan)
+    def decode(self, prompt_ids: list[int], params: SamplingParams, rules: StopRules, plan: Plan) -> GenerationResult:
+        """Decode one request as ``plan`` says (use ``session`` to run it round by round)."""
+        session = self.session(prompt_ids, params, rules, plan)
         session.prefill()
         while session.finish_reason is None:
-            session.step(k)
+            session.step()
         return session.result()
 
-    def _make_drafter(
-        self, name: str, params: SamplingParams, generator: torch.Generator | None, plan: Plan | None = None
-    ) -> Drafter:
-        return make_drafter(name, self.draft, self.prompt_lookup, params, generator, plan=plan,
-                            suffix_cache=self.suffix_cache)  # fmt: skip
+    def generate(
+        self, prompt_ids: list[int], drafter: str, k: int, params: SamplingParams, rules: StopRules
+    ) -> GenerationResult:
+        """Decode one request with ``drafter`` at ceiling ``k`` every round (a caller's own plan: ``decode`` runs
+        any plan)."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return self.decode(prompt_ids, params, rules, requested(drafter, k))
+
+    def _open_policy(
+        self,
+        plan: Plan,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        draft_sequence: ModelSequence | None = None,
+    ) -> RoundPolicy[Drafter]:
+        """The round policy of a sequence opening with ``plan``, holding its drafter (the draft model's cache in
+        ``draft_sequence`` if given). Raises ValueError for a drafter this engine does not offer."""
+        if not offers(self.drafters, plan.drafter):
+            if plan.drafter in DRAFTER_NAMES:
+                raise ValueError(f"drafter {plan.drafter!r} needs a draft model (--draft PATH)")
+            raise ValueError(f"unknown drafter {plan.drafter[:40]!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+        drafter = make_drafter(plan, self.draft, self.prompt_lookup, params, generator, draft_sequence,
+                               self.suffix_cache)  # fmt: skip
+        return RoundPolicy.open(plan, drafter, self.fallback_max_batch_size)
 
 
 def make_drafter(
-    name: str,
+    plan: Plan,
     draft: LoadedModel | None,
     prompt_lookup: PromptLookupConfig,
     params: SamplingParams,
     generator: torch.Generator | None,
     draft_sequence: ModelSequence | None = None,
-    plan: Plan | None = None,
     suffix_cache: SuffixCache | None = None,
 ) -> Drafter:
-    """The drafter called ``name`` for one sequence (the draft model's cache in ``draft_sequence`` if given),
-    choosing K per round by ``plan`` when given; suffix decoding reads ``suffix_cache`` for the plan's segment."""
-    made: Drafter
+    """The drafter ``plan`` names, for one sequence (the draft model's cache in ``draft_sequence`` if given): the
+    draft model stops at the plan's threshold, suffix decoding reads ``suffix_cache`` for the plan's segment. The
+    caller has checked that it is offered (``SpeculativeDecoder.drafters``)."""
+    name = plan.drafter
     if runs_draft_model(name):
-        if draft is None:
-            raise ValueError(f"drafter {name!r} needs a draft model (--draft PATH)")
-        threshold = plan.stop_threshold if plan is not None else 0.0
-        model = DraftModelDrafter(draft, params, generator, draft_sequence, stop_threshold=threshold)
-        made = ChainDrafter(PromptLookupDrafter(prompt_lookup), model) if name == "chain" else model
-    elif name == "prompt_lookup":
-        made = PromptLookupDrafter(prompt_lookup)
-    elif name == "suffix":
+        assert draft is not None, f"drafter {name!r} without a draft model"
+        model = DraftModelDrafter(draft, params, generator, draft_sequence, stop_threshold=plan.stop_threshold)
+        return ChainDrafter(PromptLookupDrafter(prompt_lookup), model) if name == "chain" else model
+    if name == "prompt_lookup":
+        return PromptLookupDrafter(prompt_lookup)
+    if name == "suffix":
         config = suffix_cache.config if suffix_cache is not None else SuffixConfig()
-        made = SuffixDrafter(config, suffix_cache, plan.segment if plan is not None else "")
-    elif name == "none":
-        made = NoDrafter()
-    else:
-        raise ValueError(f"unknown drafter {name[:40]!r}; choose one of {', '.join(DRAFTER_NAMES)}")
-    if plan is not None and plan.adaptive:
-        made.adapt(plan)
-    return made
+        return SuffixDrafter(config, suffix_cache, plan.segment)
+    assert name == "none", f"unknown drafter {name[:40]!r}"
+    return NoDrafter()
 
 
 def counterfactual_k(plan: Plan | None, drafter: str) -> int:

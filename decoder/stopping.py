@@ -19,6 +19,16 @@ class StopRules:
             raise ValueError("stop strings must not be empty")
 
 
+def draft_budget(context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
+    """The most tokens the next round may draft: it emits up to K + 1 tokens, which may neither overshoot
+    max_new_tokens nor the model's context (prompt + output must fit, as transformers' own generate() requires),
+    so K <= remaining budget - 1 and L + K + 1 <= max_context."""
+    k = rules.max_new_tokens - num_generated - 1
+    if max_context is not None:
+        k = min(k, max_context - context_length - 1)
+    return max(k, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class Cut:
     """How many of a round's new tokens to keep, and why generation ends (None: it goes on)."""

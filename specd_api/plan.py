@@ -1,19 +1,17 @@
 """The plan: how one request speculates. One type for the controller (which makes it), the client library (which
 falls back to one) and the worker (which runs it), and the rules all three share, each in one function.
 
-A plan names a drafter, a K ceiling and a stop rule, and carries what the worker needs to choose K round by round
-(``round_k``): the controller's per-position acceptance estimates, how much they weigh against the request's own
-rounds, and the costs at the request's batch size.
+A plan names a drafter, a K ceiling, a stop rule and the batch threshold, and carries what the worker needs to choose
+K round by round: the controller's per-position acceptance estimates, how much they weigh against the request's own
+rounds, and the costs at the request's batch size. The worker runs it through a round policy
+(``specd_api.round_policy``), built from the plan when the sequence opens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
-
-from specd_api.position_tally import PositionTally
-from specd_api.speedup import best_k, speedup_curve
 
 if TYPE_CHECKING:
     from specd_api.v1 import controller_pb2 as pb
@@ -33,7 +31,8 @@ REQUEST_REASON = "request_override"
 
 @dataclass(frozen=True)
 class Plan:
-    """What to run for one request. ``k`` is the ceiling of every round; ``round_k`` picks each round's K."""
+    """What to run for one request. ``k`` is the ceiling of every round; the round policy picks each round's K
+    (``specd_api.round_policy``)."""
 
     drafter: str = "none"
     k: int = 0
@@ -54,11 +53,18 @@ class Plan:
     probe_rounds: int = 0  # rounds run at k before adapting (a probe observes every position)
     counterfactual_k: int = 0  # prompt lookup's would-be proposals scored per round (0: off)
     calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
+    # The batch rule's threshold, the policy's (contract 6): no speculation in a batch of more sequences than this,
+    # applied every round. None: the plan does not say (a fallback, a caller's own plan, an older controller); the
+    # worker's own setting applies.
+    max_batch_size: int | None = None
     # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
     # controller did not answer in time.
     source: Source = "controller"
     fallback: Fallback | None = None
     latency_s: float = 0.0
+    # A caller's own K ceiling for each round in turn, cycled (warm-up, calibration, tests); never on the wire.
+    # (): every round's ceiling is ``k``.
+    k_schedule: tuple[int, ...] = ()
 
     @property
     def speculates(self) -> bool:
@@ -90,6 +96,7 @@ class Plan:
             probe_rounds=self.probe_rounds,
             counterfactual_k=self.counterfactual_k,
             calibration=self.calibration,
+            max_batch_size=self.max_batch_size,
         )
 
     @property
@@ -117,9 +124,20 @@ class Plan:
             probe_rounds=msg.probe_rounds,
             counterfactual_k=msg.counterfactual_k,
             calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
+            max_batch_size=msg.max_batch_size if msg.HasField("max_batch_size") else None,  # absent: an older one
             source="controller",
             latency_s=latency_s,
         )
+
+
+def requested(drafter: str, k: int, k_schedule: Sequence[int] = (), max_batch_size: int | None = None) -> Plan:
+    """A caller's own plan (no controller asked): ``drafter`` at ceiling ``k`` every round, or at each ceiling of
+    ``k_schedule`` in turn (each at most ``k``). No estimates: nothing adapts. ``max_batch_size``: None, the worker's
+    batch threshold applies."""
+    k = k if drafter != "none" else 0
+    return Plan(
+        drafter, k, REQUEST_REASON, source="request", k_schedule=tuple(k_schedule), max_batch_size=max_batch_size
+    )
 
 
 def off(reason: str, policy_version: str = "", segment: str = "", expected_speedup: float = 1.0) -> Plan:
@@ -140,6 +158,18 @@ def speculation_allowed(batch_size: int, max_batch_size: int) -> bool:
     return batch_size <= max_batch_size
 
 
+def offers(offered: Collection[str], drafter: str) -> bool:
+    """Can a worker that offers ``offered`` run ``drafter``? It can always run "none". The one test of it: the
+    fallbacks here and the worker ask it, and the engine's ``drafters`` is what it offers."""
+    return drafter == "none" or drafter in offered
+
+
+def runnable(plan: Plan, offered: Collection[str]) -> Plan:
+    """``plan`` as a worker that offers ``offered`` runs it: unchanged, or no speculation when it cannot run the
+    plan's drafter."""
+    return plan if offers(offered, plan.drafter) else replace(plan, drafter="none", k=0, k_schedule=())
+
+
 def local_plan(
     drafter: str,
     k: int,
@@ -155,7 +185,7 @@ def local_plan(
         drafter, k, reason = "none", 0, BATCH_RULE_REASON
     else:
         reason = LOCAL_DEFAULT_REASON
-        if drafter not in offered or k <= 0:
+        if drafter == "none" or k <= 0 or not offers(offered, drafter):
             drafter, k = "none", 0
     return Plan(drafter, k, reason, stale=True, source="local_default", fallback=fallback, latency_s=latency_s)
 
@@ -171,7 +201,7 @@ def fallback_plan(
 ) -> Plan:
     """The plan when the controller did not answer in time: the segment's last plan if the worker can still run its
     drafter (the batch rule applies first), else the local default."""
-    if last is not None and last.drafter in (*offered, "none") and speculation_allowed(batch_size, max_batch_size):
+    if last is not None and offers(offered, last.drafter) and speculation_allowed(batch_size, max_batch_size):
         return replace(last, stale=True, source="last_decision", fallback=cause, latency_s=latency_s, exploration=False)
     return local_plan(default.drafter, default.k, offered, batch_size, max_batch_size, cause, latency_s)
 
@@ -179,42 +209,3 @@ def fallback_plan(
 def worth_remembering(plan: Plan) -> bool:
     """A plan about the segment, not about one request: the controller's, not a probe, not the batch rule."""
     return plan.source in ("controller", "table") and not plan.exploration and plan.reason != BATCH_RULE_REASON
-
-
-MAX_ADAPTED_ACCEPTANCE = 0.99  # a request's own luck never makes acceptance certain
-OPTIMISM_Z = 1.28  # stop drafting only when even the upper 90% bound of the lift says it does not pay
-
-
-def round_k(plan: Plan, observed: PositionTally, ceiling: int) -> int:
-    """This round's K, at most ``ceiling`` (the plan's k cut to the request's budget), given ``observed``: the
-    request's own rounds so far.
-
-    A plan without estimates runs every round at the ceiling, and so does a probe for its first ``probe_rounds``
-    rounds. Otherwise the plan's per-position acceptance is scaled by how this request has done against it: the
-    lift = (accepted + s) / (expected + s), with ``expected`` what the estimates predicted for the positions this
-    request verified and s = ``prior_strength`` pseudo-acceptances, so a few unlucky rounds move little and many
-    move a lot, at every position (deeper positions are rarely verified, but a request that does badly early does
-    badly late). K is the best of the speedup curve under that lift. A request stops drafting (K = 0, a plain
-    step: it then learns nothing more) only when no K pays even under the lift's upper 90% bound (a gamma
-    posterior, mean lift plus 1.28 of its spread); while the evidence is thin it keeps drafting.
-    """
-    ceiling = min(ceiling, plan.k)
-    if ceiling <= 0 or not plan.adaptive or observed.rounds < plan.probe_rounds:
-        return max(ceiling, 0)
-    s = max(plan.prior_strength, 0.0)
-    expected = sum(v * a for v, a in zip(observed.verified, plan.acceptance, strict=False))
-    accepted = observed.num_accepted
-    if expected + s <= 0:
-        return ceiling
-    lift = (accepted + s) / (expected + s)
-    k, value = _best_under(plan, lift, ceiling)
-    if value > 1.0:
-        return k
-    optimistic = lift + OPTIMISM_Z * (accepted + s) ** 0.5 / (expected + s)
-    k, value = _best_under(plan, optimistic, ceiling)
-    return k if value > 1.0 else 0
-
-
-def _best_under(plan: Plan, lift: float, ceiling: int) -> tuple[int, float]:
-    acceptance = [min(a * lift, MAX_ADAPTED_ACCEPTANCE) for a in plan.acceptance[:ceiling]]
-    return best_k(speedup_curve(acceptance, plan.proposal, ceiling, plan.cost_ratio, plan.verify_cost))

@@ -8,9 +8,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from specd_api.plan import Plan, round_k
-from specd_api.position_tally import PositionTally
-
 if TYPE_CHECKING:
     from decoder.drafters.draft_model import DraftModelDrafter
 
@@ -30,46 +27,16 @@ class Draft:
 EMPTY_TOKENS = torch.empty(0, dtype=torch.long)
 
 
-class KSchedule:
-    """How many tokens a drafter proposes each round: the plan's rule (``specd_api.plan.round_k``) over the
-    request's own rounds so far. Without a plan every round runs at the ceiling it is given."""
-
-    def __init__(self, plan: Plan | None = None) -> None:
-        self.plan = plan
-        self.observed = PositionTally()  # the request's own rounds so far
-
-    def next_k(self, ceiling: int) -> int:
-        return ceiling if self.plan is None else round_k(self.plan, self.observed, ceiling)
-
-    def observe(self, num_drafted: int, num_accepted: int) -> None:
-        self.observed.add(num_drafted, num_accepted)
-
-
 class Drafter(ABC):
-    """Proposes up to K next tokens for one sequence.
+    """Proposes up to K next tokens for one sequence: it prefills, proposes and rolls back, nothing else.
 
-    A drafter is made per sequence and may keep state (a KV cache) between rounds. Each round the engine asks
-    ``next_k`` for this round's K (at most the ceiling the plan and the budget allow), calls ``propose`` with the
-    whole context (prompt + everything emitted), then ``rollback`` with the context as verification left it, so
-    a drafter with a cache drops its rejected tokens right away, and ``update`` with what the target kept: the
-    feedback hook its K schedule adapts with (as transformers' ``update_candidate_strategy``).
+    A drafter is made per sequence and may keep state (a KV cache) between rounds. Each round the engine calls
+    ``propose`` with the whole context (prompt + everything emitted) and the round's K, then ``rollback`` with the
+    context as verification left it, so a drafter with a cache drops its rejected tokens right away. Which K a round
+    runs, and what the target kept, are the sequence's round policy's (``specd_api.round_policy``).
     """
 
     name: ClassVar[str]
-    schedule: KSchedule | None = None  # set per sequence by ``adapt``; None: every round at the ceiling
-
-    def adapt(self, plan: Plan | None) -> None:
-        """Choose K per round by ``plan``'s rule from now on."""
-        self.schedule = KSchedule(plan)
-
-    def next_k(self, ceiling: int) -> int:
-        """This round's K, at most ``ceiling``."""
-        return ceiling if self.schedule is None else self.schedule.next_k(ceiling)
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        """After verification: ``num_accepted`` of the ``num_drafted`` proposed tokens were kept."""
-        if self.schedule is not None:
-            self.schedule.observe(num_drafted, num_accepted)
 
     def prefill(self, context: torch.Tensor) -> None:  # noqa: B027 (a no-op is the right default)
         """Process the prompt ahead of the first round.  # context: [t] int64 on CPU"""
@@ -97,9 +64,6 @@ class NoDrafter(Drafter):
     """Plain decoding: every round is a single target step."""
 
     name = "none"
-
-    def next_k(self, ceiling: int) -> int:
-        return 0
 
     def propose(self, context: torch.Tensor, k: int) -> Draft:
         return Draft(EMPTY_TOKENS)

@@ -190,7 +190,12 @@ class WorkerConfig(Strict):
         True, description="before serving, decode a few rounds of every drafter, K and batch size 1/2/4 (not "
         "reported): first passes run slower, and the controller would learn that as cost",
     )  # fmt: skip
-    speculation_max_batch: int = Field(8, ge=0, description="above this batch size, decode without speculation")
+    speculation_max_batch: int = Field(
+        8,
+        ge=0,
+        description="the batch threshold of a plan that carries none (the policy's is in the decision): "
+        "above this batch size, decode without speculation",
+    )
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before new ones get 429")
     request_timeout_seconds: float = Field(300.0, gt=0)
     default_max_tokens: int = Field(64, ge=1)

@@ -3,9 +3,9 @@ runs one batched round per step, and hands each request its tokens as they come.
 
 Requests wait in a bounded queue (``submit`` refuses when it is full: the HTTP layer answers 429). Between
 steps, waiting requests take free KV slots (prefill), and finished, cancelled or timed-out ones leave.
-While the batch is at or under ``speculation_max_batch`` every sequence drafts by its own plan (its K ceiling,
-each round's K chosen by the plan's rule); above it the whole batch decodes without speculation (one target token
-per sequence per step).
+Each job's plan goes whole to the engine, which opens its sequence with a round policy built from it: every step,
+each sequence drafts as its policy says at the step's batch size (its K ceiling, each round's K chosen by the plan's
+rule, none at all above the plan's batch threshold: one target token per step).
 
 A fault stays with its request (contract 10): a step that raises is retried sequence by sequence, and only a sequence
 that fails on its own too is failed (500). Only a fault outside every request's work ends the loop: then every request
@@ -27,7 +27,7 @@ from decoder.engine import DecodeSession, GenerationResult
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.worker.fault_injection import STALL_ROUND
-from specd_api.plan import Plan, speculation_allowed
+from specd_api.plan import Plan
 
 log = logging.getLogger("specd.worker")
 
@@ -45,7 +45,7 @@ class StepObservation:
     """What one step did, for metrics."""
 
     batch_size: int
-    speculative: bool
+    speculative: bool  # the batch rule let at least one sequence draft
     seconds: float
 
 
@@ -56,7 +56,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     rules: StopRules
-    plan: Plan  # what to run: its drafter, K ceiling, stop rule and per-round rule
+    plan: Plan  # what to run: its drafter, K ceiling, stop rule, per-round rule and batch threshold
     timeout_seconds: float
     on_tokens: Callable[[list[int]], None]  # every step's emitted tokens (maybe empty)
     on_started: Callable[[float], None]  # prefill done: its seconds
@@ -90,14 +90,12 @@ class Scheduler:
         self,
         engine: BatchEngine | Callable[[], BatchEngine],
         max_queue: int,
-        speculation_max_batch: int,
         on_step: Callable[[StepObservation], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._build = None if isinstance(engine, BatchEngine) else engine
         self._engine = engine if isinstance(engine, BatchEngine) else None
         self.max_queue = max_queue
-        self.speculation_max_batch = speculation_max_batch
         self.on_step = on_step or (lambda _: None)
         self.on_failure = on_failure or (lambda _: None)  # the decode loop died (called on its thread, once)
         self._queue: deque[Job] = deque()
@@ -246,7 +244,7 @@ class Scheduler:
             return
         started = time.perf_counter()
         try:
-            job.session = self.engine.open(job.prompt_ids, job.plan.drafter, job.params, job.rules, job.plan)
+            job.session = self.engine.open(job.prompt_ids, job.params, job.rules, job.plan)
         except ValueError as e:  # a request the engine cannot run (e.g. a prompt longer than the context)
             self._finish(job, JobOutcome("error", error=str(e)))
             return
@@ -261,11 +259,10 @@ class Scheduler:
 
     def _step(self) -> None:
         batch = list(self._active)
-        speculative = speculation_allowed(len(batch), self.speculation_max_batch)
         sessions: list[DecodeSession] = [job.session for job in batch]  # type: ignore[misc]
-        ks = [job.plan.k if speculative else 0 for job in batch]
+        speculative = any(s.policy.speculates_at(len(batch)) for s in sessions)
         started = time.perf_counter()
-        emitted = self._round(sessions, ks)
+        emitted = self._round(sessions)
         self.on_step(StepObservation(len(batch), speculative, time.perf_counter() - started))
         now = time.monotonic()
         for job, tokens in zip(batch, emitted, strict=True):
@@ -275,26 +272,27 @@ class Scheduler:
                 log.error("a request failed after its round: %s", _one_line(e))
                 self._finish(job, JobOutcome("failed", error=f"decoding failed: {e!r}"))
 
-    def _round(self, sessions: list[DecodeSession], ks: list[int]) -> list[list[int] | Exception]:
+    def _round(self, sessions: list[DecodeSession]) -> list[list[int] | Exception]:
         """One round for every session: the tokens each emitted, or the error that failed it.
 
         When the batched round raises, the fault is found out: a session whose round was done keeps its tokens;
-        each other one is rewound to its last whole round and run alone, and fails only if it raises alone too."""
+        each other one is rewound to its last whole round and run alone (a batch of one to its round policy), and
+        fails only if it raises alone too."""
         before = [(len(s.generated), s.stats.num_rounds) for s in sessions]
         try:
-            return list(self.engine.step(sessions, ks))
+            return list(self.engine.step(sessions))
         except Exception as e:
             if len(sessions) > 1:
                 log.warning("a batched round of %d sequences failed (%s); running each alone", len(sessions),
                             _one_line(e))  # fmt: skip
             error: Exception = e
         emitted: list[list[int] | Exception] = []
-        for s, k, (generated, rounds) in zip(sessions, ks, before, strict=True):
+        for s, (generated, rounds) in zip(sessions, before, strict=True):
             try:
                 if s.stats.num_rounds == rounds:  # its round did not finish
                     if len(sessions) > 1:
                         s.rewind()
-                        self.engine.step([s], [k])
+                        self.engine.step([s])
                     else:
                         raise error
                 emitted.append(s.generated[generated:])

@@ -38,7 +38,7 @@ from decoder.worker.metrics import WorkerMetrics
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
 from decoder.worker.segments import WINDOW_CHARS, classify_prompt
 from decoder.worker.text_stream import TextStream
-from specd_api.plan import REQUEST_REASON, Plan, local_plan
+from specd_api.plan import Plan, local_plan, requested, runnable
 from specd_api.spans import plan_attributes
 from specd_api.tracing import make_exporter, make_provider, no_tracer
 
@@ -123,9 +123,7 @@ class WorkerService:
     def startup(self, worker_id: str | None = None) -> None:
         """Load the models, start the decode thread, connect to the controller, set up tracing."""
         cfg = self.cfg
-        self.scheduler = Scheduler(
-            self._load_engine, cfg.max_queue, cfg.speculation_max_batch, self._on_step, self.on_failure
-        )
+        self.scheduler = Scheduler(self._load_engine, cfg.max_queue, self._on_step, self.on_failure)
         self.scheduler.start()  # the models load in the decode thread (see Scheduler)
         self.engine = self.scheduler.engine
         if self.engine is not None:
@@ -178,7 +176,9 @@ class WorkerService:
         draft = load_model(cfg.draft, device, dtype, cfg.runner) if cfg.draft is not None else None
         lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
         cache = SuffixCache(cfg.suffix.config())  # one per worker: filled by ``_share`` as requests finish
-        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache)
+        # The batch threshold is the plan's (the policy's); the worker's own only for a plan that carries none.
+        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache,
+                             fallback_max_batch_size=cfg.speculation_max_batch)  # fmt: skip
         if cfg.warm_up:
             started = time.perf_counter()
             rounds = engine.warm_up()
@@ -279,11 +279,10 @@ class WorkerService:
         return InFlight(spec, segment, repetition, plan, started, span, span_ctx)
 
     def _submit(self, request: InFlight, put: Callable[[str, Any], None]) -> Job:
-        """Step 2: queue the job; its callbacks feed the request's event queue from the decode thread."""
+        """Step 2: queue the job with the plan as this worker runs it (no speculation with a drafter it does not
+        offer); its callbacks feed the request's event queue from the decode thread."""
         assert self.engine is not None and self.scheduler is not None
-        spec, plan = request.spec, request.plan
-        if plan.drafter not in self.engine.drafters:
-            plan = replace(plan, drafter="none", k=0)
+        spec, plan = request.spec, runnable(request.plan, self.engine.drafters)
         if plan.segment != request.segment:  # suffix decoding reads the outputs of the plan's segment
             plan = replace(plan, segment=request.segment)
 
@@ -334,16 +333,15 @@ class WorkerService:
 
     async def _decide(self, spec: RequestSpec, segment: str, repetition: float, ctx: Context) -> Plan:
         assert self.engine is not None and self.scheduler is not None
-        # The plan holds for the request's life while the batch grows and shrinks; the scheduler switches
-        # speculation off for every step the batch is above speculation_max_batch. So the controller is asked
-        # what to run when speculating is allowed: a request arriving in a full batch still gets a drafter and
-        # speculates once the batch shrinks.
+        # The plan holds for the request's life while the batch grows and shrinks; its round policy switches
+        # speculation off for every step the batch is above the plan's threshold (speculation_max_batch when the
+        # plan carries none). So the controller is asked what to run when speculating is allowed: a request
+        # arriving in a full batch still gets a drafter and speculates once the batch shrinks.
         batch_size = min(self.scheduler.load(), max(1, self.cfg.speculation_max_batch))
         offered = [d for d in self.engine.drafters if d != "none"]
         started = time.perf_counter()
         if spec.speculation is not None:
-            chosen = spec.speculation
-            plan = Plan(chosen.drafter, chosen.k if chosen.drafter != "none" else 0, REQUEST_REASON, source="request")
+            plan = requested(spec.speculation.drafter, spec.speculation.k)
         elif self.client is None:
             link = self.cfg.controller
             plan = local_plan(

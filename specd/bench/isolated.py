@@ -21,6 +21,7 @@ from decoder.batch_engine import BatchEngine
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import requested
 from workloads import Prompt
 
 KS = tuple(range(1, 9))
@@ -39,9 +40,9 @@ def engine_costs(engine: BatchEngine, prompts: Sequence[list[int]], max_new_toke
     draft_seconds = drafted = 0.0
     for ids in prompts:
         for drafter, k in (("none", 0), *(("draft", k) for k in KS)):
-            session = engine.open(ids, drafter, SamplingParams(), StopRules(max_new_tokens))
+            session = engine.open(ids, SamplingParams(), StopRules(max_new_tokens), requested(drafter, k))
             while session.finish_reason is None:
-                engine.step([session], [k])
+                engine.step([session])
             engine.close(session)
             for r in session.stats.rounds:
                 verify[r.num_drafted].append(r.verify_seconds)

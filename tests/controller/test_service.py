@@ -237,6 +237,14 @@ def test_batch_at_the_threshold_is_not_switched_off_by_it(stub):
     assert decide(stub, "chat", batch_size=8).reason != "batch_size_above_threshold"
 
 
+@pytest.mark.parametrize(("segment", "batch_size"), [("chat", 1), ("chat", 9), ("forced-off-prompts", 1)])
+def test_every_decision_carries_the_policys_batch_threshold(stub, segment, batch_size):
+    """The worker applies the batch rule at every step with the policy's threshold (contract 6): each decision,
+    speculating or not, carries it."""
+    decision = decide(stub, segment, batch_size)
+    assert decision.HasField("max_batch_size") and decision.max_batch_size == 8
+
+
 # --- INVALID_ARGUMENT ---------------------------------------------------------------------------------
 
 

@@ -3,9 +3,9 @@
 Synthetic workers decode requests whose every round has a known cost (a target step of 10 ms, drafting c steps per
 token, verification v(n) steps for n drafts, with v as measured on a CPU in float32: dear at 1-3 drafts, cheap at
 4, dear again beyond, so the best K is interior) and known per-position acceptance. They ask Decide over real gRPC,
-follow the plan as the real worker does (``specd_api.plan.round_k`` each round, prompt lookup replayed
-counterfactually over every request), and report through the real client library's conversion into real Redis (the
-embedded server).
+follow the plan as the real worker does (its round policy, ``specd_api.round_policy``, each round; prompt lookup
+replayed counterfactually over every request), and report through the real client library's conversion into real
+Redis (the embedded server).
 
 The ground truth is what each static arm measures when run the same way: the best (drafter, K) per segment is the
 one with the most tokens per simulated second. The controller must get close to it, keep a high-α segment on,
@@ -29,8 +29,9 @@ from controller.client.reports import rounds_to_aggregates
 from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
 from decoder.counterfactual import Scored
-from specd_api.plan import Plan, round_k
+from specd_api.plan import Plan
 from specd_api.position_tally import PositionTally
+from specd_api.round_policy import RoundPolicy
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
@@ -77,12 +78,11 @@ class Served:
 
 
 def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random, stall: float = 0.0) -> Served:
-    """One request run as the worker runs a plan: each round's K by ``round_k`` under the plan's ceiling; ``stall``
-    seconds added to its second round (the machine's, not the work's)."""
-    observed, rounds, emitted, seconds = PositionTally(), [], 0, 0.0
+    """One request run as the worker runs a plan: each round's K by its round policy (alone: batch 1), under the
+    budget left; ``stall`` seconds added to its second round (the machine's, not the work's)."""
+    policy, rounds, emitted, seconds = RoundPolicy.open(plan, plan.drafter), [], 0, 0.0
     while emitted < TOKENS_PER_REQUEST:
-        ceiling = min(plan.k, TOKENS_PER_REQUEST - emitted - 1)
-        k = round_k(plan, observed, ceiling) if plan.drafter != "none" else 0
+        k = policy.round_k(1, max(TOKENS_PER_REQUEST - emitted - 1, 0))
         n = proposed(plan.drafter, truth, k, rng)
         accepted = 0
         while accepted < n and rng.random() < truth.acceptance(plan.drafter):
@@ -90,7 +90,7 @@ def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random, stall: fl
         draft_s = STEP_SECONDS * COST_RATIO.get(plan.drafter, 0.0) * n
         verify_s = STEP_SECONDS * VERIFY[n] * rng.uniform(0.97, 1.03) + (stall if len(rounds) == 1 else 0.0)
         rounds.append(Round(plan.drafter if k else "none", k, n, accepted, accepted + 1, draft_s, verify_s))
-        observed.add(n, accepted)
+        policy.observe(n, accepted)
         emitted += accepted + 1
         seconds += draft_s + verify_s
     scored = replay_lookup(truth, emitted, rng) if plan.counterfactual_k and plan.drafter != "prompt_lookup" else []

@@ -19,6 +19,7 @@ from decoder.engine import DecodeSession
 from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import requested
 from tests.conftest import perturbed_copy
 from tests.decoder.distribution import (
     PLANTED_BUGS,
@@ -86,8 +87,8 @@ def sample_mixed_batches(engine: BatchEngine) -> Observed:
             for name, lane in joining:
                 params = SamplingParams(lane.params.temperature, lane.params.top_k, lane.params.top_p, seed=next_seed)
                 next_seed += 1
-                live.append((name, engine.open(list(lane.prompt), lane.drafter, params, rules)))
-            engine.step([s for _, s in live], [LANES[name].k for name, _ in live])
+                live.append((name, engine.open(list(lane.prompt), params, rules, requested(lane.drafter, lane.k))))
+            engine.step([s for _, s in live])
             seen.mixed_steps += {name for name, _ in live} == set(LANES)
             accepted = {s.stats.rounds[-1].num_accepted for _, s in live if s.stats.rounds[-1].num_drafted}
             seen.ragged_steps += len(accepted) > 1

@@ -15,6 +15,7 @@ from decoder.engine import DecodeSession, SpeculativeDecoder
 from decoder.runners import KVPool
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import requested
 from tests.conftest import perturbed_copy, tiny_lm
 
 GREEDY = SamplingParams()
@@ -104,12 +105,12 @@ def test_batched_greedy_equals_single_sequence_greedy(llama_target, llama_draft,
         # Requests join between steps when they have arrived and a slot is free.
         while pending and requests[pending[0]][3] <= step and engine.free_slots:
             i = pending.pop(0)
-            prompt, drafter, _, _ = requests[i]
-            active[i] = engine.open(prompt, drafter, GREEDY, rules)
+            prompt, drafter, k, _ = requests[i]
+            active[i] = engine.open(prompt, GREEDY, rules, requested(drafter, k))
         if active:
             order = list(active)
             max_seen = max(max_seen, len(order))
-            engine.step([active[i] for i in order], [requests[i][2] for i in order])
+            engine.step([active[i] for i in order])
             for i in order:
                 session = active[i]
                 if session.finish_reason is not None:
@@ -132,11 +133,10 @@ def test_batched_sampling_with_seeds_reproduces_single_sequence(llama_target, ll
     prompt = [5, 6, 7, 8]
     single = SpeculativeDecoder(llama_target, llama_draft).generate(prompt, "draft", 3, params, rules)
     engine = BatchEngine(llama_target, llama_draft, max_batch=3)
-    other = engine.open([9, 9, 9], "prompt_lookup", GREEDY, rules)
-    mine = engine.open(prompt, "draft", params, rules)
+    other = engine.open([9, 9, 9], GREEDY, rules, requested("prompt_lookup", 3))
+    mine = engine.open(prompt, params, rules, requested("draft", 3))
     while mine.finish_reason is None:
-        live = [s for s in (other, mine) if s.finish_reason is None]
-        engine.step(live, [3] * len(live))
+        engine.step([s for s in (other, mine) if s.finish_reason is None])
     assert mine.result().token_ids == single.token_ids
 
 
@@ -152,7 +152,7 @@ def test_a_refused_request_gives_its_slots_back(llama_target, llama_draft):
     too_long = [1] * (llama_target.max_context or 4096)
     for drafter in ("draft", "prompt_lookup"):
         with pytest.raises(ValueError, match="context"):
-            engine.open(too_long, drafter, GREEDY, StopRules(max_new_tokens=4))
+            engine.open(too_long, GREEDY, StopRules(max_new_tokens=4), requested(drafter, 2))
     assert engine.free_slots == 2
     assert engine.draft_pool is not None and engine.draft_pool.free_slots == 2
 

@@ -21,7 +21,7 @@ from decoder.models import LoadedModel
 from decoder.runners import PooledSequence
 from decoder.sampling import SamplingParams, make_generator
 from decoder.stopping import StopRules
-from specd_api.plan import Plan
+from specd_api.plan import Plan, requested
 from tests.conftest import perturbed_copy, tiny_lm
 
 GREEDY = SamplingParams()
@@ -126,10 +126,10 @@ def test_a_round_without_a_lookup_match_proposes_the_draft_models_tokens(llama_d
 
 def test_the_chains_draft_model_honours_the_plans_stop_threshold(llama_target, llama_draft):
     plan = Plan("chain", 4, stop_threshold=0.6)
-    chain = make_drafter("chain", llama_draft, PromptLookupConfig(), GREEDY, None, plan=plan)
+    chain = make_drafter(plan, llama_draft, PromptLookupConfig(), GREEDY, None)
     assert isinstance(chain, ChainDrafter) and chain.model.stop_threshold == 0.6
     with pytest.raises(ValueError, match="needs a draft model"):
-        make_drafter("chain", None, PromptLookupConfig(), GREEDY, None)
+        SpeculativeDecoder(llama_target).session([5, 6], GREEDY, StopRules(4), plan)
     assert "chain" not in SpeculativeDecoder(llama_target).drafters, "no draft model: no chain"
     assert "chain" in SpeculativeDecoder(llama_target, llama_draft).drafters
 
@@ -146,12 +146,12 @@ def test_chain_greedy_equals_target_only_and_proposes_what_a_fresh_chain_would(a
     for k in (1, 3, 5, 8):
         for prompt in chain_prompts(len(tokenizer), seed=k, count=4):
             expected = decoder.generate(prompt, "none", 0, GREEDY, rules)
-            session = decoder.session(prompt, "chain", GREEDY, rules)
+            session = decoder.session(prompt, GREEDY, rules, requested("chain", k))
             assert isinstance(session.drafter, ChainDrafter)
             record_proposals(session.drafter, log)
             session.prefill()
             while session.finish_reason is None:
-                session.step(k)
+                session.step()
             assert session.result().token_ids == expected.token_ids, f"K={k} prompt={prompt}"
             assert session.stats.rounds[0].drafter == "chain"
             proposed += session.stats.num_drafted
@@ -197,13 +197,13 @@ def test_batched_chain_rounds_join_the_draft_pass_and_equal_single_sequence_roun
         return forward_many(rows, logits_to_keep)
 
     pool.forward_many = spied  # type: ignore[method-assign]
-    sessions = [engine.open(p, d, GREEDY, rules) for p, d in zip(prompts, drafters, strict=True)]
+    sessions = [engine.open(p, GREEDY, rules, requested(d, k)) for p, d, k in zip(prompts, drafters, ks, strict=True)]
     chain_slots = {draft_slot(s) for s in sessions if isinstance(s.drafter, ChainDrafter)}
     draft_slots = {draft_slot(s) for s in sessions if isinstance(s.drafter, DraftModelDrafter)}
     passes.clear()  # the prefills
     live = list(range(len(sessions)))
     while live:
-        engine.step([sessions[i] for i in live], [ks[i] for i in live])
+        engine.step([sessions[i] for i in live])
         live = [i for i in live if sessions[i].finish_reason is None]
     for i, session in enumerate(sessions):
         assert session.result().token_ids == want_tokens[i], f"request {i} ({drafters[i]}) differs under batching"
@@ -221,7 +221,7 @@ def test_a_batched_chain_proposes_what_a_fresh_chain_would(llama_target, llama_d
     rules = StopRules(max_new_tokens=20)
     engine = BatchEngine(llama_target, llama_draft, max_batch=4)
     prompts = chain_prompts(llama_target.vocab_size, seed=50, count=4)
-    sessions = [engine.open(p, "chain", GREEDY, rules) for p in prompts]
+    sessions = [engine.open(p, GREEDY, rules, requested("chain", 5)) for p in prompts]
     log: RoundLog = []
     round_ks: dict[int, int] = {}
     verify_input = DecodeSession.verify_input
@@ -233,8 +233,8 @@ def test_a_batched_chain_proposes_what_a_fresh_chain_would(llama_target, llama_d
     monkeypatch.setattr(DecodeSession, "verify_input", logged)
     live = sessions
     while live:
-        round_ks.update({id(s): s.round_k(5) for s in live})  # no plan: the ceiling, cut to the budget
-        engine.step(live, [5] * len(live))
+        round_ks.update({id(s): s.policy.round_k(len(live), s.draft_budget()) for s in live})  # 5, cut to the budget
+        engine.step(live)
         live = [s for s in live if s.finish_reason is None]
     assert_rounds_propose_what_a_fresh_chain_would(llama_draft, log)
     for session in sessions:

@@ -23,7 +23,7 @@ from decoder.engine import SpeculativeDecoder
 from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams, logits_to_probs
 from decoder.stopping import StopRules
-from specd_api.plan import Plan
+from specd_api.plan import Plan, requested
 from tests.conftest import perturbed_copy
 from tests.decoder.distribution import (
     PROMPT,
@@ -55,12 +55,14 @@ def near_draft(small_vocab_pair) -> LoadedModel:
     return perturbed_copy(small_vocab_pair[0], scale=0.3, seed=3)
 
 
-def sampled_joint(decoder: SpeculativeDecoder, drafter: str, params: SamplingParams) -> list[Outcome]:
+def sampled_joint(decoder: SpeculativeDecoder, drafter: str | Plan, params: SamplingParams) -> list[Outcome]:
+    """Samples of the first tokens, ``drafter`` at K = 3 (or the plan given)."""
     rules = StopRules(max_new_tokens=NUM_TOKENS + 2)  # K = 3 in the first round: the residual path matters
+    plan = drafter if isinstance(drafter, Plan) else requested(drafter, 3)
     samples = []
     for seed in range(SAMPLES):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        samples.append(tuple(decoder.generate(list(PROMPT), drafter, 3, p, rules).token_ids[:NUM_TOKENS]))
+        samples.append(tuple(decoder.decode(list(PROMPT), p, rules, plan).token_ids[:NUM_TOKENS]))
     return samples
 
 
@@ -158,27 +160,22 @@ def test_seeded_runs_are_reproducible(small_vocab_pair):
 # -- draft rounds stopped by the draft's confidence ------------------------------------------------------------------
 
 
-def stopping_pair(small_vocab_pair, threshold: float) -> SpeculativeDecoder:
-    """A decoder whose draft rounds stop at the plan's confidence threshold."""
-    target, draft = small_vocab_pair
-    decoder = SpeculativeDecoder(target, draft)
-    plan = Plan("draft", 3, stop_threshold=threshold)
-    real = decoder._make_drafter
-    decoder._make_drafter = lambda name, params, generator, _=None: real(name, params, generator, plan)  # type: ignore[method-assign]
-    return decoder
+def stopping_plan(threshold: float) -> Plan:
+    """The draft model at K = 3, its rounds stopped at the plan's confidence threshold."""
+    return Plan("draft", 3, stop_threshold=threshold)
 
 
 @pytest.mark.parametrize("threshold", [0.3, 0.5])
 def test_a_draft_stopped_by_its_confidence_stays_exact(small_vocab_pair, threshold):
     # The stop rule looks at the draft's distribution (its most likely token's probability), never at the token
     # it samples, so shorter drafts keep the target's distribution.
-    decoder = stopping_pair(small_vocab_pair, threshold)
+    decoder, plan = SpeculativeDecoder(*small_vocab_pair), stopping_plan(threshold)
     params = SamplingParams(temperature=1.0)
-    pvalue = chi_square_pvalue(sampled_joint(decoder, "draft", params), exact_joint(small_vocab_pair[0], params))
+    pvalue = chi_square_pvalue(sampled_joint(decoder, plan, params), exact_joint(small_vocab_pair[0], params))
     assert pvalue > REJECT_BELOW, f"a stopped draft changed the distribution (chi-square p = {pvalue:.2e})"
     # and the rule really stopped rounds short (else this test proves nothing)
     rules = StopRules(max_new_tokens=NUM_TOKENS + 2)
-    stats = [decoder.generate(list(PROMPT), "draft", 3, SamplingParams(1.0, seed=s), rules).stats for s in range(50)]
+    stats = [decoder.decode(list(PROMPT), SamplingParams(1.0, seed=s), rules, plan).stats for s in range(50)]
     assert any(r.num_drafted < r.k for st in stats for r in st.rounds)
 
 
@@ -193,7 +190,7 @@ def test_stopping_on_the_sampled_tokens_own_probability_is_detected(small_vocab_
         return token, q
 
     monkeypatch.setattr(DraftModelDrafter, "pick", pick)
-    decoder = stopping_pair(small_vocab_pair, 0.3)
+    decoder, plan = SpeculativeDecoder(*small_vocab_pair), stopping_plan(0.3)
     params = SamplingParams(temperature=1.0)
-    pvalue = chi_square_pvalue(sampled_joint(decoder, "draft", params), exact_joint(small_vocab_pair[0], params))
+    pvalue = chi_square_pvalue(sampled_joint(decoder, plan, params), exact_joint(small_vocab_pair[0], params))
     assert pvalue < REJECT_BELOW, f"the test cannot tell the biased stop rule from the exact one (p = {pvalue:.2e})"

@@ -9,7 +9,7 @@ import pytest
 from decoder.engine import SpeculativeDecoder
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
-from specd_api.plan import Plan
+from specd_api.plan import Plan, requested
 from tests.conftest import perturbed_copy, tiny_lm
 
 GREEDY = SamplingParams()
@@ -75,20 +75,17 @@ def test_k_can_change_every_round(target, tokenizer):
     rules = StopRules(max_new_tokens=30)
     prompt = random_prompts(tokenizer, seed=9, count=1)[0]
     expected = decoder.generate(prompt, "none", 0, GREEDY, rules).token_ids
-    session = decoder.session(prompt, "draft", GREEDY, rules)
+    session = decoder.session(prompt, GREEDY, rules, requested("draft", 8, k_schedule=(3, 0, 8, 1, 5, 2, 7, 4)))
     session.prefill()
-    schedule = [3, 0, 8, 1, 5, 2, 7, 4]
-    rounds = 0
     while session.finish_reason is None:
-        session.step(schedule[rounds % len(schedule)])
-        rounds += 1
+        session.step()
     assert session.result().token_ids == expected
     assert {r.k for r in session.stats.rounds} > {0, 1}
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7])
 def test_plans_that_change_k_every_round_and_stop_early_stay_exact(target, tokenizer, threshold):
-    # A plan adapts K round by round (specd_api.plan.round_k) and the draft stops at its confidence threshold;
+    # A plan adapts K round by round (specd_api.round_policy) and the draft stops at its confidence threshold;
     # whatever K each round ends up with, the greedy output is the target's own.
     decoder = SpeculativeDecoder(target, perturbed_copy(target, scale=0.1, seed=5))
     rules = StopRules(max_new_tokens=30)
@@ -100,7 +97,7 @@ def test_plans_that_change_k_every_round_and_stop_early_stay_exact(target, token
                     prior_strength=rng.choice([0.0, 2.0, 8.0]), cost_ratio=rng.uniform(0.0, 0.3),
                     verify_cost=(1.0, *verify[1:]), stop_threshold=threshold)  # fmt: skip
         expected = decoder.generate(prompt, "none", 0, GREEDY, rules)
-        got = decoder.generate(prompt, "draft", 8, GREEDY, rules, plan=plan)
+        got = decoder.decode(prompt, GREEDY, rules, plan)
         assert got.token_ids == expected.token_ids, (prompt, plan)
         ks |= {r.k for r in got.stats.rounds}
         drafted_less |= any(r.num_drafted < r.k for r in got.stats.rounds)

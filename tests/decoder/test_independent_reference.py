@@ -29,6 +29,7 @@ from decoder.models import LoadedModel, from_objects, load_model
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats
+from specd_api.plan import requested
 from tests.conftest import perturbed_copy, tiny_lm
 
 GREEDY = SamplingParams()
@@ -220,13 +221,13 @@ def run_batched(engine: BatchEngine, requests: Sequence[tuple[list[int], str, in
     results: dict[int, GenerationResult] = {}
     step = widest = 0
     while len(results) < len(requests):
-        for i, (prompt, drafter, _, joins) in enumerate(requests):
+        for i, (prompt, drafter, k, joins) in enumerate(requests):
             if joins == step:
-                active[i] = engine.open(prompt, drafter, GREEDY, rules)
+                active[i] = engine.open(prompt, GREEDY, rules, requested(drafter, k))
         order = list(active)
         widest = max(widest, len(order))
         if order:
-            engine.step([active[i] for i in order], [requests[i][2] for i in order])
+            engine.step([active[i] for i in order])
         for i in order:
             if active[i].finish_reason is not None:
                 results[i] = active[i].result()

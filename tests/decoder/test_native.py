@@ -24,7 +24,7 @@ from decoder.runners import KVPool
 from decoder.runners.native import NativePass
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
-from specd_api.plan import Plan
+from specd_api.plan import requested
 
 VOCAB = 97  # not a multiple of 16: the LM head's last panel is padded
 needs_native = pytest.mark.skipif(build.load() is None, reason=f"no native pass here: {build.why_not()}")
@@ -223,15 +223,15 @@ def test_batched_greedy_equals_single_exactly(tokenizer, isa):
 
 
 def assert_batched_equals_single(engine: BatchEngine, rules: StopRules, vocab: int) -> None:
-    """Four prompts decoded together with the draft, K varying per sequence and round, give each one's
-    target-only greedy output."""
+    """Four prompts decoded together with the draft, K varying per sequence and round (each its own cycle of
+    1..4), give each one's target-only greedy output."""
     rng = random.Random(9)
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 15))] for _ in range(4)]
     single = [engine.generate(p, "none", 0, SamplingParams(), rules).token_ids for p in prompts]
-    sessions = [engine.open(p, "draft", SamplingParams(), rules, Plan("draft", 1 + i)) for i, p in enumerate(prompts)]
+    plans = [requested("draft", 4, k_schedule=[1 + (i + r) % 4 for r in range(3 + i)]) for i in range(len(prompts))]
+    sessions = [engine.open(p, SamplingParams(), rules, plan) for p, plan in zip(prompts, plans, strict=True)]
     while any(s.finish_reason is None for s in sessions):
-        live = [s for s in sessions if s.finish_reason is None]
-        engine.step(live, [1 + (len(s.generated) % 4) for s in live])
+        engine.step([s for s in sessions if s.finish_reason is None])
     assert [s.generated for s in sessions] == single
     for s in sessions:
         engine.close(s)

@@ -36,6 +36,7 @@ from decoder.runners.select import AUTO, PASSES
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
 from decoder.tiny import build_model
+from specd_api.plan import requested
 from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, perturbed
 
 CPU = torch.device("cpu")
@@ -128,13 +129,13 @@ def test_each_runner_runs_the_pass_it_names(runner, tokenizer):
     tokens = torch.arange(1, 6)
     assert pass_that_ran(lm, lambda: open_sequence(lm).forward(tokens)) == runner
 
-    session = SpeculativeDecoder(lm, lm).session([5, 6, 7], "draft", SamplingParams(), StopRules(max_new_tokens=4))
+    session = SpeculativeDecoder(lm, lm).session([5, 6, 7], SamplingParams(), StopRules(4), requested("draft", 2))
     assert pass_that_ran(lm, session.prefill) == runner
     engine = BatchEngine(lm, lm, max_batch=2)
     assert engine.draft_pool is not None
     assert engine.target_pool.forward_pass.name == engine.draft_pool.forward_pass.name == runner
-    opened = engine.open([5, 6, 7], "draft", SamplingParams(), StopRules(max_new_tokens=4))
-    assert pass_that_ran(lm, lambda: engine.step([opened], [2])) == runner
+    opened = engine.open([5, 6, 7], SamplingParams(), StopRules(max_new_tokens=4), requested("draft", 2))
+    assert pass_that_ran(lm, lambda: engine.step([opened])) == runner
 
 
 @pytest.mark.parametrize(

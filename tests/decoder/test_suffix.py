@@ -381,14 +381,14 @@ def test_batched_suffix_rounds_equal_single_sequence_rounds(llama_target):
     single = SpeculativeDecoder(llama_target, suffix_cache=cache)
     want_tokens = [plain.generate(p, "none", 0, GREEDY, rules).token_ids for p in prompts]
     want_rounds = [
-        [(r.k, r.num_drafted, r.num_accepted) for r in single.generate(p, d, k, GREEDY, rules, plan).stats.rounds]
-        for p, d, k, plan in zip(prompts, drafters, ks, plans, strict=True)
+        [(r.k, r.num_drafted, r.num_accepted) for r in single.decode(p, GREEDY, rules, plan).stats.rounds]
+        for p, plan in zip(prompts, plans, strict=True)
     ]
     engine = BatchEngine(llama_target, max_batch=len(prompts), suffix_cache=cache)
-    sessions = [engine.open(p, d, GREEDY, rules, plan) for p, d, plan in zip(prompts, drafters, plans, strict=True)]
+    sessions = [engine.open(p, GREEDY, rules, plan) for p, plan in zip(prompts, plans, strict=True)]
     live = list(range(len(sessions)))
     while live:
-        engine.step([sessions[i] for i in live], [ks[i] for i in live])
+        engine.step([sessions[i] for i in live])
         live = [i for i in live if sessions[i].finish_reason is None]
     assert [s.drafter.segment for s in sessions if isinstance(s.drafter, SuffixDrafter)] == ["seg-a"] * 3 + ["seg-b"]
     drafted = 0

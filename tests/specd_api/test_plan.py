@@ -7,15 +7,18 @@ import pytest
 from specd_api.plan import (
     BATCH_RULE_REASON,
     LOCAL_DEFAULT_REASON,
+    REQUEST_REASON,
     Plan,
     batch_bucket,
     fallback_plan,
     local_plan,
-    round_k,
+    offers,
+    requested,
+    runnable,
     speculation_allowed,
     worth_remembering,
 )
-from specd_api.position_tally import PositionTally
+from specd_api.v1 import controller_pb2 as pb
 
 CPU_V = (1.0, 1.39, 1.71, 1.58, 1.21, 1.9, 2.3, 2.7, 3.1)  # non-monotonic, as measured on a CPU in float32
 
@@ -81,39 +84,34 @@ def test_worth_remembering(plan, worth, why):
     assert worth_remembering(plan) is worth, why
 
 
-def observed(rounds: int, drafted: int, accepted: int) -> PositionTally:
-    seen = PositionTally()
-    for _ in range(rounds):
-        seen.add(drafted, accepted)
-    return seen
-
-
-ADAPTIVE = Plan("draft", 8, acceptance=(0.9,) * 8, proposal=(1.0,) * 8, prior_strength=8.0, cost_ratio=0.1,
-                verify_cost=CPU_V)  # fmt: skip
-
-
 @pytest.mark.parametrize(
-    ("plan", "seen", "ceiling", "k", "why"),
-    [
-        (Plan("draft", 4), PositionTally(), 4, 4, "no estimates: every round at the ceiling"),
-        (ADAPTIVE, PositionTally(), 8, 4, "the estimates alone: v(n) makes K = 4 the best, not the largest"),
-        (ADAPTIVE, PositionTally(), 3, 3, "the budget cuts the ceiling"),
-        (Plan(**{**ADAPTIVE.__dict__, "k": 2}), PositionTally(), 8, 2, "never above the plan's k"),
-        (ADAPTIVE, observed(30, 4, 0), 8, 0, "this request rejects everything: plain steps"),
-        (ADAPTIVE, observed(2, 4, 0), 8, 4, "two bad rounds do not outweigh eight pseudo-rounds of 0.9"),
-        (Plan(**{**ADAPTIVE.__dict__, "probe_rounds": 4}), observed(3, 4, 0), 8, 8, "a probe runs at k first"),
-        (Plan(**{**ADAPTIVE.__dict__, "probe_rounds": 4}), observed(30, 4, 0), 8, 0, "... then adapts"),
-        (Plan(**{**ADAPTIVE.__dict__, "acceptance": (0.3,) * 8}), observed(30, 4, 4), 8, 4,
-         "this request accepts everything where the segment rarely does: it drafts"),
-        (Plan(**{**ADAPTIVE.__dict__, "verify_cost": (1.0,) * 9}), PositionTally(), 8, 8, "flat v(n): the largest K"),
-    ],
+    ("offered", "drafter", "runs", "why"),
+    [(("draft", "prompt_lookup"), "draft", "draft", "offered: unchanged"),
+     (("prompt_lookup",), "draft", "none", "a worker without a draft model: no speculation"),
+     ((), "none", "none", "none is always offered"),
+     (("draft",), "chain", "none", "offering the draft model's drafter is not offering the chain")],
 )  # fmt: skip
-def test_round_k(plan, seen, ceiling, k, why):
-    assert round_k(plan, seen, ceiling) == k, why
+def test_a_plan_runs_as_the_worker_can(offered, drafter, runs, why):
+    plan = runnable(Plan(drafter, 4 if drafter != "none" else 0, "best_expected_speedup", max_batch_size=4), offered)
+    assert offers(offered, drafter) is (runs == drafter), why
+    assert (plan.drafter, plan.speculates) == (runs, runs != "none"), why
+    assert plan.reason == "best_expected_speedup" and plan.max_batch_size == 4, "the rest of the plan is kept"
 
 
-def test_the_plan_survives_the_wire():
+def test_a_callers_own_plan():
+    assert requested("draft", 4) == Plan("draft", 4, REQUEST_REASON, source="request")
+    assert requested("none", 3).k == 0, "no speculation has no K"
+    assert requested("draft", 8, [1, 8]).k_schedule == (1, 8)
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 0, None], ids=["8", "0: never", "absent"])
+def test_the_plan_survives_the_wire(max_batch_size):
     plan = Plan("draft", 6, "best_expected_speedup", "abc", False, 1.4, True, "code", 0.3, (0.9, 0.8), (1.0, 1.0),
-                8.0, 0.12, (1.0, 1.2, 1.3), 4, 10)  # fmt: skip
+                8.0, 0.12, (1.0, 1.2, 1.3), 4, 10, max_batch_size=max_batch_size)  # fmt: skip
     back = Plan.from_proto(plan.to_proto(), latency_s=0.002)
     assert back == Plan(**{**plan.__dict__, "latency_s": 0.002})
+
+
+def test_a_decision_from_a_controller_before_the_batch_threshold_field_carries_none():
+    older = pb.Decision(drafter="draft", k=4)  # field 18 unset, as an older controller sends it
+    assert Plan.from_proto(pb.Decision.FromString(older.SerializeToString())).max_batch_size is None

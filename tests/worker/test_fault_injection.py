@@ -43,7 +43,7 @@ def run_job(scheduler: Scheduler, stall_seconds: float, plan: Plan) -> JobOutcom
 
 @pytest.mark.parametrize("plan", [Plan("none", 0), Plan("prompt_lookup", 3)], ids=["none", "prompt_lookup"])
 def test_the_stall_lands_inside_the_timed_pass_of_the_second_round_once(target, plan):
-    scheduler = Scheduler(BatchEngine(target, max_batch=2), max_queue=4, speculation_max_batch=8)
+    scheduler = Scheduler(BatchEngine(target, max_batch=2), max_queue=4)
     scheduler.start()
     try:
         stalled = run_job(scheduler, STALL, plan)

@@ -60,12 +60,14 @@ class Recorder:
 
 @pytest.fixture
 def make(target) -> Iterator:
-    """make(max_batch, max_queue, speculation_max_batch=8) -> (scheduler, steps); stopped afterwards."""
+    """make(max_batch, max_queue, speculation_max_batch=8) -> (scheduler, steps); stopped afterwards. The worker's
+    speculation_max_batch is the engine's batch threshold for a plan that carries none."""
     made: list[Scheduler] = []
 
     def make(max_batch: int, max_queue: int, speculation_max_batch: int = 8) -> tuple[Scheduler, list]:
         steps: list[StepObservation] = []
-        scheduler = Scheduler(BatchEngine(target, max_batch=max_batch), max_queue, speculation_max_batch, steps.append)
+        engine = BatchEngine(target, max_batch=max_batch, fallback_max_batch_size=speculation_max_batch)
+        scheduler = Scheduler(engine, max_queue, steps.append)
         made.append(scheduler)
         return scheduler, steps
 
@@ -119,13 +121,33 @@ def test_above_speculation_max_batch_steps_do_not_speculate(make, target):
     assert {(s.batch_size, s.speculative) for s in steps} == {(2, False)}  # in lockstep, one token a step
 
 
+@pytest.mark.parametrize(
+    ("plan_threshold", "worker_threshold", "speculates", "why"),
+    [(1, 8, False, "the plan's threshold under the worker's: the plan's applies as the batch grows to 2"),
+     (2, 1, True, "the plan's threshold over the worker's: the plan's still applies (one threshold, the policy's)"),
+     (None, 1, False, "a plan without one: the worker's own setting is the fallback")],
+)  # fmt: skip
+def test_the_plans_batch_threshold_applies_every_step(make, target, plan_threshold, worker_threshold, speculates, why):
+    scheduler, steps = make(max_batch=4, max_queue=4, speculation_max_batch=worker_threshold)
+    recorders = [Recorder(), Recorder()]
+    for recorder in recorders:
+        job = recorder.job(target, max_new_tokens=6)
+        job.plan = Plan("prompt_lookup", 2, max_batch_size=plan_threshold)
+        scheduler.submit(job)
+    scheduler.start()
+    outcomes = [recorder.outcome() for recorder in recorders]
+    assert {(s.batch_size, s.speculative) for s in steps} == {(2, speculates)}, why
+    rounds = [r for o in outcomes for r in o.result.stats.rounds]  # type: ignore[union-attr]
+    assert any(r.k > 0 for r in rounds) is speculates, why
+
+
 def slow_steps(scheduler: Scheduler, monkeypatch, seconds: float = 0.02) -> None:
     """Every step takes at least ``seconds``: a 400-token job then lasts over a second on any machine."""
     step = scheduler.engine.step
 
-    def slow_step(sessions, ks):
+    def slow_step(sessions):
         time.sleep(seconds)
-        return step(sessions, ks)
+        return step(sessions)
 
     monkeypatch.setattr(scheduler.engine, "step", slow_step)
 
@@ -206,7 +228,7 @@ def test_a_failed_decode_loop_fails_its_jobs_refuses_new_ones_and_says_so(target
     """A fault outside every request's work (here: admitting) ends the loop: every job fails, new ones are refused,
     and ``on_failure`` is told (the worker process exits on it, to be restarted: tests/worker/test_faults.py)."""
     failures: list[BaseException] = []
-    scheduler = Scheduler(BatchEngine(target, max_batch=2), 2, 8, on_failure=failures.append)
+    scheduler = Scheduler(BatchEngine(target, max_batch=2), 2, on_failure=failures.append)
     recorders = [Recorder(), Recorder()]
     for recorder in recorders:
         scheduler.submit(recorder.job(target, max_new_tokens=50))
@@ -251,7 +273,7 @@ def draft(tokenizer):
 
 
 def run_jobs(target, draft, drafter: str, prompts: list[list[int]]) -> list[Recorder]:
-    scheduler = Scheduler(BatchEngine(target, draft, max_batch=4), 4, 8)
+    scheduler = Scheduler(BatchEngine(target, draft, max_batch=4), 4)
     recorders = [Recorder() for _ in prompts]
     for recorder, prompt in zip(recorders, prompts, strict=True):
         job = recorder.job(target, max_new_tokens=24, prompt=prompt)
