@@ -124,16 +124,16 @@ class RefusalLog:
         log.warning("refused %s from %s: %s: %s%s", method, peer, code.name, reason, more)
 
 
-class TokenCheck(grpc.ServerInterceptor):
+class TokenCheck(grpc.aio.ServerInterceptor):
     """The token check in front of every handler (see the module's table)."""
 
     def __init__(self, tokens: Tokens, refusals: RefusalLog | None = None) -> None:
         self.tokens = tokens
         self.refusals = refusals or RefusalLog()
 
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         why = refusal(self.tokens, details.method, details.invocation_metadata)
-        handler = continuation(details)
+        handler = await continuation(details)
         if why is None or handler is None:
             return handler
         return refusing_handler(handler, details.method, *why, self.refusals)
@@ -142,20 +142,18 @@ class TokenCheck(grpc.ServerInterceptor):
 def refusing_handler(
     handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, reason: str, refusals: RefusalLog
 ) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that refuses the call without reading its request (no deserializer: the bytes
-    of a caller not yet trusted are never parsed)."""
+    """A handler that refuses the call as soon as its headers are in, on the event loop, without waiting for its
+    request: a request-streaming handler, which grpc.aio runs at once and which never reads (on the wire every kind
+    of call is a stream, so the client sees its status whatever the method's kind). A caller not yet trusted holds
+    no thread, no stream and no parse of its bytes, even when it never sends a message (issue 22)."""
 
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         refusals.note(method, context.peer(), code, reason)
-        context.abort(code, reason)
+        await context.abort(code, reason)
 
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def is_loopback(listen: str) -> bool:

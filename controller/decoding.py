@@ -1,13 +1,17 @@
 """Request bytes that do not parse as their message are the caller's fault: INVALID_ARGUMENT, not INTERNAL.
 
-gRPC answers a request deserializer that raises with INTERNAL ("Exception deserializing request!"), which says the
-server failed; yet any client can send such bytes (a string field that is not UTF-8, a field cut short). This
-interceptor parses the bytes itself and refuses the ones that do not parse, naming the message type.
+gRPC answers a request deserializer that raises with an error that says the server failed (INTERNAL on the
+synchronous server, UNKNOWN on grpc.aio's); yet any client can send such bytes (a string field that is not UTF-8, a
+field cut short). This interceptor parses the bytes itself and refuses the ones that do not parse, naming the message
+type. It wraps handlers of every flavour grpc.aio runs: synchronous ones (in the pool), coroutines and async
+generators (on the loop: the health service, and WatchDecisions as ``controller.grpc_server`` serves it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +28,9 @@ class Undecodable:
     reason: str
 
 
-class RefuseUndecodable(grpc.ServerInterceptor):
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
+class RefuseUndecodable(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler  # handlers that read no bytes
         if handler.unary_unary is not None:
@@ -36,7 +40,6 @@ class RefuseUndecodable(grpc.ServerInterceptor):
         else:
             return handler  # client streams (reflection) keep gRPC's behaviour
         parse = handler.request_deserializer
-        method = details.method
 
         def decode(data: bytes) -> Any:
             try:
@@ -44,23 +47,39 @@ class RefuseUndecodable(grpc.ServerInterceptor):
             except DecodeError as e:
                 return Undecodable(quoted(str(e), 160))  # protobuf's words ("String field had bad UTF-8")
 
-        def checked(request: Any, context: grpc.ServicerContext, *callback: Any) -> Any:
-            if isinstance(request, Undecodable):
-                reason = f"{method}: the request does not parse: {request.reason}"
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
-            return behavior(request, context, *callback)  # a non-blocking stream's send_response_callback
-
-        keep_non_blocking(behavior, checked)
+        checked = checking(behavior, details.method)
         return make(checked, request_deserializer=decode, response_serializer=handler.response_serializer)
 
 
-NON_BLOCKING = ("experimental_non_blocking", "experimental_thread_pool")
+def checking(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """``behavior`` (of whichever flavour) behind the check: an Undecodable request is refused with
+    INVALID_ARGUMENT before ``behavior`` sees it."""
 
+    def reason(request: Undecodable) -> str:
+        return f"{method}: the request does not parse: {request.reason}"
 
-def keep_non_blocking(behavior: Callable[..., Any], wrapper: Callable[..., Any]) -> None:
-    """Give ``wrapper`` the non-blocking marks of ``behavior``: gRPC runs a stream so marked (the health service's
-    Watch) without holding a pool thread for its life. A wrapper without them made every Watch stream hold one, and
-    about 270 unauthenticated Watch streams starved every Decide (issue 22)."""
-    for name in NON_BLOCKING:
-        if hasattr(behavior, name):
-            setattr(wrapper, name, getattr(behavior, name))
+    if inspect.isasyncgenfunction(behavior):
+
+        async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason(request))
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return checked_stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def checked_on_loop(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason(request))
+            return await behavior(request, context)
+
+        return checked_on_loop
+
+    def checked(request: Any, context: Any) -> Any:  # in the pool, with a synchronous context
+        if isinstance(request, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason(request))
+        return behavior(request, context)
+
+    return checked

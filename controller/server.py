@@ -4,11 +4,13 @@ SIGTERM and SIGINT drain gracefully (a second SIGINT stops waiting for the RPCs 
 policy. systemd is told READY, RELOADING, STOPPING and pinged for the watchdog through NOTIFY_SOCKET when it is set.
 The drain is logged: the RPCs it finished or cut short, and the reports still only in the journal. With
 ``metrics.listen`` set, GET /metrics is served beside gRPC (controller/metrics_endpoint.py), started before the gRPC
-port and stopped after it.
+port and stopped after it. gRPC is served by grpc.aio on an event loop of its own (controller/grpc_server.py), so
+that a call waiting for its request holds no thread; the servicer stays synchronous, run in a bounded pool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -24,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from controller.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, server_credentials
 from controller.config import ControllerConfig
 from controller.decoding import RefuseUndecodable
+from controller.grpc_server import GrpcServer, InFlight, ServerClosed
 from controller.journal import Journal
 from controller.learner import Learner
 from controller.metrics_endpoint import MetricsServer, serve_metrics
@@ -64,8 +67,8 @@ class ControllerDaemon:
         self.metrics: MetricsServer | None = None  # GET /metrics, when metrics.listen is set
         self._in_flight = InFlight()
         self._redis: RedisHandle | None = None
-        self._server: grpc.Server | None = None
-        self._health: health.HealthServicer | None = None
+        self._server: GrpcServer | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._threads: list[threading.Thread] = []
         self._provider: Any = None
         self._watchdog: WatchdogPinger | None = None
@@ -142,39 +145,49 @@ class ControllerDaemon:
 
     def _serve(self, servicer: ControllerServicer) -> None:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
-        listen = self.config.listen
-        self._server = grpc.server(
-            # every WatchDecisions stream holds a thread for its life: they must not starve Decide
-            futures.ThreadPoolExecutor(max_workers=self.config.max_workers + self.config.max_watchers),
+        listen, tls = self.config.listen, self.config.tls
+        server = GrpcServer(
+            # threads for handlers only: a call waiting for its request holds none. Every WatchDecisions stream holds
+            # one while it waits for the next refresh: max_watchers more, so that they cannot starve Decide
+            self.config.max_workers + self.config.max_watchers,
             # refused calls are never counted in flight; bytes that do not parse are INVALID_ARGUMENT, not INTERNAL
-            interceptors=[*self._token_check(), self._in_flight, RefuseUndecodable()],
+            [*self._token_check(), self._in_flight, RefuseUndecodable()],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
             # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
-            options=[
+            [
                 ("grpc.so_reuseport", 0),
                 # every request is small (a report of 500 aggregates is ~250 KB): a larger one is refused before it
                 # is parsed, so no client can hand the controller seconds of parsing under the GIL
                 ("grpc.max_receive_message_length", MAX_REPORT_BYTES),
             ],
         )
-        controller_pb2_grpc.add_ControllerServicer_to_server(servicer, self._server)
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        health_servicer = health.aio.HealthServicer()  # a Watch stream waits on the loop, never in a thread
+
+        def register(aio_server: grpc.aio.Server) -> None:
+            controller_pb2_grpc.add_ControllerServicer_to_server(servicer, aio_server)
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, aio_server)
+            names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, aio_server)
+
         try:
-            tls = self.config.tls
-            if tls is None:
-                self.port = self._server.add_insecure_port(listen)
-            else:
-                self.port = self._server.add_secure_port(listen, server_credentials(tls))
+            credentials = None if tls is None else server_credentials(tls)
+            port = server.start(listen, credentials, register)
         except (RuntimeError, OSError) as e:  # OSError: a certificate file gone since the config was read
+            server.close()
             raise StartupError(f"cannot listen on {listen}: {e}") from None
-        if not self.port:
+        if not port:
+            server.close()
             raise StartupError(f"cannot listen on {listen} (address in use?)")
-        self._server.start()
+        self._server, self._health, self.port = server, health_servicer, port
         for status_name in ("", SERVICE_NAME):
-            self._health.set(status_name, health_pb2.HealthCheckResponse.SERVING)
-        self._health.set(REDIS_HEALTH, _serving(self._redis_reachable))
+            self._set_health(status_name, health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(REDIS_HEALTH, _serving(self._redis_reachable))
+
+    def _set_health(self, service: str, status: Any) -> None:
+        if self._server is None or self._health is None:
+            return
+        with contextlib.suppress(ServerClosed, futures.CancelledError):  # stopped: nobody is left to tell
+            self._server.call(self._health.set(service, status))
 
     def _serve_metrics(self) -> None:
         """GET /metrics on ``metrics.listen`` (controller/metrics_endpoint.py); nothing when it is null."""
@@ -190,7 +203,7 @@ class ControllerDaemon:
         except OSError as e:
             raise StartupError(f"cannot serve metrics on {cfg.listen}: {e.strerror or e}") from None
 
-    def _token_check(self) -> list[grpc.ServerInterceptor]:
+    def _token_check(self) -> list[grpc.aio.ServerInterceptor]:
         tokens = Tokens.of(self.config.auth)
         return [TokenCheck(tokens)] if tokens is not None else []
 
@@ -247,15 +260,15 @@ class ControllerDaemon:
             return 0, 0
         log.info("draining (up to %.0fs)", self.config.shutdown_grace_seconds)
         if self._health is not None:
-            self._health.enter_graceful_shutdown()
+            self._server.call(self._health.enter_graceful_shutdown())  # NOT_SERVING, so balancers move on
         in_flight = self._in_flight.count
         stopped = self._server.stop(self.config.shutdown_grace_seconds)
-        while not stopped.wait(0.1):
+        while not _done_within(stopped, 0.1):
             if self.lifecycle.force_exit.is_set():
-                self._server.stop(0)  # a smaller grace than before stops sooner (grpc.Server.stop)
-                stopped.wait()
+                self._server.stop(0).result()  # a smaller grace than before stops sooner (grpc.aio.Server.stop)
                 break
         cancelled = min(self._in_flight.count, in_flight)  # handlers still running once the grace ended
+        self._server.close()
         return in_flight, cancelled
 
     # --- reloads ------------------------------------------------------------------------------------
@@ -296,8 +309,7 @@ class ControllerDaemon:
         reachable = learner.refresh(replay_seconds=self.config.learning.refresh_seconds)
         if reachable != self._redis_reachable:
             self._redis_reachable = reachable
-            if self._health is not None:
-                self._health.set(REDIS_HEALTH, _serving(reachable))
+            self._set_health(REDIS_HEALTH, _serving(reachable))
             if reachable:
                 log.info("Redis answers again: health %s SERVING; %d journaled reports left to replay", REDIS_HEALTH,
                          len(learner.journal))  # fmt: skip
@@ -334,33 +346,5 @@ def _serving(yes: bool) -> Any:
     return health_pb2.HealthCheckResponse.SERVING if yes else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class InFlight(grpc.ServerInterceptor):
-    """Counts the unary RPCs being handled, so that a shutdown can say how many its grace period cut short."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
-
-    @property
-    def count(self) -> int:
-        with self._lock:
-            return self._count
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler  # health Watch and reflection streams: long-lived by design, not counted
-        behavior = handler.unary_unary
-
-        def counted(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._lock:
-                self._count += 1
-            try:
-                return behavior(request, context)
-            finally:
-                with self._lock:
-                    self._count -= 1
-
-        return grpc.unary_unary_rpc_method_handler(
-            counted, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+def _done_within(future: futures.Future[Any], seconds: float) -> bool:
+    return not futures.wait([future], seconds).not_done

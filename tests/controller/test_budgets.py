@@ -1,16 +1,30 @@
-"""No unauthenticated client can take the controller's threads (issue 22): health Watch streams run without holding
-a pool thread, so a crowd of them leaves Decide answering. A real daemon on a loopback socket."""
+"""No client can take the controller's threads (issue 22): health Watch streams and calls that send their headers
+and never a message run without holding a pool thread, so a crowd of them leaves Decide answering. Real daemons on
+loopback sockets: in this process, and a `specd controller` process with the default pool."""
 
 from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.controller.half_open import HalfOpenCalls
+from tests.controller.test_daemon import start, write_config
 from tests.controller.test_service import DEFAULT_POLICY, connected, running_daemon
+from tests.waiting import free_port, wait_until
 
 STREAMS = 120  # well past the daemon's pool (max_workers 4 + max_watchers)
+HALF_OPEN = 300  # per kind of caller: past the default pool (max_workers 16 + max_watchers 256) the issue filled
+DECIDE = "/specd.v1.Controller/Decide"
+REPORT = "/specd.v1.Controller/ReportRounds"
 
 
 def test_many_health_watch_streams_leave_decide_answering(embedded_redis_url, tmp_path) -> None:
@@ -24,6 +38,28 @@ def test_many_health_watch_streams_leave_decide_answering(embedded_redis_url, tm
                     assert stub.Decide(request, timeout=3.0).policy_version
         finally:
             pass_through()
+
+
+def test_watch_decisions_streams_give_their_thread_back_when_the_client_goes(embedded_redis_url, tmp_path) -> None:
+    """Five times as many WatchDecisions streams as the pool has threads, each cancelled after its first message:
+    every one ends (the publisher counts no watcher), and a new stream and Decide still answer. grpc.aio's own way
+    of serving a synchronous stream held a thread for good once its client had gone."""
+    with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text(), max_watchers=4) as daemon:
+        assert daemon.publisher is not None
+        pool = daemon.config.max_workers + daemon.config.max_watchers
+        with connected(daemon) as channel:
+            stub = pb_grpc.ControllerStub(channel)
+            watch = pb.WatchDecisionsRequest(worker_id="w", drafters=["draft"])
+            for _ in range(5 * pool // 4):
+                streams = [stub.WatchDecisions(watch, timeout=10) for _ in range(4)]
+                for stream in streams:
+                    assert next(stream).full
+                for stream in streams:
+                    stream.cancel()
+                wait_until(lambda: daemon.publisher.watchers == 0, what="the cancelled streams ending")
+            assert next(stub.WatchDecisions(watch, timeout=5)).full
+            request = pb.DecideRequest(segment="s", batch_size=1, drafters=["draft"], max_new_tokens=64)
+            assert stub.Decide(request, timeout=3.0).policy_version
 
 
 def _open_watches(address: str, count: int):
@@ -67,3 +103,62 @@ def test_a_report_is_bounded_in_positions_and_bytes(embedded_redis_url, tmp_path
         assert too_big.value.code() == g.StatusCode.RESOURCE_EXHAUSTED
         fine = pb.ReportRoundsRequest(report_id="fine", worker_id="w", aggregates=[draft_aggregate("fine")] * 500)
         assert stub.ReportRounds(fine, timeout=10).rounds_accepted == 5000
+
+
+def test_calls_that_never_send_a_message_hold_no_thread(tmp_path: Path, embedded_redis_url: str) -> None:
+    """300 calls each with no token, a wrong token and the read token, each sending its headers and never a message
+    (raw HTTP/2, as a hostile client would): Decide from another client still answers within its deadline, the
+    process's thread count does not grow with them (the synchronous server gave each a pool thread, and about 270
+    timed every Decide out), the unauthenticated ones are refused at once, and SIGTERM still drains within the
+    grace."""
+    read, write = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(DEFAULT_POLICY.read_text())
+    port = free_port()
+    config = write_config(tmp_path, embedded_redis_url, policy, port)
+    config.write_text(config.read_text() + "shutdown_grace_seconds: 1\n"
+                      "auth: {read_token: {env: T_READ}, write_token: {env: T_WRITE}}\n")  # fmt: skip
+    process = start(config, {"T_READ": read, "T_WRITE": write})
+    address = f"127.0.0.1:{port}"
+    try:
+        with ExitStack() as stack:
+            channel = stack.enter_context(grpc.insecure_channel(address))
+            decide = pb_grpc.ControllerStub(channel).Decide
+            request = pb.DecideRequest(segment="s", batch_size=1, drafters=["draft"], max_new_tokens=64)
+            metadata = (("authorization", f"Bearer {read}"),)
+            wait_until(lambda: _answers(decide, request, metadata), timeout=60, what="the controller answering")
+            threads = _threads(process.pid)
+            unauthenticated = [
+                stack.enter_context(HalfOpenCalls(address, DECIDE, HALF_OPEN)),
+                stack.enter_context(HalfOpenCalls(address, REPORT, HALF_OPEN, token="wrong-token")),
+            ]
+            waiting = stack.enter_context(HalfOpenCalls(address, DECIDE, HALF_OPEN, token=read))  # fmt: skip
+            time.sleep(1.0)  # every call has reached the server: they took the old server's pool within 0.1 s
+
+            for _ in range(5):
+                assert decide(request, metadata=metadata, timeout=2.0).policy_version
+            assert _threads(process.pid) < threads + 16, "half-open calls took threads"
+            wait_until(lambda: sum(c.ended_by_server for c in unauthenticated) == 2 * HALF_OPEN, timeout=10,
+                       what="every call without a valid token refused at once")  # fmt: skip
+            assert waiting.ended_by_server == 0  # still waiting for their messages, threadless
+
+            started = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+            assert time.monotonic() - started < 10  # the grace (1 s) cancelled the waiting calls
+    finally:
+        if process.poll() is None:
+            process.kill()
+        output = process.communicate()[0]
+    assert "Traceback" not in output, output
+
+
+def _answers(decide, request: pb.DecideRequest, metadata) -> bool:
+    try:
+        return bool(decide(request, metadata=metadata, timeout=2.0).policy_version)
+    except grpc.RpcError:
+        return False
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))

@@ -1,13 +1,14 @@
 """What the controller daemon's drain counts (controller/server.py): the RPCs in flight, the ones the grace period
-cut short, and a second Ctrl-C cancelling them at once. A real gRPC server whose one method blocks until told."""
+cut short, and a second Ctrl-C cancelling them at once. A real gRPC server (controller/grpc_server.py, as the daemon
+serves) whose one method blocks until told."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ import grpc
 import pytest
 
 from controller.config import ControllerConfig
-from controller.server import ControllerDaemon, InFlight
+from controller.grpc_server import GrpcServer, InFlight
+from controller.server import ControllerDaemon
 
 METHOD = "/test.Slow/Wait"
 
@@ -27,10 +29,8 @@ class Slow:
         self.release = threading.Event()
         handler = grpc.unary_unary_rpc_method_handler(self._wait)
         generic = grpc.method_handlers_generic_handler("test.Slow", {"Wait": handler})
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[in_flight])
-        self.server.add_generic_rpc_handlers((generic,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+        self.server = GrpcServer(4, [in_flight], [])
+        self.port = self.server.start("127.0.0.1:0", None, lambda server: server.add_generic_rpc_handlers((generic,)))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
 
     def _wait(self, request: bytes, context: Any) -> bytes:
@@ -96,10 +96,23 @@ def test_a_second_ctrl_c_cancels_the_rpcs_at_once(daemon: ControllerDaemon):
 
 def test_the_count_goes_down_when_a_handler_raises():
     in_flight = InFlight()
-    boom = grpc.unary_unary_rpc_method_handler(lambda request, context: 1 / 0)
-    wrapped = in_flight.intercept_service(lambda details: boom, None)
+
+    def intercepted(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        async def continuation(details: object) -> grpc.RpcMethodHandler:
+            return handler
+
+        return asyncio.run(in_flight.intercept_service(continuation, None))
+
+    boom = intercepted(grpc.unary_unary_rpc_method_handler(lambda request, context: 1 / 0))
     with pytest.raises(ZeroDivisionError):
-        wrapped.unary_unary(b"", None)
+        boom.unary_unary(b"", None)
+    assert in_flight.count == 0
+
+    async def boom_on_loop(request: bytes, context: object) -> bytes:
+        raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        asyncio.run(intercepted(grpc.unary_unary_rpc_method_handler(boom_on_loop)).unary_unary(b"", None))
     assert in_flight.count == 0
     stream = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(()))
-    assert in_flight.intercept_service(lambda details: stream, None) is stream  # long-lived streams: not counted
+    assert intercepted(stream) is stream  # long-lived streams: not counted
