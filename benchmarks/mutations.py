@@ -250,6 +250,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "one stalled first request sets a new segment's calibration and switches a modest drafter off",
     ),
     Mutation(
+        "calibration-on-every-aggregate",
+        "controller/client/reports.py",
+        "**(_request_totals(groups.values(), expected_speedup) if key == carrier else {}),",
+        "**(_request_totals([g], expected_speedup) if key[0] != \"none\" and carrier else {}),",
+        ("tests/controller/test_client.py",),
+        "each K the round policy ran is a calibration observation: a one-round tail's 0.5x drags a segment's median down",
+    ),
+    Mutation(
+        "calibration-ignores-request-totals",
+        "controller/counts.py",
+        "if self.request_tokens_emitted and self.request_seconds > 0:",
+        "if False:",
+        ("tests/controller/test_robust_costs.py",),
+        "calibration reads the carrier's own K's rounds, not the request's: rounds that stopped drafting never count",
+    ),
+    Mutation(
         "suffix-segment-share-ignored",
         "decoder/drafters/suffix_cache.py",
         "while self.segment_bytes(segment) > self.segment_cap:",

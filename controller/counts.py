@@ -212,14 +212,19 @@ class Aggregate:
     counterfactual: bool = False  # scored, not served: position counts only
     expected_speedup: float = 0.0  # what the plan promised (0: not known)
     calibration: bool = False  # measured by the worker before serving: costs only, in no segment
+    request_tokens_emitted: int = 0  # the whole request's, on its calibration carrier (0: an older worker)
+    request_seconds: float = 0.0
 
     def realised_speedup(self, step_seconds: float) -> float:
-        """Tokens emitted per plain step's worth of this aggregate's time (drafting and verification): its speedup
-        over plain decoding at ``step_seconds`` a step; 0 when not measurable."""
-        seconds = self.draft_seconds + self.verify_seconds
-        if self.counterfactual or not self.tokens_emitted or not (seconds > 0 and step_seconds > 0):
+        """Tokens emitted per plain step's worth of time (drafting and verification), the request's when the
+        aggregate carries its totals, else its own: the speedup over plain decoding at ``step_seconds`` a step; 0
+        when not measurable."""
+        tokens, seconds = self.tokens_emitted, self.draft_seconds + self.verify_seconds
+        if self.request_tokens_emitted and self.request_seconds > 0:
+            tokens, seconds = self.request_tokens_emitted, self.request_seconds
+        if self.counterfactual or not tokens or not (seconds > 0 and step_seconds > 0):
             return 0.0
-        value = self.tokens_emitted * step_seconds / seconds
+        value = tokens * step_seconds / seconds
         return value if math.isfinite(value) else 0.0
 
     def calibration_fields(self, step_seconds: float) -> dict[str, float]:

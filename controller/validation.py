@@ -106,4 +106,6 @@ def aggregate(a: pb.RoundsAggregate) -> Aggregate:
         counterfactual=a.counterfactual,
         expected_speedup=a.expected_speedup,
         calibration=a.calibration,
+        request_tokens_emitted=a.request_tokens_emitted,
+        request_seconds=a.request_seconds,
     )

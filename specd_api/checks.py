@@ -27,6 +27,7 @@ MAX_BATCH_SIZE = 1_000_000
 MAX_DRAFT_SECONDS_PER_TOKEN = 10.0  # timings beyond these are clocks sent as durations, not measurements
 MAX_VERIFY_SECONDS_PER_ROUND = 60.0
 MAX_EXPECTED_SPEEDUP = 1000.0  # a plan's expected speedup: a round emits at most MAX_K + 1 tokens
+MAX_REQUEST_SECONDS = 7 * 86_400.0  # one request's decode time: a week is a clock, not a request
 MIN_VERIFY_SECONDS_PER_ROUND = 1e-7  # no target pass is faster: below it a worker sent no timing at all
 SUM_TOLERANCE = 1e-6  # relative: a per-n table must add up to its total up to float rounding
 
@@ -77,6 +78,7 @@ def check_aggregate(a: pb.RoundsAggregate) -> None:
         _check_counterfactual(a)
     else:
         _check_timings(a, k, rounds, drafted)
+    _check_request_totals(a)
 
 
 def _check_positions(a: pb.RoundsAggregate, k: int, rounds: int, drafted: int, accepted: int) -> None:
@@ -145,6 +147,21 @@ def _check_timings(a: pb.RoundsAggregate, k: int, rounds: int, drafted: int) -> 
     total = sum(by_seconds)
     if abs(total - a.verify_seconds) > SUM_TOLERANCE * max(a.verify_seconds, 1e-9):
         raise ValueError(f"verify_seconds_by_drafted adds up to {total:g}, not verify_seconds ({a.verify_seconds:g})")
+
+
+def _check_request_totals(a: pb.RoundsAggregate) -> None:
+    """The request's totals (on the one aggregate per request that carries its calibration observation): both or
+    neither, with an expected speedup, on served rounds, and at least the aggregate's own tokens and seconds."""
+    tokens, seconds = a.request_tokens_emitted, a.request_seconds
+    if not (tokens or seconds):
+        return
+    if a.counterfactual or not a.expected_speedup:
+        raise ValueError("request_tokens_emitted: a request's totals go with its expected_speedup, on served rounds")
+    count("request_tokens_emitted", tokens, MAX_ROUNDS * (MAX_K + 1), low=a.tokens_emitted)
+    own = a.draft_seconds + a.verify_seconds
+    finite("request_seconds", seconds, low=own * (1 - SUM_TOLERANCE), high=MAX_REQUEST_SECONDS)
+    if tokens and not seconds > 0:
+        raise ValueError("request_seconds: a request that emitted tokens took time")
 
 
 def _padded(values: Sequence[int], k: int) -> list[int]:

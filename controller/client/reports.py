@@ -8,7 +8,7 @@ has exactly these).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -112,10 +112,12 @@ def rounds_to_aggregates(
     expected_speedup: float = 0.0,
     calibration: bool = False,
 ) -> list[pb.RoundsAggregate]:
-    """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds``, in order of first appearance, then one
-    counterfactual aggregate per drafter in ``scored``. Served aggregates that speculated carry the plan's
-    ``expected_speedup`` (the controller checks it against what the rounds realised). ``calibration``: the rounds
-    are the worker's start-up timings (decoder.calibration), counted in the costs only.
+    """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds`` (one request's), in order of first
+    appearance, then one counterfactual aggregate per drafter in ``scored``. The served aggregate that speculated in
+    the most rounds carries the plan's ``expected_speedup`` and the request's totals (tokens and seconds of every
+    round): the controller checks the request's realised speedup against it, one observation per request however
+    many K its round policy ran (a one-round tail at K 1 is no request's speedup). ``calibration``: the rounds are
+    the worker's start-up timings (decoder.calibration), counted in the costs only.
 
     Raises ValueError naming the first impossible round.
     """
@@ -129,10 +131,11 @@ def rounds_to_aggregates(
         if key not in groups:
             groups[key] = _Group(k=key[1], batch_size=max(r.batch_size, 1))
         groups[key].add(r)
+    carrier = _calibration_carrier(groups) if _usable_speedup(expected_speedup) else None
     served = [
         pb.RoundsAggregate(
             segment=segment,
-            drafter=drafter,
+            drafter=key[0],
             k=g.k,
             **_tally_fields(g.tally),
             tokens_emitted=g.emitted,
@@ -144,10 +147,10 @@ def rounds_to_aggregates(
             temperature=temperature,
             prompt_tokens=prompt_tokens,
             self_repetition=self_repetition,
-            expected_speedup=expected_speedup if drafter != "none" and _usable_speedup(expected_speedup) else 0.0,
             calibration=calibration,
+            **(_request_totals(groups.values(), expected_speedup) if key == carrier else {}),
         )
-        for (drafter, _, _), g in groups.items()
+        for key, g in groups.items()
     ]
     counterfactual = [
         pb.RoundsAggregate(
@@ -165,6 +168,21 @@ def rounds_to_aggregates(
         if t.tally.rounds
     ]
     return served + counterfactual
+
+
+def _calibration_carrier(groups: dict[tuple[str, int, int], _Group]) -> tuple[str, int, int] | None:
+    """The key of the aggregate that carries the request's calibration observation: the speculating one with the
+    most rounds (the first on a tie); None when the request never speculated."""
+    speculating = [key for key in groups if key[0] != "none"]
+    return max(speculating, key=lambda key: groups[key].tally.rounds, default=None)
+
+
+def _request_totals(groups: Iterable[_Group], expected_speedup: float) -> dict[str, Any]:
+    """The carrier's extra fields: the plan's expectation and what the whole request emitted, in how long."""
+    emitted, seconds = 0, 0.0
+    for g in groups:
+        emitted, seconds = emitted + g.emitted, seconds + g.draft_seconds + g.verify_seconds
+    return {"expected_speedup": expected_speedup, "request_tokens_emitted": emitted, "request_seconds": seconds}
 
 
 def _tally_fields(tally: PositionTally) -> dict[str, Any]:

@@ -190,6 +190,49 @@ def test_counterfactual_tallies_become_scored_aggregates():
     check_aggregate(scored)
 
 
+def test_one_aggregate_per_request_carries_the_requests_calibration_observation():
+    # The round policy ran K 1 first (the budget's start), K 4 for three rounds, then stopped drafting: the plan's
+    # expectation goes with the request's totals on the aggregate with the most speculating rounds, once. A one-round
+    # K 1 aggregate is no request's speedup (each aggregate an observation made a tail's 0.5x a third of the median).
+    rounds = [Round("draft", 1, 1, 0, 1, 0.001, 0.010), *[Round("draft", 4, 4, 3, 4, 0.004, 0.020)] * 3,
+              Round("none", 0, 0, 0, 1, 0.0, 0.010)]  # fmt: skip
+    aggregates = rounds_to_aggregates("code", rounds, **REPORT_ARGS, expected_speedup=1.5)
+    carriers = [a for a in aggregates if a.expected_speedup]
+    assert [(a.drafter, a.k, a.rounds, a.expected_speedup) for a in carriers] == [("draft", 4, 3, 1.5)]
+    assert carriers[0].request_tokens_emitted == 1 + 3 * 4 + 1
+    assert carriers[0].request_seconds == pytest.approx(0.011 + 3 * 0.024 + 0.010)
+    assert not any(a.request_tokens_emitted or a.request_seconds for a in aggregates if not a.expected_speedup)
+    for a in aggregates:
+        check_aggregate(a)
+    # a request that never drafted has nothing to calibrate
+    plain = rounds_to_aggregates("code", [Round("none", 0, 0, 0, 1, 0.0, 0.01)], **REPORT_ARGS, expected_speedup=1.5)
+    assert [(a.expected_speedup, a.request_tokens_emitted) for a in plain] == [(0.0, 0)]
+
+
+REQUEST_TOTALS_REFUSED = [
+    pytest.param(dict(request_tokens_emitted=5, request_seconds=0.1), "request_tokens_emitted", id="fewer-than-own"),
+    pytest.param(dict(request_tokens_emitted=50, request_seconds=0.001), "request_seconds", id="shorter-than-own"),
+    pytest.param(dict(request_tokens_emitted=50, request_seconds=math.inf), "request_seconds", id="infinite"),
+    pytest.param(dict(request_tokens_emitted=50, request_seconds=0.0), "request_seconds", id="tokens-no-time"),
+    pytest.param(
+        dict(request_tokens_emitted=50, request_seconds=0.1, expected_speedup=0.0),
+        "expected_speedup",
+        id="totals-without-expectation",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), REQUEST_TOTALS_REFUSED)
+def test_impossible_request_totals_are_refused_with_the_field_named(fields, named):
+    (a,) = rounds_to_aggregates("code", [Round("draft", 4, 4, 3, 4, 0.004, 0.02)] * 3, **REPORT_ARGS,
+                                expected_speedup=1.5)  # fmt: skip
+    check_aggregate(a)
+    for name, value in fields.items():
+        setattr(a, name, value)
+    with pytest.raises(ValueError, match=named):
+        check_aggregate(a)
+
+
 IMPOSSIBLE = [
     # more accepted than proposed: acceptance counts proposed tokens
     pytest.param(draft(3, 2, 3), "num_accepted", id="accepted-above-proposed"),
@@ -219,9 +262,14 @@ def test_random_rounds_always_make_aggregates_the_controller_accepts():
             proposed = rng.randint(0, k) if drafter == "prompt_lookup" else k
             accepted = rng.randint(0, proposed)
             rounds.append(Round(drafter, k, proposed, accepted, rng.randint(0, accepted + 1), rng.random() * 0.01))
-        aggregates = rounds_to_aggregates("random", rounds, **REPORT_ARGS)
+        aggregates = rounds_to_aggregates("random", rounds, **REPORT_ARGS, expected_speedup=1.2)
         for a in aggregates:
             check_aggregate(a)
+        speculated = any(r.drafter != "none" and r.k for r in rounds)
+        assert sum(bool(a.expected_speedup) for a in aggregates) == speculated  # one observation per request
+        assert sum(a.request_tokens_emitted for a in aggregates) == (
+            sum(r.num_emitted for r in rounds) if speculated else 0
+        )
         assert sum(a.rounds for a in aggregates) == len(rounds)
         assert sum(a.num_accepted for a in aggregates) == sum(r.num_accepted for r in rounds)
         assert sum(a.tokens_emitted for a in aggregates) == sum(r.num_emitted for r in rounds)

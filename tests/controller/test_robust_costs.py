@@ -7,6 +7,7 @@ draft model at c about 0.2, each request's mean ±20% (the machine's noise). A s
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -221,6 +222,21 @@ def test_calibration_is_the_median_of_realised_over_expected() -> None:
     assert aggregate(0.008, drafter="none").calibration_fields(0.001) == {}  # nothing speculated: nothing to check
     assert aggregate(0.008, expected=0.0).calibration_fields(0.001) == {}  # no expectation known
     assert aggregate(0.008).calibration_fields(0.0) == {}  # no plain step measured yet
+
+
+def test_calibration_reads_the_requests_totals_where_the_aggregate_carries_them() -> None:
+    # The round policy ran this request at K 4 for 10 rounds (20 tokens in 10 ms), then stopped drafting for 10 plain
+    # rounds (10 tokens in 10 ms): the request realised 30 tokens in 20 steps' time, 1.5x; its K 4 rounds alone read
+    # 2.0. The observation is the request's (an older worker sends no totals: the aggregate's own, as before).
+    carrier = Aggregate("s", "draft", 4, 10, 40, 10, (10,) * 4, (10,) * 4, (3, 3, 2, 2), tokens_emitted=20,
+                        draft_seconds=0.002, verify_seconds=0.008, expected_speedup=2.5, request_tokens_emitted=30,
+                        request_seconds=0.020)  # fmt: skip
+    assert carrier.realised_speedup(0.001) == pytest.approx(1.5)
+    seg = SegmentCounts()
+    seg.add_fields(carrier.calibration_fields(0.001))
+    assert median(seg.calibration["draft"]) == pytest.approx(1.5 / 2.5, rel=0.05)
+    older = replace(carrier, request_tokens_emitted=0, request_seconds=0.0)
+    assert older.realised_speedup(0.001) == pytest.approx(2.0)
 
 
 def test_a_k_never_measured_is_priced_at_the_measured_slope() -> None:
