@@ -116,8 +116,11 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
 
         first = in_threads(send, [unruled.pop(0), *one_each], THREADS)
         wait_for_reports(controller.address, http)
-        # An exploration probe or a fallback may have kept the draft model off UNRULED: it needs draft data.
-        while (UNRULED, "draft") not in controller_counts(controller.address):
+        # An exploration probe or a fallback may have kept the draft model off UNRULED: it needs the model's data
+        # (alone or in a chain: the prior's plan is often the chain, and waiting for 'draft' alone once took every
+        # UNRULED prompt into the first wave, leaving the second none to judge).
+        while not any((UNRULED, d) in controller_counts(controller.address) for d in MODEL_DRAFTERS):
+            assert len(unruled) > 2, "the draft model never ran on UNRULED: no prompts left for the second wave"
             first.append(send(unruled.pop(0)))
             wait_for_reports(controller.address, http)
         # the second wave is decided with the first one's data
