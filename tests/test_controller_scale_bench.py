@@ -1,0 +1,48 @@
+"""benchmarks/controller_scale.py at a tiny scale over the real path (two `specd controller` processes, the steady
+client's process, the WatchDecisions streams' process and every attack), so that the benchmark cannot rot: each phase
+runs and reports its figures. Whether the goals are met (idle CPU, p99 ratios) is the benchmark's to say on a quiet
+machine at full scale, not this test's: here only what the attackers did is checked, which the load cannot change."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from benchmarks.controller_scale import ATTACKS, main
+from specd_api.checks import MAX_REPORT_BYTES
+
+
+def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
+    out = tmp_path / "scale.json"
+    tiny = ["--segments", "60", "--streams", "4", "--seconds", "0.5", "--rate", "40", "--half-open", "20",
+            "--health-streams", "20", "--flood-threads", "1", "--json", str(out), "--root", str(tmp_path)]  # fmt: skip
+    assert main(tiny) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+
+    scale = figures["scale"]
+    assert [(p["segments"], p["streams"]) for p in scale["points"]] == [(50, 0), (60, 0), (60, 4)]
+    for point in scale["points"]:
+        assert point["decide_calls"] > 0 and math.isfinite(point["decide_p99_ms"]) and point["idle_cpu_share"] >= 0
+    streams = scale["streams"]
+    assert streams["opened"] == 4 and streams["refused"] == {} and streams["full_segments"] == 60
+    assert scale["idle_cpu_share"] == scale["points"][-1]["idle_cpu_share"]
+
+    attacks = figures["attacks"]
+    assert list(attacks) == list(ATTACKS)
+    for name, a in attacks.items():
+        assert a["calls_before"] > 0 and a["calls_during"] > 0, name
+        assert math.isfinite(a["ratio"]) and a["ratio"] > 0, name
+        assert (a["ratio"] <= 2 and not a["failures_during"]) or name in " ".join(figures["missed"]), name
+    assert attacks["half-open"]["attacker"]["calls"] == 40
+    assert attacks["half-open-read"]["attacker"]["ended_by_server"] == 0  # let through: waiting for their message
+    assert attacks["health-watch"]["attacker"]["answered"] == 20
+    reports = attacks["big-reports"]["attacker"]
+    assert reports["calls"] >= 1 and reports["refused"] == {}  # at the bounds, not past them
+    assert reports["aggregates"] == 1000 and reports["positions"] == 32_000
+    assert 0.9 * MAX_REPORT_BYTES < reports["report_bytes"] <= MAX_REPORT_BYTES
+    watch = attacks["watch-streams"]["attacker"]
+    assert watch["opened"] == 4 and watch["another_client_stream"] == "OK"
+    for flood in ("decide-flood", "segment-flood"):
+        assert attacks[flood]["attacker"]["calls"] > 0 and attacks[flood]["attacker"]["refused"] == {}
+    assert ("every goal met" in printed) == (not figures["missed"])
