@@ -253,9 +253,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "calibration-on-every-aggregate",
         "controller/client/reports.py",
         "**(_request_totals(groups.values(), expected_speedup) if key == carrier else {}),",
-        "**(_request_totals([g], expected_speedup) if key[0] != \"none\" and carrier else {}),",
+        '**(_request_totals([g], expected_speedup) if key[0] != "none" and carrier else {}),',
         ("tests/controller/test_client.py",),
-        "each K the round policy ran is a calibration observation: a one-round tail's 0.5x drags a segment's median down",
+        "each K the round policy ran is a calibration observation: a one-round tail's 0.5x drags a segment's median "
+        "down",
     ),
     Mutation(
         "calibration-ignores-request-totals",
@@ -288,6 +289,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if token != generated[done + i - 1]:",
         ("tests/decoder/test_counterfactual.py",),
         "prompt lookup's replayed proposal is scored against the previous emitted token",
+    ),
+    Mutation(
+        "suffix-replay-other-segment",
+        "decoder/engine.py",
+        "            plan = Plan(name, k, segment=segment)\n",
+        "            plan = Plan(name, k)\n",
+        ("tests/decoder/test_counterfactual.py",),
+        "suffix decoding's counterfactual replay reads the unnamed segment's earlier outputs instead of the request's "
+        "segment's, so its scores are not what serving it would have accepted",
+    ),
+    Mutation(
+        "suffix-scored-after-sharing",
+        "decoder/worker/service.py",
+        "            self._report(request, stats, generated, ks)\n            if shares:\n"
+        "                self._share(request.segment, generated)\n",
+        "            if shares:\n                self._share(request.segment, generated)\n"
+        "            self._report(request, stats, generated, ks)\n",
+        ("tests/worker/test_counterfactual_scoring.py",),
+        "the worker shares a request's output with the suffix cache before scoring suffix decoding over it: the replay "
+        "proposes the very tokens it is scored against, and the controller learns an acceptance no request would see",
     ),
     Mutation(
         "tally-without-prefix-rule",

@@ -24,7 +24,7 @@ from functools import cached_property
 from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
 from controller.policy import Settings
-from specd_api.plan import BATCH_RULE_REASON, Plan, off, speculation_allowed
+from specd_api.plan import BATCH_RULE_REASON, SCORABLE, Plan, off, speculation_allowed
 from specd_api.speedup import best_k, repays_prefill, runs_draft_model, speedup_curve
 
 
@@ -75,6 +75,7 @@ class DrafterEstimate:
     cost_ratio: float  # c
     prior_weight: float = 0.0  # pseudo-counts of the prior in each position's posterior
     calibration: float = 1.0  # realised / model speedup in this segment (calibration_factor): scales every arm
+    scored_rounds: float = 0.0  # rounds scored counterfactually here (not served): what a worker's replay showed
 
     @cached_property
     def _means(self) -> tuple[list[float], list[float]]:
@@ -108,7 +109,10 @@ def estimate_drafter(
     )
     conditional = tuple(_shrunk(p.accepted, p.verified, pooled_alpha, n0) for p in positions)
     proposal = tuple(_shrunk(p.proposed, p.offered, pooled_proposal, n0) for p in positions)
-    return DrafterEstimate(drafter, conditional, proposal, cost_ratio, n0)
+    scored = counts.counterfactual.get((drafter, 0))
+    return DrafterEstimate(
+        drafter, conditional, proposal, cost_ratio, n0, scored_rounds=scored.offered if scored else 0.0
+    )
 
 
 def _shrunk(successes: float, trials: float, prior_mean: float, strength: float) -> Beta:
@@ -222,8 +226,8 @@ def deliberate(
     previous: Plan | None,
 ) -> Deliberation:
     """Everything of ``decide`` but the draw: the rules, the arms, the learned choice."""
-    lookup_k = _counterfactual_k(settings, request)
-    make = _PlanMaker(settings, policy_version, request.segment, estimates, costs, lookup_k)
+    scored = _counterfactual_ks(settings, request)
+    make = _PlanMaker(settings, policy_version, request.segment, estimates, costs, scored)
     ruled = _ruled(settings, request, make)
     if ruled is not None:
         return Deliberation(ruled, settings)
@@ -243,8 +247,7 @@ def deliberate(
         kept = previous is not None and choice != best and choice.drafter == previous.drafter
         ceiling = min(choice.k + settings.k_headroom, bounds[choice.drafter][1])
         exploit = make.plan(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
-    # Prompt lookup replayed over every request is known for free: probing it would pay to learn what is seen.
-    probeable = tuple(d for d in bounds if not (d == "prompt_lookup" and lookup_k > 0))
+    probeable = tuple(d for d in bounds if not _learned_unprobed(d, scored, estimates[d]))
     return Deliberation(exploit, settings, make, arms, bounds, probeable)
 
 
@@ -257,11 +260,11 @@ class _PlanMaker:
     segment: str
     estimates: Mapping[str, DrafterEstimate]
     costs: BucketCosts
-    lookup_k: int
+    scored: tuple[tuple[str, int], ...]  # the plans' counterfactual_ks
 
     def off(self, reason: str, speedup: float = 1.0) -> Plan:
         plan = off(reason, self.policy_version, self.segment, speedup)
-        return replace(plan, counterfactual_k=self.lookup_k, max_batch_size=self.settings.max_batch_size)
+        return replace(plan, counterfactual_ks=self.scored, max_batch_size=self.settings.max_batch_size)
 
     def plan(self, arm: Arm, reason: str, k: int, probe_rounds: int = 0) -> Plan:
         estimate = self.estimates[arm.drafter]
@@ -281,7 +284,7 @@ class _PlanMaker:
             cost_ratio=estimate.cost_ratio,
             verify_cost=self.costs.verify_table(k),
             probe_rounds=probe_rounds,
-            counterfactual_k=self.lookup_k,
+            counterfactual_ks=self.scored,
             calibration=estimate.calibration,
             max_batch_size=self.settings.max_batch_size,
         )
@@ -300,7 +303,7 @@ def _ruled(settings: Settings, request: Request, make: _PlanMaker) -> Plan | Non
             return make.off("request_too_short")
         threshold = forced.stop_threshold if runs_draft_model(settings.force) else 0.0
         return Plan(settings.force, k, "policy_forced", make.policy_version, segment=make.segment,
-                    stop_threshold=threshold, counterfactual_k=make.lookup_k,
+                    stop_threshold=threshold, counterfactual_ks=make.scored,
                     max_batch_size=settings.max_batch_size)  # fmt: skip
     return None
 
@@ -341,12 +344,24 @@ def _paying_choice(
     return max(paying, key=lambda a: a.speedup) if paying else "request_too_short"
 
 
-def _counterfactual_k(settings: Settings, request: Request) -> int:
-    """Prompt lookup is scored on every round whatever runs, when the worker has it and the policy allows it."""
-    if not settings.counterfactual or "prompt_lookup" not in request.drafters:
-        return 0
-    lookup = settings.drafter("prompt_lookup")
-    return lookup.k_max if lookup.enabled else 0
+def _counterfactual_ks(settings: Settings, request: Request) -> tuple[tuple[str, int], ...]:
+    """The one-hot drafters scored over the request's rounds whatever runs (prompt lookup, suffix decoding), each at
+    its k_max, when the worker has it and the policy allows it."""
+    if not settings.counterfactual:
+        return ()
+    return tuple(
+        (d, settings.drafter(d).k_max) for d in SCORABLE if d in request.drafters and settings.drafter(d).enabled
+    )
+
+
+def _learned_unprobed(drafter: str, scored: tuple[tuple[str, int], ...], estimate: DrafterEstimate) -> bool:
+    """Is ``drafter`` learned from counterfactual scoring, so that probing it would pay to learn what is seen for
+    free? Prompt lookup whenever the plan asks it scored: every worker that offers it scores it. Suffix decoding once
+    the segment also holds rounds scored for it: a worker from before its scoring offers it without scoring it, and
+    only probes would show its rate to a controller serving such a worker."""
+    if not any(d == drafter for d, _ in scored):
+        return False
+    return drafter == "prompt_lookup" or estimate.scored_rounds > 0
 
 
 def _with_hysteresis(best: Arm, arms: list[Arm], previous: Plan | None, settings: Settings) -> Arm | None:

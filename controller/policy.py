@@ -113,7 +113,9 @@ class Settings(PolicyModel):
     )
     probe_rounds: int = Field(4, ge=0, le=64, description="rounds a probe runs at k_max before adapting")
     k_headroom: int = Field(2, ge=0, le=64, description="a plan's K ceiling: the best K plus this much room")
-    counterfactual: bool = Field(True, description="score prompt lookup on every round, whatever drafter runs")
+    counterfactual: bool = Field(
+        True, description="score prompt lookup (every request) and suffix decoding (a share) whatever drafter runs"
+    )
     force: Literal["draft", "prompt_lookup", "chain", "suffix", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
     drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)

@@ -10,12 +10,14 @@ which is fed at the head of the next verification pass together with the draft.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
+from decoder.counterfactual import Scored, replay
 from decoder.drafters import (
     ChainDrafter,
     Draft,
@@ -33,7 +35,7 @@ from decoder.models import LoadedModel, check_pair
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.stopping import StopRules, cut_round, draft_budget, trim_stop_string
 from decoder.telemetry import RequestStats, RoundRecord
-from specd_api.plan import DRAFTER_NAMES, Plan, offers, requested
+from specd_api.plan import DRAFTER_NAMES, SCORABLE, Plan, offers, requested
 from specd_api.round_policy import RoundPolicy
 from specd_api.speedup import runs_draft_model
 
@@ -262,6 +264,28 @@ class SpeculativeDecoder:
             raise ValueError(f"k must be >= 0, got {k}")
         return self.decode(prompt_ids, params, rules, requested(drafter, k))
 
+    def counterfactual_ks(self, plan: Plan | None, ran: str) -> dict[str, int]:
+        """The drafters to replay over a request's output (``score``), each at its ceiling: those ``plan`` asks scored
+        that this engine offers, but ``ran``, the one that served it (its own rounds are the data)."""
+        if plan is None:
+            return {}
+        ks = plan.counterfactual_ks
+        return {d: k for d, k in ks if k > 0 and d != ran and d in SCORABLE and offers(self.drafters, d)}
+
+    def score(
+        self, ks: Mapping[str, int], prompt_ids: Sequence[int], generated: Sequence[int], rules: StopRules, segment: str
+    ) -> list[Scored]:
+        """Each drafter of ``ks`` (one-hot: prompt lookup, suffix decoding) replayed over ``generated`` at its
+        ceiling, made as serving makes it (``make_drafter``: suffix decoding reads ``segment``'s outputs in the suffix
+        cache as it stands, so score a request before its output joins the cache)."""
+        scored: list[Scored] = []
+        for name, k in ks.items():
+            assert name in SCORABLE, f"{name!r} is not a one-hot drafter: a replay cannot score it"
+            plan = Plan(name, k, segment=segment)
+            drafter = make_drafter(plan, None, self.prompt_lookup, SamplingParams(), None, None, self.suffix_cache)
+            scored += replay(drafter, prompt_ids, generated, k, rules, self.target.max_context)
+        return scored
+
     def _open_policy(
         self,
         plan: Plan,
@@ -304,11 +328,3 @@ def make_drafter(
         return SuffixDrafter(config, suffix_cache, plan.segment)
     assert name == "none", f"unknown drafter {name[:40]!r}"
     return NoDrafter()
-
-
-def counterfactual_k(plan: Plan | None, drafter: str) -> int:
-    """The ceiling prompt lookup is replayed at over a request's output (decoder.counterfactual): the plan's, unless
-    prompt lookup is what ran (its own rounds are then the data)."""
-    if plan is None or drafter == "prompt_lookup":
-        return 0
-    return max(plan.counterfactual_k, 0)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 # suffix: the most frequent continuation in the request's text and its segment's earlier outputs.
 DRAFTERS = ("draft", "prompt_lookup", "chain", "suffix")
 DRAFTER_NAMES = (*DRAFTERS, "none")
+# The one-hot drafters a worker can score counterfactually: replayed over the tokens a request emitted whatever ran,
+# for free (prompt lookup) or nearly (suffix decoding, on a share of requests).
+SCORABLE = ("prompt_lookup", "suffix")
 Source = Literal["controller", "table", "last_decision", "local_default", "request"]
 Fallback = Literal["timeout", "unavailable", "error"]
 
@@ -51,7 +54,8 @@ class Plan:
     cost_ratio: float = 0.0  # c at the request's batch size
     verify_cost: tuple[float, ...] = ()  # v(n), n = 0..k, at the request's batch size
     probe_rounds: int = 0  # rounds run at k before adapting (a probe observes every position)
-    counterfactual_k: int = 0  # prompt lookup's would-be proposals scored per round (0: off)
+    # (drafter, K ceiling) per drafter to score counterfactually over the request's rounds, by name; none: nothing.
+    counterfactual_ks: tuple[tuple[str, int], ...] = ()
     calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
     # The batch rule's threshold, the policy's (contract 6): no speculation in a batch of more sequences than this,
     # applied every round. None: the plan does not say (a fallback, a caller's own plan, an older controller); the
@@ -69,6 +73,15 @@ class Plan:
     @property
     def speculates(self) -> bool:
         return self.drafter != "none" and self.k > 0
+
+    def counterfactual_ceiling(self, drafter: str) -> int:
+        """The K ``drafter`` is scored at over this request's rounds (0: not scored)."""
+        return next((k for d, k in self.counterfactual_ks if d == drafter), 0)
+
+    @property
+    def counterfactual_k(self) -> int:
+        """Prompt lookup's ceiling: what a worker before ``counterfactual_ks`` reads (the wire's counterfactual_k)."""
+        return self.counterfactual_ceiling("prompt_lookup")
 
     @property
     def adaptive(self) -> bool:
@@ -95,6 +108,7 @@ class Plan:
             verify_cost=self.verify_cost,
             probe_rounds=self.probe_rounds,
             counterfactual_k=self.counterfactual_k,
+            counterfactual_ks=dict(self.counterfactual_ks),
             calibration=self.calibration,
             max_batch_size=self.max_batch_size,
         )
@@ -122,12 +136,20 @@ class Plan:
             cost_ratio=msg.cost_ratio,
             verify_cost=tuple(msg.verify_cost),
             probe_rounds=msg.probe_rounds,
-            counterfactual_k=msg.counterfactual_k,
+            counterfactual_ks=counterfactual_ks(dict(msg.counterfactual_ks), msg.counterfactual_k),
             calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
             max_batch_size=msg.max_batch_size if msg.HasField("max_batch_size") else None,  # absent: an older one
             source="controller",
             latency_s=latency_s,
         )
+
+
+def counterfactual_ks(by_drafter: dict[str, int], lookup_k: int = 0) -> tuple[tuple[str, int], ...]:
+    """A plan's ``counterfactual_ks`` from a Decision's map (only positive ceilings, sorted by drafter); a controller
+    before the map sent prompt lookup's ceiling alone, as ``lookup_k``."""
+    if not by_drafter and lookup_k > 0:
+        by_drafter = {"prompt_lookup": lookup_k}
+    return tuple(sorted((d, k) for d, k in by_drafter.items() if k > 0))
 
 
 def requested(drafter: str, k: int, k_schedule: Sequence[int] = (), max_batch_size: int | None = None) -> Plan:

@@ -111,6 +111,10 @@ class SuffixSettings(Strict):
         default_factory=list, max_length=1000, description="segments (names or globs) whose outputs never enter the "
         "cache, whatever a request says (share_outputs: false does it per request)",
     )  # fmt: skip
+    # Replaying suffix decoding over a request another drafter served costs 1.3-4.9 ms with the reference target,
+    # 1.7% of its decode time (median; p90 2.4%, docs/ARCHITECTURE.md): a quarter of the requests keep that at 0.4%.
+    counterfactual_share: float = Field(0.25, ge=0.0, le=1.0, description="of the requests the controller asks "
+                                        "suffix decoding scored over, the share scored (after the answer)")  # fmt: skip
 
     def config(self) -> SuffixConfig:
         from decoder.drafters.suffix_cache import SuffixConfig  # torch comes with the drafters: not at config load

@@ -11,8 +11,10 @@ import asyncio
 import contextvars
 import logging
 import socket
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,9 +27,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from controller.client import ClientConfig, ControllerClient, self_repetition
 from decoder.batch_engine import BatchEngine
 from decoder.calibration import CALIBRATION_SEGMENT, calibration_prompt, measure_costs
-from decoder.counterfactual import replay_lookup
 from decoder.drafters import PromptLookupConfig, SuffixCache
-from decoder.engine import GenerationResult, counterfactual_k
+from decoder.engine import GenerationResult
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
@@ -45,6 +46,10 @@ from specd_api.tracing import make_exporter, make_provider, no_tracer
 log = logging.getLogger("specd.worker")
 
 __all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "Speculation", "WorkerService"]
+
+# Requests waiting for their counterfactual scoring after the answer (a few ms each): past this, a request is reported
+# without suffix decoding's score, so a burst cannot queue unbounded work behind the decode thread.
+MAX_PENDING_SCORES = 64
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,11 @@ class WorkerService:
         self._provider: Any = None
         self.started_unix = time.time()
         self.draining = False
+        # Suffix decoding's counterfactual scoring, after the answer: one thread, at most MAX_PENDING_SCORES waiting.
+        self._scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-scoring")
+        self._scoring_lock = threading.Lock()
+        self._scores_pending = 0
+        self._suffix_due = 1.0  # counterfactual_share accumulated over the requests asked for it: score at 1
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -196,6 +206,7 @@ class WorkerService:
         if self.scheduler is not None:
             self.scheduler.drain(self.cfg.shutdown_grace_seconds)
             self.scheduler.stop()
+        self._scoring.shutdown(wait=True)  # scored requests report (and share) before the client flushes
         if self.client is not None:
             self.client.close(flush_timeout_s=min(5.0, self.cfg.shutdown_grace_seconds + 1))
         if self._provider is not None:
@@ -390,10 +401,17 @@ class WorkerService:
         self.metrics.observe_request(request.segment, outcome.status, stats, time.perf_counter() - request.started)
         batch = outcome.steps_in_batch
         batch_size = max(1, round(sum(batch) / len(batch))) if batch else 1
+        shares = outcome.status == "finished" and result is not None and self._shares(request)
+        generated = result.token_ids if result is not None else []
         if stats is not None and self._reports(request):
-            self._report(request, stats, result.token_ids if result is not None else [])
-        if outcome.status == "finished" and result is not None and self._shares(request):
-            self._share(request.segment, result.token_ids)
+            ks = self._counterfactual_ks(request, stats)
+            if "suffix" in ks and self._score_later(request, stats, generated, ks, shares):
+                shares = False  # the scoring thread shares the output once suffix decoding is scored without it
+            else:
+                ks.pop("suffix", None)
+                self._report(request, stats, generated, ks)
+        if shares:
+            self._share(request.segment, generated)
         info = response_info(request.segment, request.plan, batch_size, stats)
         attributes = span_attributes(request.segment, request.plan, info, outcome.status)
         for d in request.decode_span:
@@ -422,15 +440,62 @@ class WorkerService:
         chosen = request.spec.speculation
         return self.client is not None and (chosen is None or chosen.report)
 
-    def _report(self, request: InFlight, stats: RequestStats, generated: list[int]) -> None:
+    def _counterfactual_ks(self, request: InFlight, stats: RequestStats) -> dict[str, int]:
+        """The drafters scored over this request (the plan's, but the one that ran), each at its ceiling; suffix
+        decoding on ``suffix.counterfactual_share`` of the requests asked for it (its replay costs ~2% of a decode)."""
+        assert self.engine is not None
+        ks = self.engine.counterfactual_ks(request.plan, stats.rounds[0].drafter if stats.rounds else "none")
+        if "suffix" in ks:
+            share = self.cfg.suffix.counterfactual_share
+            with self._scoring_lock:
+                due = share > 0 and self._suffix_due >= 1.0  # the first request asked, then one in 1 / share
+                self._suffix_due += share - (1.0 if due else 0.0)
+            if not due:
+                del ks["suffix"]
+        return ks
+
+    def _score_later(
+        self, request: InFlight, stats: RequestStats, generated: list[int], ks: dict[str, int], shares: bool
+    ) -> bool:
+        """Score and report ``request`` on the scoring thread, after its answer, then share its output if ``shares``
+        (suffix decoding is replayed over the cache without it). False: MAX_PENDING_SCORES already wait, or the
+        worker is stopping; the caller reports without suffix decoding's score."""
+        with self._scoring_lock:
+            if self._scores_pending >= MAX_PENDING_SCORES:
+                return False
+            self._scores_pending += 1
+        try:
+            self._scoring.submit(self._score_and_share, request, stats, generated, ks, shares)
+        except RuntimeError:  # shut down
+            with self._scoring_lock:
+                self._scores_pending -= 1
+            return False
+        return True
+
+    def _score_and_share(
+        self, request: InFlight, stats: RequestStats, generated: list[int], ks: dict[str, int], shares: bool
+    ) -> None:
+        try:
+            self._report(request, stats, generated, ks)
+            if shares:
+                self._share(request.segment, generated)
+        except Exception:  # (nothing waits for this thread's futures: say it here)
+            log.exception("reporting or sharing a request of segment %r failed", request.segment)
+        finally:
+            with self._scoring_lock:
+                self._scores_pending -= 1
+
+    def _report(self, request: InFlight, stats: RequestStats, generated: list[int], ks: dict[str, int]) -> None:
+        """Report the request's rounds, with the drafters of ``ks`` scored over them (before its output joins the
+        suffix cache)."""
         assert self.client is not None and self.engine is not None
         spec, engine = request.spec, self.engine
-        drafter = stats.rounds[0].drafter if stats.rounds else "none"
-        k = counterfactual_k(request.plan, drafter)
-        scored = replay_lookup(
-            spec.prompt_ids, generated, engine.prompt_lookup, k,
-            StopRules(spec.max_new_tokens, engine.target.eos_token_ids), engine.target.max_context,
-        ) if k else []  # fmt: skip
+        rules = StopRules(spec.max_new_tokens, engine.target.eos_token_ids)
+        try:
+            scored = engine.score(ks, spec.prompt_ids, generated, rules, request.segment) if ks else []
+        except Exception:  # a scoring bug must not cost the request's served rounds, nor the request
+            log.exception("counterfactual scoring of %s failed; the rounds are reported without it", sorted(ks))
+            scored = []
         self.client.report(
             segment=request.segment,
             rounds=stats.rounds,

@@ -188,6 +188,14 @@ def test_counterfactual_tallies_become_scored_aggregates():
     assert summary(scored) == ("prompt_lookup", 3, 4, 6, 3, 0, [3, 2, 1], [3, 2, 1], [2, 1, 0])
     assert (scored.draft_seconds, scored.verify_seconds, list(scored.rounds_by_drafted)) == (0.0, 0.0, [])
     check_aggregate(scored)
+    # suffix decoding, scored the same way (decoder.engine.SpeculativeDecoder.score), at its K ceiling of 16
+    wide = PositionTally.of_width(16)
+    wide.add(5, 3)
+    (_, suffix) = rounds_to_aggregates("code", [draft(2, 2, 1)], **REPORT_ARGS, scored=[Scored("suffix", 16, wide)])
+    assert (suffix.drafter, suffix.k, suffix.counterfactual, suffix.num_drafted, suffix.num_accepted) == (
+        "suffix", 16, True, 5, 3,
+    )  # fmt: skip
+    check_aggregate(suffix)
 
 
 def test_one_aggregate_per_request_carries_the_requests_calibration_observation():

@@ -264,3 +264,35 @@ def test_suffix_is_a_drafter_the_policy_allows_or_forbids_per_segment():
     assert forbidden.drafter == "draft", "a disabled suffix is never chosen"
     forced = plan_for(with_(force="suffix", force_k=4))
     assert (forced.drafter, forced.k, forced.reason) == ("suffix", 4, "policy_forced")
+
+
+def run_suffix(seg: SegmentCounts, settings: Settings, seed: int, drafters: tuple[str, ...] = ("suffix",)) -> Plan:
+    """decide() for a worker that offers suffix decoding (and ``drafters``), with the policy's suffix settings."""
+    req = Request(segment="s", batch_size=1, drafters=drafters, max_new_tokens=128)
+    estimates = {d: estimate_drafter(seg, d, settings.drafter(d).k_max, 0.3, 0.5, settings.prior_strength, 0.0)
+                 for d in drafters}  # fmt: skip
+    return decide(settings, "v1", req, estimates, GPU, None, random.Random(seed))
+
+
+def test_suffix_decoding_learned_from_its_counterfactual_rounds_is_not_probed():
+    # Suffix decoding scored over a million rounds says it is hopeless here: the segment is off, and its floor of
+    # probes would go to suffix decoding, the only drafter. Scored on every request asked, it is seen for free.
+    scored = counts(served=False, suffix=(0.05, 0.05))
+    explore = with_(exploration_rate=0.5)
+    plans = [run_suffix(scored, explore, s) for s in range(500)]
+    assert all(p.drafter == "none" and p.counterfactual_ceiling("suffix") == 16 for p in plans)
+    assert not any(p.exploration for p in plans)
+    # Not scored (the policy says so), or scored by no worker yet (a worker from before suffix decoding's scoring
+    # offers it and ignores the request): only probes can show it, so the floor probes it.
+    unscored = with_(exploration_rate=0.5, counterfactual=False)
+    assert run_suffix(scored, unscored, 0).counterfactual_ks == ()
+    assert any(run_suffix(scored, unscored, s).exploration for s in range(500))
+    served_only = counts(served=True, suffix=(0.05, 0.05))
+    assert any(run_suffix(served_only, explore, s).exploration for s in range(500))
+
+
+def test_the_plan_asks_every_scorable_drafter_the_worker_offers_scored():
+    plan = run_suffix(counts(draft=(0.9, 1.0)), with_(), 0, drafters=("draft", "prompt_lookup", "suffix"))
+    assert plan.counterfactual_ks == (("prompt_lookup", 10), ("suffix", 16))  # each at its k_max
+    assert plan.counterfactual_k == 10  # what a worker before counterfactual_ks reads
+    assert run_suffix(counts(draft=(0.9, 1.0)), with_(), 0, drafters=("draft",)).counterfactual_ks == ()

@@ -632,10 +632,13 @@ def test_unprofitable_drafting_is_not_reported_as_a_short_request(fresh):
     assert decision.reason == "low_expected_speedup"
 
 
-def counterfactual_lookup(segment: str, rounds: int, accepted_at_0: int) -> pb.RoundsAggregate:
-    """Prompt lookup scored on ``rounds`` rounds of another drafter: one token proposed per round."""
+def counterfactual_lookup(
+    segment: str, rounds: int, accepted_at_0: int, drafter: str = "prompt_lookup"
+) -> pb.RoundsAggregate:
+    """Prompt lookup (or another one-hot ``drafter``) scored on ``rounds`` rounds of another drafter: one token
+    proposed per round."""
     return pb.RoundsAggregate(
-        segment=segment, drafter="prompt_lookup", k=1, rounds=rounds, num_drafted=rounds, num_accepted=accepted_at_0,
+        segment=segment, drafter=drafter, k=1, rounds=rounds, num_drafted=rounds, num_accepted=accepted_at_0,
         proposed_per_position=[rounds], verified_per_position=[rounds], accepted_per_position=[accepted_at_0],
         batch_size=1, counterfactual=True,
     )  # fmt: skip
@@ -654,6 +657,19 @@ def test_counterfactual_rounds_are_shown_apart_and_decide_alone(fresh):
     assert lookup.acceptance[0] > 0.9  # the estimate decisions use includes them
     assert stats.rounds == 0  # rounds served: none
     assert decide(stub, "scored", drafters=("prompt_lookup",)).drafter == "prompt_lookup"
+
+
+def test_suffix_decoding_scored_counterfactually_is_learned_and_chosen_without_a_probe(fresh):
+    # What a worker reports for suffix decoding replayed over requests another drafter served: accepted at the door,
+    # kept apart from served rounds, and enough to choose it without a probe.
+    stub = fresh()
+    stub.ReportRounds(report(counterfactual_lookup("sfx", 1000, 990, drafter="suffix")), timeout=RPC_TIMEOUT)
+    stats = wait_for_stats(stub, "sfx", lambda s: any(d.counterfactual_positions for d in s.drafters))
+    suffix = by_drafter(stats, "suffix")
+    assert not suffix.positions and suffix.counterfactual_positions[0].accepted == pytest.approx(990)
+    decisions = [decide(stub, "sfx", drafters=("suffix",)) for _ in range(40)]
+    assert all(d.drafter == "suffix" and d.counterfactual_ks["suffix"] > 0 for d in decisions)
+    assert not any(d.exploration for d in decisions)
 
 
 def test_costs_are_learned_per_n_from_the_timing_tables(fresh):

@@ -1,22 +1,28 @@
-"""Prompt lookup replayed over a request's output (decoder.counterfactual) is what serving it would have done.
+"""Prompt lookup and suffix decoding replayed over a request's output (decoder.counterfactual) is what serving them
+would have done.
 
-Greedy, the emitted tokens are the target's whatever drafted them, so replaying prompt lookup at ceiling K over
-them must give exactly the per-position counts of a request actually served with prompt lookup at K: the same
-rounds, starting at the same positions, proposing, verifying and accepting the same tokens.
+Greedy, the emitted tokens are the target's whatever drafted them, so replaying a one-hot drafter at ceiling K over
+them must give exactly the per-position counts of a request actually served with it at K: the same rounds, starting
+at the same positions, proposing, verifying and accepting the same tokens. For suffix decoding that holds with the
+segment's cache of earlier outputs as the served request read it, which the replay must read too (and never the
+request's own output).
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from decoder.counterfactual import Scored, replay_lookup
-from decoder.drafters import PromptLookupConfig
+from decoder.drafters import PromptLookupConfig, SuffixCache, SuffixConfig
 from decoder.engine import SpeculativeDecoder
 from decoder.sampling import SamplingParams
 from decoder.stopping import StopRules
+from specd_api.plan import Plan, requested
 from tests.conftest import tiny_lm
+from tests.decoder.test_suffix import filled_cache, prompts_with_structure
 
 GREEDY = SamplingParams()
 
@@ -81,3 +87,59 @@ def test_the_replay_stops_where_the_request_ended():
     assert [as_tuple(t) for t in tallies] == [(2, 1, [1, 1], [1, 1], [1, 1])]
     assert replay_lookup([1, 2], [], PromptLookupConfig(), 4, StopRules(8), None) == []
     assert replay_lookup([1, 2], [5, 6], PromptLookupConfig(), 0, StopRules(8), None) == []
+
+
+# -- suffix decoding --------------------------------------------------------------------------------------------
+
+
+def suffix_plan(k: int, segment: str) -> Plan:
+    return replace(requested("suffix", k), segment=segment)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_the_suffix_replay_counts_what_serving_suffix_decoding_counted(decoder, tokenizer, k):
+    """The segment's cache holds earlier outputs (and corrupted copies: proposals from it are accepted in part); each
+    request is served with suffix decoding, and decoded plainly; the engine's scoring of the plain output (what the
+    worker reports) must count the served rounds, with the cache it read and without it differently."""
+    rules = StopRules(max_new_tokens=30)  # no EOS: long outputs, where the cache and the own text give matches
+    earlier = prompts_with_structure(len(tokenizer), seed=1, count=6)
+    cache = filled_cache(decoder, earlier, rules, "seg-a")
+    served_by = SpeculativeDecoder(decoder.target, suffix_cache=cache)
+    alone = SpeculativeDecoder(decoder.target, suffix_cache=SuffixCache(cache.config))  # the same, empty
+    from_cache = accepted = 0
+    for prompt in [*prompts_with_structure(len(tokenizer), seed=7 + k, count=4), earlier[k % 6]]:
+        served = served_by.decode(prompt, GREEDY, rules, suffix_plan(k, "seg-a"))
+        plain = decoder.generate(prompt, "none", 0, GREEDY, rules)
+        assert plain.token_ids == served.token_ids
+        replayed = served_by.score({"suffix": k}, prompt, plain.token_ids, rules, "seg-a")
+        assert all(t.drafter == "suffix" for t in replayed)
+        assert [as_tuple(t) for t in replayed] == served_tallies(served.stats.rounds), prompt
+        without = alone.score({"suffix": k}, prompt, plain.token_ids, rules, "seg-a")
+        from_cache += [as_tuple(t) for t in without] != [as_tuple(t) for t in replayed]
+        accepted += served.stats.num_accepted
+    assert accepted > 0 and from_cache > 0, "the cache never changed a proposal: the test would not see it ignored"
+
+
+def test_the_suffix_replay_reads_its_own_segment_and_not_the_output_it_scores(decoder, tokenizer):
+    rules = StopRules(max_new_tokens=30)
+    prompt = prompts_with_structure(len(tokenizer), seed=3, count=1)[0]
+    output = decoder.generate(prompt, "none", 0, GREEDY, rules).token_ids
+    cache = SuffixCache(SuffixConfig(depth=8))
+    cache.add("other", output)  # another segment's copy of this very output
+    engine = SpeculativeDecoder(decoder.target, suffix_cache=cache)
+    mine = engine.score({"suffix": 8}, prompt, output, rules, "seg-a")
+    served = engine.decode(prompt, GREEDY, rules, suffix_plan(8, "seg-a"))
+    assert [as_tuple(t) for t in mine] == served_tallies(served.stats.rounds)
+    # Had the output been in the segment's cache when scored, nearly every token would have been proposed from it:
+    # what the worker must never do (it scores first, then shares the output).
+    cache.add("seg-a", output)
+    cheat = engine.score({"suffix": 8}, prompt, output, rules, "seg-a")
+    assert sum(t.tally.num_accepted for t in cheat) > sum(t.tally.num_accepted for t in mine) + 5
+
+
+def test_the_engine_scores_what_the_plan_asks_but_the_drafter_that_ran(decoder):
+    plan = Plan("draft", 4, counterfactual_ks=(("draft", 3), ("prompt_lookup", 10), ("suffix", 16)))
+    assert decoder.counterfactual_ks(plan, "draft") == {"prompt_lookup": 10, "suffix": 16}  # draft is not one-hot
+    assert decoder.counterfactual_ks(plan, "suffix") == {"prompt_lookup": 10}  # its own rounds are the data
+    assert decoder.counterfactual_ks(Plan(counterfactual_ks=(("suffix", 0),)), "none") == {}
+    assert decoder.counterfactual_ks(None, "none") == {}

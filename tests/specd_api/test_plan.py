@@ -107,9 +107,22 @@ def test_a_callers_own_plan():
 @pytest.mark.parametrize("max_batch_size", [8, 0, None], ids=["8", "0: never", "absent"])
 def test_the_plan_survives_the_wire(max_batch_size):
     plan = Plan("draft", 6, "best_expected_speedup", "abc", False, 1.4, True, "code", 0.3, (0.9, 0.8), (1.0, 1.0),
-                8.0, 0.12, (1.0, 1.2, 1.3), 4, 10, max_batch_size=max_batch_size)  # fmt: skip
+                8.0, 0.12, (1.0, 1.2, 1.3), 4, (("prompt_lookup", 10), ("suffix", 16)),
+                max_batch_size=max_batch_size)  # fmt: skip
     back = Plan.from_proto(plan.to_proto(), latency_s=0.002)
     assert back == Plan(**{**plan.__dict__, "latency_s": 0.002})
+
+
+def test_the_drafters_to_score_reach_workers_old_and_new():
+    plan = Plan("draft", 4, counterfactual_ks=(("prompt_lookup", 10), ("suffix", 16)))
+    wire = pb.Decision.FromString(plan.to_proto().SerializeToString())
+    assert wire.counterfactual_k == 10, "a worker before counterfactual_ks reads prompt lookup's K here"
+    assert dict(wire.counterfactual_ks) == {"prompt_lookup": 10, "suffix": 16}
+    assert Plan.from_proto(wire).counterfactual_ceiling("suffix") == 16
+    older = pb.Decision(drafter="draft", k=4, counterfactual_k=10)  # a controller before counterfactual_ks
+    assert Plan.from_proto(older).counterfactual_ks == (("prompt_lookup", 10),)
+    no_lookup = Plan.from_proto(pb.Decision(drafter="draft", k=4, counterfactual_ks={"suffix": 16, "prompt_lookup": 0}))
+    assert (no_lookup.counterfactual_ks, no_lookup.counterfactual_k) == ((("suffix", 16),), 0)
 
 
 def test_a_decision_from_a_controller_before_the_batch_threshold_field_carries_none():
