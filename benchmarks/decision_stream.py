@@ -33,9 +33,9 @@ import grpc
 
 from benchmarks.controller_latency import SEGMENTS, aggregate, percentile
 from benchmarks.faults import Controller
-from controller.client import ClientConfig, ControllerClient
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_client import ClientConfig, ControllerClient
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFTERS = ("draft", "prompt_lookup")

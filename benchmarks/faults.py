@@ -35,10 +35,10 @@ from typing import Any
 import grpc
 import httpx
 
-from controller.client import ClientConfig, ControllerClient
 from decoder.telemetry import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_client import ClientConfig, ControllerClient
 
 REPO = Path(__file__).resolve().parent.parent
 POLICY = REPO / "policies" / "default.yaml"

@@ -251,7 +251,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "calibration-on-every-aggregate",
-        "controller/client/reports.py",
+        "specd_client/reports.py",
         "**(_request_totals(groups.values(), expected_speedup) if key == carrier else {}),",
         '**(_request_totals([g], expected_speedup) if key[0] != "none" and carrier else {}),',
         ("tests/controller/test_client.py",),

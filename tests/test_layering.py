@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Module groups, most specific prefix first: a module belongs to the first group whose prefix it has.
 GROUPS: tuple[tuple[str, str], ...] = (
     ("specd_api", "specd_api"),  # the leaf: wire contract (generated stubs), shared types and errors, lifecycle
-    ("controller.client", "client"),  # the torch-free client library a worker links to talk to the controller
+    ("specd_client", "client"),  # the torch-free client library a worker links to talk to the controller
     ("controller", "controller"),  # the controller daemon and its commands
     ("decoder.worker", "worker"),  # the HTTP decode worker
     ("decoder", "engine"),  # the engine: models, drafters, the decode loop (distillation too)
@@ -195,8 +195,8 @@ def test_known_violations_are_still_there():
         ("controller.redis_schema", "controller"),  # the daemon's own: neither the client nor the engine names fields
         ("specd", "cli"),  # a prefix match on "specd" must not take specd_api's modules
         ("specd.demo.run", "cli"),
-        ("controller.client.client", "client"),
-        ("controller.clients", "controller"),  # a dotted prefix, not a string one
+        ("specd_client.client", "client"),
+        ("specd_clients", None),  # a dotted prefix, not a string one: no group of ours
         ("controller", "controller"),
         ("decoder.worker.service", "worker"),
         ("decoder", "engine"),
@@ -219,7 +219,7 @@ def test_a_lazy_relative_or_dynamic_import_is_seen(tmp_path: Path):
         "from . import sampling\n"
         "from .worker import app\n"
         "if TYPE_CHECKING:\n    import specd\n"
-        "def later():\n    import controller.client\n    __import__('refmodels')\n"
+        "def later():\n    import specd_client\n    __import__('refmodels')\n"
     )
     found = [str(imp) for imp in imports_of(tmp_path / "decoder" / "engine.py", tmp_path)]
     assert sorted(found) == [
@@ -228,6 +228,6 @@ def test_a_lazy_relative_or_dynamic_import_is_seen(tmp_path: Path):
         "decoder/engine.py:3: decoder.sampling",
         "decoder/engine.py:4: decoder.worker.app",
         "decoder/engine.py:6: specd",
-        "decoder/engine.py:8: controller.client",
+        "decoder/engine.py:8: specd_client",
         "decoder/engine.py:9: refmodels",
     ]

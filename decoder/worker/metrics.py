@@ -18,7 +18,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from controller.client import ClientStats
 from decoder.drafters.suffix_cache import CacheStats
 from decoder.runners.base import ForwardPass
 from decoder.telemetry import RequestStats
@@ -26,6 +25,7 @@ from decoder.worker.scheduler import StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from specd_api.position_tally import PositionTally
 from specd_api.segments import OVERFLOW_SEGMENT
+from specd_client import ClientStats
 
 DEFAULT_MAX_SEGMENTS = 100
 

@@ -35,7 +35,7 @@ def classify_prompt(text: str, self_repetition: float, chars: int | None = WINDO
     """One of ``extractive``, ``structured``, ``code``, ``adversarial``, ``prose`` for a prompt, read through
     ``window(text, chars)`` (``chars=None``: the whole text).
 
-    # self_repetition: the prompt's share of trailing n-grams seen earlier (controller.client.self_repetition)
+    # self_repetition: the prompt's share of trailing n-grams seen earlier (specd_client.self_repetition)
     """
     stripped = (window(text, chars) if chars is not None else text).strip()
     if not stripped:

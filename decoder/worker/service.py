@@ -24,7 +24,6 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from controller.client import ClientConfig, ControllerClient, self_repetition
 from decoder.batch_engine import BatchEngine
 from decoder.calibration import CALIBRATION_SEGMENT, calibration_prompt, measure_costs
 from decoder.drafters import PromptLookupConfig, SuffixCache
@@ -42,6 +41,7 @@ from decoder.worker.text_stream import TextStream
 from specd_api.plan import Plan, local_plan, requested, runnable
 from specd_api.spans import plan_attributes
 from specd_api.tracing import make_exporter, make_provider, no_tracer
+from specd_client import ClientConfig, ControllerClient, self_repetition
 
 log = logging.getLogger("specd.worker")
 

@@ -24,7 +24,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.auth import RefusalLog, Tokens, exposure_warnings, refusal, required_role
-from controller.client import ClientConfig, ControllerClient
 from controller.config import ControllerConfig, LearningConfig, TokenAuth, load_config
 from controller.server import ControllerDaemon
 from specd.cli import main as specd_main
@@ -32,6 +31,7 @@ from specd_api.security import ClientTls, ControllerCredentials, Secret, ServerT
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError, parse_yaml_model
+from specd_client import ClientConfig, ControllerClient
 from tests.tls_certs import Pki, encrypted_copy, make_pki, uncomment
 from tests.waiting import wait_until
 

@@ -31,9 +31,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 import controller.server as server_module
-from controller.client import ClientConfig, ControllerClient, rounds_to_aggregates, self_repetition
-from controller.client.buffer import ReportBuffer
-from controller.client.fallback import DecisionMemory
 from controller.config import ControllerConfig, LearningConfig
 from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
@@ -44,6 +41,9 @@ from specd_api.plan import Plan
 from specd_api.position_tally import PositionTally
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_client import ClientConfig, ControllerClient, rounds_to_aggregates, self_repetition
+from specd_client.buffer import ReportBuffer
+from specd_client.fallback import DecisionMemory
 from tests.waiting import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,12 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.client import ClientConfig
 from controller.config import ControllerConfig, LearningConfig
 from controller.table_publisher import PROBE_DRAWS
 from specd_api.plan import BATCH_RULE_REASON, Plan, off
 from specd_api.table_rule import BucketEntry, SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
+from specd_client import ClientConfig
 from tests.controller.test_client import (
     DECIDE_ARGS,
     DEFAULT_POLICY,

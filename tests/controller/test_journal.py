@@ -24,9 +24,6 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import controller.journal as journal_module
-from controller.client import ControllerClient
-from controller.client.config import ClientConfig
-from controller.client.reports import rounds_to_aggregates
 from controller.config import ControllerConfig, LearningConfig
 from controller.counts import Aggregate
 from controller.journal import Journal, JournalFull, record
@@ -37,6 +34,9 @@ from controller.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError
+from specd_client import ControllerClient
+from specd_client.config import ClientConfig
+from specd_client.reports import rounds_to_aggregates
 from tests.waiting import wait_until
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
@@ -116,7 +116,7 @@ def report_request(report_id: str, segment: str, requests: int = 1) -> pb.Report
 
 
 class Round:
-    """A round as an engine records it (controller.client.reports.RoundLike)."""
+    """A round as an engine records it (specd_client.reports.RoundLike)."""
 
     def __init__(self, accepted: int) -> None:
         self.drafter, self.k, self.num_drafted, self.num_accepted = "draft", 3, 3, accepted

@@ -27,11 +27,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.client import ClientConfig, ControllerClient
 from controller.redis_conn import make_client
 from specd_api.security import ClientTls, ControllerCredentials
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_client import ClientConfig, ControllerClient
 from tests.controller.test_client import DECIDE_ARGS, REPORT_ARGS, REQUEST_ROUNDS, FakeController, k_stats, wait_until
 from tests.tls_certs import make_pki
 from tests.waiting import free_port

@@ -25,7 +25,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.client.reports import rounds_to_aggregates
 from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
 from decoder.counterfactual import Scored
@@ -34,6 +33,7 @@ from specd_api.position_tally import PositionTally
 from specd_api.round_policy import RoundPolicy
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_client.reports import rounds_to_aggregates
 
 STEP_SECONDS = 0.010  # one target step
 VERIFY = (1.0, 1.39, 1.71, 1.58, 1.21, 1.9, 2.3, 2.7, 3.1, 3.5, 3.9, 4.3, 4.7, 5.1, 5.5, 5.9, 6.3)  # v(n), n = 0..16

@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import workloads
-from controller.client import self_repetition
 from decoder.worker.config import RequestLimits
 from decoder.worker.segments import _CODE, CLASSIFIER_SEGMENTS, WINDOW_CHARS, classify_prompt
+from specd_client import self_repetition
 from tests.fuzzing import fuzz_settings
 
 REPO = Path(__file__).resolve().parents[2]

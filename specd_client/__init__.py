@@ -3,10 +3,10 @@
 Torch-free: any decode engine can use it (see docs/controller_client.md).
 """
 
-from controller.client.client import ControllerClient
-from controller.client.config import ClientConfig, ClientStats
-from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregates, self_repetition
 from specd_api.plan import Plan
+from specd_client.client import ControllerClient
+from specd_client.config import ClientConfig, ClientStats
+from specd_client.reports import RoundLike, ScoredLike, rounds_to_aggregates, self_repetition
 
 __all__ = [
     "ClientConfig",

@@ -19,11 +19,6 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from controller.client.buffer import PendingReport, ReportBuffer
-from controller.client.config import ClientConfig, ClientStats
-from controller.client.fallback import DecisionMemory, fallback_cause
-from controller.client.reports import RoundLike, ScoredLike, rounds_to_aggregates
-from controller.client.table_watcher import TableWatcher
 from specd_api.checks import check_aggregate
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
 from specd_api.security import controller_channel
@@ -32,6 +27,11 @@ from specd_api.table_rule import as_local
 from specd_api.tracing import metadata_with_context
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from specd_client.buffer import PendingReport, ReportBuffer
+from specd_client.config import ClientConfig, ClientStats
+from specd_client.fallback import DecisionMemory, fallback_cause
+from specd_client.reports import RoundLike, ScoredLike, rounds_to_aggregates
+from specd_client.table_watcher import TableWatcher
 
 log = logging.getLogger("specd.controller.client")
 DECIDE_SPAN = "specd.controller.decide"

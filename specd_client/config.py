@@ -29,7 +29,7 @@ class ClientConfig:
     reconnect_backoff_s: tuple[float, float] = (0.1, 1.0)  # gRPC reconnect backoff: how soon a restart is seen
     credentials: ControllerCredentials | None = None  # TLS and a token (files checked when made); None: plaintext
     # The drafters this worker runs: watch the controller's decision tables for them (WatchDecisions) and decide
-    # locally where a table holds (controller/client/table_watcher.py). Empty: every decision is a Decide call.
+    # locally where a table holds (specd_client/table_watcher.py). Empty: every decision is a Decide call.
     watch_decisions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
