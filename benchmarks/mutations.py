@@ -58,6 +58,7 @@ GREEDY = ("tests/decoder/test_exactness.py", "tests/decoder/test_independent_ref
 COSTS = ("tests/controller/test_simulation.py", "tests/controller/test_decide.py")
 ROBUST = ("tests/controller/test_robust_costs.py",)
 NATIVE = ("tests/decoder/test_native.py",)
+TABLES = "tests/controller/test_decision_tables.py"
 BF16_DOT = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})  # the avx512bf16 build's tests skip without these
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -259,6 +260,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "down",
     ),
     Mutation(
+        "calibration-not-from-the-fleet",
+        "controller/service.py",
+        "total(counts.calibration.get(d, {})), toward=fleet),",
+        "total(counts.calibration.get(d, {}))),",
+        ("tests/controller/test_calibration_service.py",),
+        "a new segment's calibration starts at 1 whatever the fleet's requests realised (cold segments over-promised)",
+    ),
+    Mutation(
         "calibration-ignores-request-totals",
         "controller/counts.py",
         "if self.request_tokens_emitted and self.request_seconds > 0:",
@@ -373,6 +382,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         NATIVE,
         "the worst build that works (AVX2) runs where the CPU has AVX512-BF16",
         BF16_DOT,
+    ),
+    Mutation(
+        "every-refresh-moves-every-segment",
+        "controller/learner.py",
+        "moved = _changed_segments(self._snapshot, snapshot)",
+        "moved = set(snapshot.segments)",
+        (TABLES,),
+        "a refresh counts every segment as changed, read again or not: every refresh recomputes every decision table",
+    ),
+    Mutation(
+        "first-streams-build-together",
+        "controller/table_publisher.py",
+        "        with self._build_lock:\n            with self._cond:\n                if drafters in self._tables:",
+        "        with threading.Lock():\n            with self._cond:\n                if drafters in self._tables:",
+        (TABLES,),
+        "streams opened together before any table exists each build every table (a controller restart, with every "
+        "worker reconnecting, costs N builds)",
     ),
 )
 

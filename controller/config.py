@@ -48,6 +48,7 @@ class LearningConfig(Strict):
             max_segments=self.max_segments,
             report_ttl_seconds=self.report_ttl_seconds,
             samples_max=self.samples_max,
+            decay_step_seconds=self.bucket_seconds,  # decay moves with the window, once a bucket
         )
 
 

@@ -145,18 +145,23 @@ CALIBRATION_MIN_REQUESTS = 3.0  # below this, no calibration: the median of one 
 CALIBRATION_BOUNDS = (0.25, 2.0)
 
 
-def calibration_factor(realised_over_model: float, requests: float) -> float:
+def calibration_factor(realised_over_model: float, requests: float, toward: float = 1.0) -> float:
     """The factor a segment's speedup model is scaled by: the median realised / model speedup of its recent
-    requests, shrunk towards 1 in log space by CALIBRATION_PRIOR_REQUESTS pseudo-requests, within CALIBRATION_BOUNDS;
-    1 below CALIBRATION_MIN_REQUESTS (the median of one request is that request, stalled or not). Whatever the model
-    misses for this segment (acceptance shrunk towards a prior that flatters it, costs that differ at its context
-    lengths, rounds the K rule cuts short) is then corrected by what its requests realised."""
+    requests, shrunk in log space by CALIBRATION_PRIOR_REQUESTS pseudo-requests towards ``toward`` (the fleet's
+    factor for the drafter, hierarchical as α is: a new segment starts where the fleet's requests put the model, not
+    at 1), within CALIBRATION_BOUNDS; ``toward`` itself below CALIBRATION_MIN_REQUESTS (the median of one request is
+    that request, stalled or not). Whatever the model misses for this segment (acceptance shrunk towards a prior that
+    flatters it, costs that differ at its context lengths, rounds the K rule cuts short) is then corrected by what
+    its requests realised."""
+    low, high = CALIBRATION_BOUNDS
+    prior = min(max(toward, low), high) if toward > 0 and math.isfinite(toward) else 1.0
     if not (realised_over_model > 0 and requests >= CALIBRATION_MIN_REQUESTS):
-        return 1.0
+        return prior
     if not math.isfinite(realised_over_model * requests):
-        return 1.0
-    log_factor = requests * math.log(realised_over_model) / (requests + CALIBRATION_PRIOR_REQUESTS)
-    return min(max(math.exp(log_factor), CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
+        return prior
+    n0 = CALIBRATION_PRIOR_REQUESTS
+    log_factor = (requests * math.log(realised_over_model) + n0 * math.log(prior)) / (requests + n0)
+    return min(max(math.exp(log_factor), low), high)
 
 
 def repays_drafting(arm: Arm, request: Request, settings: Settings, cost_ratio: float) -> bool:

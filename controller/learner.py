@@ -19,13 +19,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry
 
-from controller.cost_model import MIN_REQUESTS, CostModel, build_cost_model
+from controller.cost_model import MIN_REQUESTS, BucketCosts, CostModel, build_cost_model
 from controller.counts import Aggregate, CostCounts, SegmentCounts
 from controller.drift_watch import DriftAlarm, DriftWatch
 from controller.journal import Journal
@@ -67,10 +67,16 @@ class Learner:
         self._replayed: list[Sequence[Aggregate]] = []  # in _pending and sent to Redis, not yet in the snapshot
         self._last_prior_fit = 0.0
         self.cost_model = CostModel()
-        self.version = 0  # changes whenever what decisions read changes (snapshot, journal, prior)
+        # Versions move only when what decisions read moved (a refresh that read the same data leaves them): the
+        # learner's as a whole, each segment's counts, and the cost model. Caches and decision tables key on them.
+        self.version = 0
+        self.costs_version = 0
+        self._segment_versions: dict[str, int] = {}
+        self._prior_document: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         self.drift_watch = DriftWatch(self.registry, store.config.bucket_seconds, store.config.window_buckets)
         self._fleet: dict[str, tuple[int, tuple[float, float]]] = {}  # drafter -> (version, fleet acceptance)
+        self._fleet_calibration: dict[str, tuple[int, tuple[float, float]]] = {}  # drafter -> (version, its)
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -87,7 +93,8 @@ class Learner:
             self.journal.append(report_id, aggregates)
             _add_to(self._pending, aggregates)
             self._shown[report_id] = self._shown.get(report_id, 0) + 1
-        self.cost_model = build_cost_model(self.costs())
+            self._moved({a.segment for a in aggregates})
+        self._install_cost_model()
         self.version += 1
         return ReportOutcome(sum(a.rounds for a in aggregates), duplicate=False, journaled=True)
 
@@ -151,34 +158,57 @@ class Learner:
     def _refresh_snapshot(self) -> bool:
         try:
             segments = self.store.active_segments()
-            snapshot = self.store.read_snapshot(segments, self.drift_watch.regime)
+            snapshot = self.store.read_snapshot(segments, self.drift_watch.regime, self._snapshot)
             if self.drift_watch.watch(snapshot):  # a new regime began: count only its traffic from now on
-                snapshot = self.store.read_snapshot(segments, self.drift_watch.regime)
+                snapshot = self.store.read_snapshot(segments, self.drift_watch.regime, self._snapshot)
             stored_prior = self.store.read_prior()
         except redis.RedisError as e:
             return self._unreachable(e)
+        moved = _changed_segments(self._snapshot, snapshot)  # outside the lock: only a refresh replaces the snapshot
         with self._lock:  # report() journals under this lock too: the journal and the view change together
             self._snapshot = snapshot
             # The replayed reports are in this snapshot now: take them off the journaled view; what is still
             # journaled (reports that arrived during the replay) stays on top.
             if not len(self.journal):
+                moved |= set(self._pending.segments)
                 self._pending = Snapshot()  # exactly empty, with no rounding left by the subtractions
                 self._shown.clear()
             else:
                 for aggregates in self._replayed:
                     _add_to(self._pending, aggregates, weight=-1.0)
+                    moved |= {a.segment for a in aggregates}
                 if self._replayed:
                     _clamp(self._pending)
             self._replayed = []
             self._stale = False
-        self.cost_model = build_cost_model(self.costs())
-        if stored_prior is not None:
+            self._moved(moved)
+        changed = bool(moved) | self._install_cost_model()
+        if stored_prior is not None and stored_prior != self._prior_document:
             try:
                 self.prior = PriorModel.from_json(stored_prior)
+                changed = True
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring an unreadable prior model in Redis: %s", e)
-        self.version += 1
+            self._prior_document = stored_prior
+        if changed:
+            self.version += 1
         return True
+
+    def _moved(self, segments: set[str]) -> None:
+        """Count a change of these segments' counts (under ``_lock``)."""
+        for segment in segments:
+            self._segment_versions[segment] = self._segment_versions.get(segment, 0) + 1
+
+    def _install_cost_model(self) -> bool:
+        """Rebuild the cost model from the counts; True (and a new ``costs_version``) if a cost that decisions read
+        changed. The rounds behind each v(n) grow with every report, and only GetCosts shows them; the timings behind
+        each median (what a Thompson draw reads its spread from) count as changed when the median does."""
+        model = build_cost_model(self.costs())
+        moved = _point_costs(model) != _point_costs(self.cost_model)
+        self.cost_model = model
+        if moved:
+            self.costs_version += 1
+        return moved
 
     def drift(self, segment: str) -> list[DriftAlarm]:
         """The segment's active drift alarms."""
@@ -223,21 +253,48 @@ class Learner:
         self._fleet[drafter] = (version, (accepted, verified))
         return accepted, verified
 
+    def fleet_calibration(self, drafter: str) -> tuple[float, float]:
+        """(median realised / expected speedup, requests) of ``drafter`` over every segment's requests: where a
+        segment's own calibration starts (computed once per snapshot)."""
+        version = self.version
+        cached = self._fleet_calibration.get(drafter)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        with self._lock:
+            tables = [*self._snapshot.segments.values(), *self._pending.segments.values()]
+        merged: dict[int, float] = {}
+        for counts in tables:
+            for b, weight in counts.calibration.get(drafter, {}).items():
+                merged[b] = merged.get(b, 0.0) + weight
+        result = (median(merged), total(merged))
+        self._fleet_calibration[drafter] = (version, result)
+        return result
+
+    def segment_version(self, segment: str) -> int:
+        """Moves whenever the segment's counts (``segment_counts``) change, and only then."""
+        with self._lock:
+            return self._segment_versions.get(segment, 0)
+
     def segments(self) -> list[str]:
         with self._lock:
             return sorted(set(self._snapshot.segments) | set(self._pending.segments))
 
     def segment_counts(self, segment: str) -> SegmentCounts:
         """The segment's counts (read-only: shared with other readers when nothing is pending)."""
+        return self.versioned_counts(segment)[1]
+
+    def versioned_counts(self, segment: str) -> tuple[int, SegmentCounts]:
+        """The segment's version and counts, read together (a cache keyed by the version holds these counts)."""
         with self._lock:
+            version = self._segment_versions.get(segment, 0)
             base, pending = self._snapshot.segments.get(segment), self._pending.segments.get(segment)
         if pending is None:
-            return base or SegmentCounts()
+            return version, base or SegmentCounts()
         merged = SegmentCounts()
         for part in (base, pending):
             if part is not None:
                 merged.add(part)
-        return merged
+        return version, merged
 
     def costs(self) -> CostCounts:
         merged = CostCounts()
@@ -245,6 +302,16 @@ class Learner:
             merged.add(self._snapshot.costs)
             merged.add(self._pending.costs)
         return merged
+
+
+def _point_costs(model: CostModel) -> dict[int, BucketCosts]:
+    return {b: replace(costs, rounds=()) for b, costs in model.buckets.items()}
+
+
+def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:
+    """The segments whose counts are not those of the previous snapshot (the store keeps a segment's counts object
+    while its fields and the decay step stay the same: the decay is read once a bucket)."""
+    return {s for s in old.segments.keys() | new.segments.keys() if old.segments.get(s) is not new.segments.get(s)}
 
 
 def _clamp(snapshot: Snapshot) -> None:

@@ -16,7 +16,6 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from controller import validation
 from controller.cost_model import BucketCosts
-from controller.counts import SegmentCounts
 from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
@@ -58,10 +57,40 @@ class Controller:
         return self._rng.value
 
     def estimates(
-        self, settings: Settings, counts: SegmentCounts, request: Request, costs: BucketCosts
+        self, settings: Settings, request: Request, costs: BucketCosts, remember: bool = True
     ) -> dict[str, DrafterEstimate]:
-        """Per-drafter posteriors for this request: cached until the learner, the policy or the prior
-        (request features, quantised) change, since they are the bulk of a decision's work."""
+        """Per-drafter posteriors for this request: cached until the segment's counts or what else they are made of
+        (the priors, quantised from the request's features; the policy's settings; the costs) change, since they are
+        the bulk of a decision's work. Without ``remember`` a result is not cached (a decision table's: the table is
+        kept itself, and a build must not evict Decide's entries)."""
+        version, counts = self.learner.versioned_counts(request.segment)  # together: the key names these counts
+        made_of = tuple(
+            (d, alpha, proposal, fleet, settings.drafter(d).k_max, costs.c(d, settings.drafter(d).cost_ratio))
+            for d, alpha, proposal, fleet in self.estimate_inputs(settings, request)
+        )
+        key = (request.segment, version, settings.prior_strength, made_of)
+        cached = self._estimates.get(key)
+        if cached is not None:
+            return cached
+        estimates: dict[str, DrafterEstimate] = {
+            d: replace(
+                estimate_drafter(counts, d, k_max, alpha, proposal, settings.prior_strength, c),
+                calibration=calibration_factor(median(counts.calibration.get(d, {})),
+                                               total(counts.calibration.get(d, {})), toward=fleet),
+            )
+            for d, alpha, proposal, fleet, k_max, c in made_of
+        }  # fmt: skip
+        if remember:
+            with self._cache_lock:
+                if len(self._estimates) >= self._max_remembered:
+                    self._estimates.clear()  # mostly dead keys: versions moved on
+                self._estimates[key] = estimates
+        return estimates
+
+    def estimate_inputs(self, settings: Settings, request: Request) -> tuple[tuple[str, float, float, float], ...]:
+        """Each drafter's prior acceptance and proposal rate for this request, and the fleet's calibration factor its
+        segment's starts from (all quantised): the prior model's prediction from its features, else the fleet's
+        acceptance."""
         prior = self.learner.prior
         inputs = []
         for d in DRAFTERS:
@@ -72,27 +101,9 @@ class Controller:
             # Prompt lookup can only propose what the prompt repeats; a draft model always proposes.
             proposal_prior = 1.0 if runs_draft_model(d) else min(max(request.self_repetition, 0.05), 0.95)
             alpha = predicted or self.fleet_alpha(d, s.prior_alpha, settings.prior_strength)
-            inputs.append((d, round(alpha, 3), round(proposal_prior, 2)))
-        key = (request.segment, self.learner.version, self.policies.current.version, costs.bucket, tuple(inputs))
-        cached = self._estimates.get(key)
-        if cached is not None:
-            return cached
-        estimates: dict[str, DrafterEstimate] = {
-            d: replace(
-                estimate_drafter(
-                    counts, d, settings.drafter(d).k_max, alpha, proposal, settings.prior_strength,
-                    costs.c(d, settings.drafter(d).cost_ratio),
-                ),
-                calibration=calibration_factor(median(counts.calibration.get(d, {})),
-                                               total(counts.calibration.get(d, {}))),
-            )
-            for d, alpha, proposal in inputs
-        }  # fmt: skip
-        with self._cache_lock:
-            if len(self._estimates) >= self._max_remembered:
-                self._estimates.clear()  # versions moved on; old keys are dead anyway
-            self._estimates[key] = estimates
-        return estimates
+            fleet = calibration_factor(*self.learner.fleet_calibration(d))
+            inputs.append((d, round(alpha, 3), round(proposal_prior, 2), round(fleet, 2)))
+        return tuple(inputs)
 
     def fleet_alpha(self, drafter: str, prior_alpha: float, strength: float) -> float:
         """The drafter's acceptance over every segment (served and scored rounds, all positions), shrunk towards the
@@ -107,13 +118,10 @@ class Controller:
         tracked = self.learner.tracked_segment(request.segment)
         if tracked != request.segment:
             request = replace(request, segment=tracked)
-        counts = self.learner.segment_counts(request.segment)
         costs = self.learner.cost_model.at(request.batch_size)
         previous = self._previous.recall(request.segment)
-        plan = decide(
-            settings, policy.version, request, self.estimates(settings, counts, request, costs), costs, previous,
-            self.rng(),
-        )  # fmt: skip
+        estimates = self.estimates(settings, request, costs)
+        plan = decide(settings, policy.version, request, estimates, costs, previous, self.rng())
         if not plan.exploration and plan.reason in LEARNED_REASONS:
             self._previous.remember(request.segment, plan)
         if self.learner.stale:
@@ -121,17 +129,16 @@ class Controller:
         return plan
 
     def table_decisions(
-        self, request: Request, draws: int, remember: bool = False
+        self, request: Request, draws: int, rng: random.Random, remember: bool = False
     ) -> tuple[Plan, list[tuple[Plan, float]]]:
         """For a decision table: the plan Decide gives ``request`` when it does not probe, and the probes it sends
-        instead, each with its share of such requests (the share of ``draws`` decisions that probed it). With
-        ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers its batch-1
-        plan only, so that its other buckets do not move the segment's memory at every refresh)."""
+        instead, each with its share of such requests (the share of ``draws`` decisions, drawn with ``rng``, that
+        probed it). With ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers
+        its batch-1 plan only, so that its other buckets do not move the segment's memory at every refresh)."""
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
-        counts = self.learner.segment_counts(request.segment)
         costs = self.learner.cost_model.at(request.batch_size)
-        estimates = self.estimates(settings, counts, request, costs)
+        estimates = self.estimates(settings, request, costs, remember=False)
         previous = self._previous.recall(request.segment)
         deliberation = deliberate(settings, policy.version, request, estimates, costs, previous)
         plan = deliberation.exploit
@@ -140,11 +147,15 @@ class Controller:
         probes: dict[str, Plan] = {}  # a drafter's probe plan is the same whichever draw chose it
         times: Counter[str] = Counter()
         for _ in range(draws if deliberation.may_probe else 0):
-            drawn = deliberation.draw(self.rng())
+            drawn = deliberation.draw(rng)
             if drawn.exploration:
                 probes[drawn.drafter] = drawn
                 times[drawn.drafter] += 1
         return plan, [(probe, times[drafter] / draws) for drafter, probe in probes.items()]
+
+    def previous_plan(self, segment: str) -> Plan | None:
+        """The segment's last learned plan (the hysteresis memory)."""
+        return self._previous.recall(segment)
 
     def new_drift_alarms(self, segment: str) -> list[DriftAlarm]:
         """The segment's drift alarms not yet announced on a Decide span (each is announced once)."""
@@ -164,7 +175,7 @@ class Controller:
         request = Request(segment, 1, DRAFTERS, TYPICAL_MAX_NEW_TOKENS)
         settings = self.policies.current.for_segment(segment)
         costs = self.learner.cost_model.at(1)
-        estimates = self.estimates(settings, counts, request, costs)
+        estimates = self.estimates(settings, request, costs)
         decision = self.decide_quietly(request, settings, estimates, costs)
         return SegmentView(segment, counts, estimates, costs, decision, self.learner.drift(segment), self.learner.stale)
 

@@ -142,6 +142,9 @@ class StoreConfig:
     max_segments: int = 1000
     report_ttl_seconds: int = 3600
     samples_max: int = 20_000
+    # Decay is read at the start of this step (0: at each read). With a step, a count that no report touches keeps
+    # its weight for the step, so a refresh that finds no new report finds every count as it was.
+    decay_step_seconds: float = 0.0
 
     @property
     def bucket_ttl_seconds(self) -> int:
@@ -164,6 +167,9 @@ class Snapshot:
     costs: CostCounts = field(default_factory=CostCounts)
     taken_at: float = 0.0
     series: dict[str, dict[str, list[tuple[int, float, float]]]] = field(default_factory=dict)
+    # what each segment's counts were made of (its buckets' fields, the decay time, its regime's start): a segment
+    # whose sources are those of the previous snapshot keeps its counts object (read_snapshot's ``previous``)
+    sources: dict[str, tuple[object, ...]] = field(default_factory=dict)
 
 
 class TelemetryStore:
@@ -314,10 +320,13 @@ class TelemetryStore:
             return []
         return [s for s in (_text(m) for m in members) if s is not None and valid_segment(s)]
 
-    def read_snapshot(self, segments: Sequence[str], since: Mapping[str, int] | None = None) -> Snapshot:
-        """Decayed counts of ``segments`` and of the costs, reading each closed bucket rarely. A segment named in
-        ``since`` counts only its buckets from that one on (its acceptance drifted there: the older traffic no
-        longer describes it)."""
+    def read_snapshot(
+        self, segments: Sequence[str], since: Mapping[str, int] | None = None, previous: Snapshot | None = None
+    ) -> Snapshot:
+        """Decayed counts of ``segments`` and of the costs (decayed to the start of the current decay step), reading
+        each closed bucket rarely. A segment named in ``since`` counts only its buckets from that one on (its
+        acceptance drifted there: the older traffic no longer describes it). A segment read from the same fields as
+        in ``previous`` (no report since, the same decay step) keeps ``previous``'s counts: the same object."""
         now = self.clock()
         current = self.bucket(now)
         buckets = range(current - self.config.window_buckets + 1, current + 1)
@@ -325,15 +334,23 @@ class TelemetryStore:
         keys += [self.keys.cost_bucket(b) for b in buckets]
         fields = self._read_buckets(keys, current_suffix=f":{current}", now=now)
         snapshot = Snapshot(taken_at=now)
+        step = self.config.decay_step_seconds
+        decay_at = math.floor(now / step) * step if step > 0 else now
         weights = {
-            b: decay_weight(now - (b + 1) * self.config.bucket_seconds, self.config.half_life_seconds) for b in buckets
+            b: decay_weight(decay_at - (b + 1) * self.config.bucket_seconds, self.config.half_life_seconds)
+            for b in buckets
         }
         since = since or {}
         for s in segments:
+            read = tuple((b, f) for b in buckets if (f := fields[self.keys.segment_bucket(s, b)]))
+            source = (decay_at, since.get(s), read)
+            snapshot.sources[s] = source
+            if previous is not None and previous.sources.get(s) == source:
+                snapshot.segments[s], snapshot.series[s] = previous.segments[s], previous.series[s]
+                continue
             counts = SegmentCounts()
             series: dict[str, list[tuple[int, float, float]]] = {}
-            for b in buckets:
-                bucket_fields = fields[self.keys.segment_bucket(s, b)]
+            for b, bucket_fields in read:  # in time order; an empty bucket adds nothing
                 if b >= since.get(s, b):
                     counts.add_fields(bucket_fields, weights[b])
                 for drafter, accepted, verified in first_position(bucket_fields):

@@ -92,7 +92,25 @@ def test_a_stalled_report_moves_no_learned_cost_and_calibration_is_served(stub) 
 
     request = pb.DecideRequest(segment="calibrated", batch_size=1, drafters=["draft"], max_new_tokens=128)
     decision = stub.Decide(request, timeout=RPC_TIMEOUT)
-    assert decision.calibration == pytest.approx(calibration_factor(draft.calibration, 5), rel=0.01)
+    fleet = calibration_factor(draft.calibration, 5)  # the only segment whose requests measured it so far
+    assert decision.calibration == pytest.approx(calibration_factor(draft.calibration, 5, toward=fleet), rel=0.01)
+
+
+def test_a_new_segment_starts_from_the_fleets_calibration(stub) -> None:
+    # The fleet's requests so far realised 0.8 of what the model promised (the 'calibrated' segment's 5 above): a
+    # segment never seen starts there, not at 1, and its first request, stalled, does not move it.
+    from controller.decide import calibration_factor
+
+    def decide() -> pb.Decision:
+        request = pb.DecideRequest(segment="never-seen", batch_size=1, drafters=["draft"], max_new_tokens=128)
+        return until(lambda: stub.Decide(request, timeout=RPC_TIMEOUT), lambda d: not d.exploration)
+
+    first = decide()
+    assert first.drafter == "draft" and first.calibration == pytest.approx(calibration_factor(0.8, 5), rel=0.03)
+    send(stub, draft_request("never-seen", stall=1.5, expected=44 / 38 / 0.8))  # realised 0.03 of its promise
+    time.sleep(0.5)  # several refreshes
+    after = decide()
+    assert after.calibration == pytest.approx(calibration_factor(0.8, 6), rel=0.03), after.calibration
 
 
 def test_a_new_segment_starts_from_the_fleets_acceptance(stub) -> None:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -404,8 +404,8 @@ def daemon_config(redis_url: str, folder: Path, prefix: str, port: int = 0) -> C
 
 
 @contextmanager
-def running(config: ControllerConfig) -> Iterator[ControllerDaemon]:
-    daemon = ControllerDaemon(config)
+def running(config: ControllerConfig, clock: Callable[[], float] = time.time) -> Iterator[ControllerDaemon]:
+    daemon = ControllerDaemon(config, clock)
     try:
         daemon.startup()
         yield daemon

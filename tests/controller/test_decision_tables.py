@@ -5,14 +5,17 @@ controller going away, and the controller bounds its streams."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 
 from controller.config import ControllerConfig, LearningConfig
-from controller.table_publisher import PROBE_DRAWS
+from controller.table_publisher import PROBE_DRAWS, segment_table
 from specd_api.plan import BATCH_RULE_REASON, Plan, off
 from specd_api.table_rule import BucketEntry, SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
@@ -307,3 +310,109 @@ def test_stream_ends_at_shutdown_without_holding_the_grace_period(embedded_redis
         assert e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), e
     else:
         assert all(not m.full for m in rest)
+
+
+# --- a refresh rebuilds only what changed -----------------------------------------------------------------------
+
+# The daemon's clock stands still in these tests: every report lands in the current time bucket, which weighs 1, so
+# counts move only when reports arrive (a closed bucket's decay would move them at each refresh).
+FIXED_NOW = 1_800_000_030.0
+
+
+def stream_of(address: str, worker_id: str = "w") -> Iterator[pb.DecisionTables]:
+    return stub_for(address).WatchDecisions(
+        pb.WatchDecisionsRequest(worker_id=worker_id, drafters=DRAFTERS), timeout=30
+    )
+
+
+def teach_at_the_fleet_prior(client, segment: str, requests: int = 8) -> None:
+    """Draft rounds that accept 3 of every 5 verified tokens: the policy's prior_alpha (0.6) for the draft, so the
+    fleet's acceptance, which every segment's prior reads, stays where it is whatever a report adds."""
+    for _ in range(requests):
+        client.report(segment=segment, rounds=[draft(4, 4, 2), draft(4, 4, 1)] * 2, **REPORT_ARGS)
+
+
+def learned(daemon, reporter, segments: list[str], rounds: float) -> None:
+    """Wait until the reports left the client and the daemon's snapshot holds ``rounds`` rounds of each segment."""
+    wait_for(lambda: reporter.stats().buffered == 0 and reporter.stats().aggregates_sent > 0, "the reports")
+    learner = daemon.controller.learner
+    wait_for(lambda: all(learner.segment_counts(s).rounds >= rounds for s in segments), "the snapshot")
+
+
+def test_a_refresh_without_new_reports_rebuilds_no_table_and_sends_none(embedded_redis_url, prefix, tmp_path):
+    """Exploration on, so that tables carry probe shares: a share drawn afresh at each refresh would change the
+    table's bytes, and every refresh would resend it."""
+    config = daemon_config(embedded_redis_url, tmp_path, prefix, exploration=0.5)
+    with running(config, clock=lambda: FIXED_NOW) as daemon:
+        segments = ["tab-a", "tab-b", "tab-probe"]
+        with started(client_config(daemon.address, watch=())) as reporter:
+            teach(reporter, "tab-a")
+            teach(reporter, "tab-b")
+            for _ in range(12):
+                reporter.report(segment="tab-probe", rounds=[draft(4, 4, 0)] * 4 + [lookup(4, 0, 0)], **REPORT_ARGS)
+            learned(daemon, reporter, segments, 48)
+        stream = stream_of(daemon.address)
+        first = next(stream)
+        assert sorted(t.segment for t in first.segments) == segments
+        assert any(len(t.buckets[0].probes) for t in first.segments), "no table probes: the test would prove nothing"
+        publisher = daemon.publisher
+        assert publisher is not None
+        built = publisher.stats.tables_built
+        updates = [next(stream) for _ in range(5)]  # five refreshes (0.1 s each)
+        stream.cancel()
+        assert [(len(u.segments), len(u.removed)) for u in updates] == [(0, 0)] * 5, "heartbeats only"
+        assert publisher.stats.tables_built == built, "no table was recomputed"
+        assert publisher.stats.tables_kept >= 3 * len(segments), "the refreshes went over every segment"
+        again = [segment_table(daemon.controller, "tab-probe", DRAFTERS) for _ in range(2)]
+        assert again[0] is not None and again[0].buckets[0].probes
+        assert again[0] == again[1], "recomputed from the same inputs, the probe shares come out the same"
+
+
+def test_a_report_to_one_segment_rebuilds_and_resends_its_table_alone(embedded_redis_url, prefix, tmp_path):
+    config = daemon_config(embedded_redis_url, tmp_path, prefix, exploration=0.5)
+    with running(config, clock=lambda: FIXED_NOW) as daemon:
+        segments = ["tab-a", "tab-b", "tab-c"]
+        with started(client_config(daemon.address, watch=())) as reporter:
+            for segment in segments:
+                teach_at_the_fleet_prior(reporter, segment)
+            learned(daemon, reporter, segments, 32)
+            stream = stream_of(daemon.address)
+            assert sorted(t.segment for t in next(stream).segments) == segments
+            publisher = daemon.publisher
+            assert publisher is not None
+            assert next(stream).segments == [] and next(stream).segments == [], "settled: heartbeats"
+            built = publisher.stats.tables_built
+            teach_at_the_fleet_prior(reporter, "tab-b", requests=4)
+            learned(daemon, reporter, ["tab-b"], 48)
+            changed = next(m for m in stream if m.segments or m.removed)
+            stream.cancel()
+        assert [t.segment for t in changed.segments] == ["tab-b"] and not changed.removed
+        assert publisher.stats.tables_built == built + 1, "tab-a and tab-c were kept"
+
+
+def test_streams_opened_together_wait_for_one_build(embedded_redis_url, prefix, tmp_path):
+    """As when a controller restarts and every worker reconnects: the first streams find no tables; one of them
+    builds them while the others wait, so each segment's table is computed once."""
+    streams = 8
+    config = daemon_config(embedded_redis_url, tmp_path, prefix, exploration=0.5, max_watchers=streams)
+    with running(config, clock=lambda: FIXED_NOW) as daemon:
+        segments = [f"tab-{i}" for i in range(40)]
+        with started(client_config(daemon.address, watch=())) as reporter:
+            for segment in segments:
+                teach(reporter, segment, requests=6)
+            learned(daemon, reporter, segments, 24)
+        publisher = daemon.publisher
+        assert publisher is not None and publisher.stats.tables_built == 0
+        start = threading.Barrier(streams)
+
+        def first_message(i: int) -> pb.DecisionTables:
+            stream = stream_of(daemon.address, f"w{i}")
+            start.wait()
+            message = next(stream)
+            stream.cancel()
+            return message
+
+        with futures.ThreadPoolExecutor(streams) as pool:
+            messages = list(pool.map(first_message, range(streams)))
+        assert all(m.full and len(m.segments) == len(segments) for m in messages)
+        assert publisher.stats.tables_built == len(segments), "each table computed once"

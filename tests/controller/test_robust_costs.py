@@ -289,3 +289,17 @@ def test_a_segment_whose_requests_realise_less_than_the_model_is_switched_off() 
     kept = decide(settings, "v1", req, {"draft": mild}, costs, None, random.Random(0))
     assert kept.drafter == "draft" and kept.calibration == pytest.approx(mild.calibration)
     assert kept.model_speedup == pytest.approx(trusted.expected_speedup, rel=1e-6)  # what the worker reports back
+
+
+def test_a_segment_s_calibration_starts_at_the_fleet_s_and_moves_to_its_own() -> None:
+    # Hierarchical, as α: a new segment (no request of its own, or one, stalled or not) starts at the fleet's factor for
+    # the drafter, not at 1; its own requests then move it, half way after CALIBRATION_PRIOR_REQUESTS of them.
+    from controller.decide import CALIBRATION_BOUNDS, CALIBRATION_PRIOR_REQUESTS, calibration_factor
+
+    assert calibration_factor(0.0, 0.0, toward=0.8) == pytest.approx(0.8)  # nothing of its own: the fleet's
+    assert calibration_factor(0.1, 1.0, toward=0.8) == pytest.approx(0.8)  # one stalled request decides nothing
+    assert calibration_factor(1.25, CALIBRATION_PRIOR_REQUESTS, toward=0.8) == pytest.approx(1.0)  # half way in logs
+    assert calibration_factor(1.25, 1e6, toward=0.8) == pytest.approx(1.25, rel=1e-4)  # its own, given enough
+    assert calibration_factor(1.0, 0.0, toward=1e-9) == CALIBRATION_BOUNDS[0]  # the fleet's is bounded too
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert calibration_factor(1.0, 0.0, toward=bad) == 1.0

@@ -252,6 +252,40 @@ def test_closed_buckets_decay_continuously_within_the_current_bucket(redis_clien
     assert store.read_snapshot(["chat"]).segments["chat"].rounds == pytest.approx(8 * 2**-0.5, rel=1e-12)
 
 
+def test_a_decay_step_holds_every_weight_until_the_next_step(redis_client: redis.Redis, prefix: str) -> None:
+    """The controller's setting (one step a bucket): a refresh that finds no new report finds the same counts."""
+    clock = FakeClock(T0)
+    store = make_store(redis_client, prefix, clock, bucket_seconds=10, half_life_seconds=10, window_buckets=4,
+                       decay_step_seconds=10)  # fmt: skip
+    store.ingest("old", [small(rounds=8)])
+    seen = []
+    for elapsed in (10.0, 15.0, 19.9, 20.0, 29.9):
+        clock.now = T0 + elapsed
+        seen.append(store.read_snapshot(["chat"]).segments["chat"].rounds)
+    assert seen == [8.0, 8.0, 8.0, 4.0, 4.0], "read at 10 s, then at 20 s: b0's age is 0, then one half-life"
+
+
+def test_a_segment_read_from_the_same_fields_keeps_its_counts_object(redis_client: redis.Redis, prefix: str) -> None:
+    """What tells the learner that a refresh moved nothing in a segment (its tables are then kept)."""
+    clock = FakeClock(T0 + 5)
+    store = make_store(redis_client, prefix, clock, bucket_seconds=10, decay_step_seconds=10)
+    store.ingest("r1", [small("a"), small("b")])
+    first = store.read_snapshot(["a", "b"])
+    clock.now = T0 + 9
+    again = store.read_snapshot(["a", "b"], previous=first)
+    assert again.segments["a"] is first.segments["a"] and again.segments["b"] is first.segments["b"]
+    store.ingest("r2", [small("b")])
+    after = store.read_snapshot(["a", "b"], previous=again)
+    assert after.segments["a"] is first.segments["a"], "no report: the same counts"
+    assert (
+        after.segments["b"] is not first.segments["b"] and after.segments["b"].rounds == 2 * first.segments["b"].rounds
+    )
+    clock.now = T0 + 10
+    stepped = store.read_snapshot(["a", "b"], previous=after)
+    assert stepped.segments["a"] is not first.segments["a"], "a new decay step reads every segment again"
+    assert stepped.segments["a"] == first.segments["a"], "b0 just closed: its weight is still 1"
+
+
 def test_active_segments_follow_the_window(redis_client: redis.Redis, prefix: str) -> None:
     clock = FakeClock(T0)
     store = make_store(redis_client, prefix, clock, bucket_seconds=10, window_buckets=4)
