@@ -156,15 +156,16 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
     assert cold["drafter"] in MODEL_DRAFTERS and cold["reason"] == "best_expected_speedup", cold
     if first[0] in answered:
         assert decision(first[0])[0] in MODEL_DRAFTERS, decision(first[0])
-    # ... and once its reports come in, its decisions follow them: the prior's plan (the draft at a long K) goes and
-    # does not come back. (With the native pass the draft is cheap, c ~0.15, and on these prompts near break-even at
-    # K = 1-2: 0.95-1.00x for the draft, 1.18-1.23x for prompt lookup in docs/alpha_table.md's adversarial rows. So the
-    # controller may settle on lookup, or on the draft at a short K; which one depends on a few requests' data.
-    # What a controller that does not learn would do, keep the prior's plan, fails here.)
+    # ... and once its reports come in, its decisions follow them: the prior's plan (the draft at a long K) gives way.
+    # (With the native pass the draft is cheap, c ~0.15, and on these prompts near break-even at K = 1-2: 0.95-1.00x
+    # for the draft, 1.18-1.23x for prompt lookup in docs/alpha_table.md's adversarial rows. So the controller may
+    # settle on lookup, the chain, or the draft at a shorter K; which one depends on a few 24-token requests' data, and
+    # a Thompson-sampled posterior that close may name the prior's plan again once among several: it was seen, chain
+    # 5, chain 5, lookup 7, then draft 5 again. What a controller that does not learn would do, keep the prior's plan
+    # on every request, fails here, and so does the final plan below.)
     prior = (cold["drafter"], cold["k"])
     later = [decision(r)[:2] for r in second if r in answered and r.segment == UNRULED]
-    switched = next((i for i, d in enumerate(later) if d != prior), None)
-    assert switched is not None and prior not in later[switched:], (prior, later)
+    assert later and sum(d == prior for d in later) <= len(later) // 3, (prior, later)
     final = by_segment[UNRULED]["decision"]
     assert (final["drafter"], final["k"]) != prior, final
 
