@@ -180,8 +180,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "realised-ignores-drafting",
         "controller/counts.py",
-        "seconds = self.draft_seconds + self.verify_seconds",
-        "seconds = self.verify_seconds",
+        "tokens, seconds = self.tokens_emitted, self.draft_seconds + self.verify_seconds",
+        "tokens, seconds = self.tokens_emitted, self.verify_seconds",
         ROBUST,
         "calibration reads a request's realised speedup without its drafting time",
     ),
