@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from controller import redis_schema as schema
-from controller.timing_histogram import bin_of
+from controller.timing_histogram import add_into, bin_of
 from specd_api.plan import batch_bucket
 
 
@@ -164,9 +164,7 @@ class CostCounts:
 
 def _add_histograms(into: dict[Any, dict[int, float]], other: Mapping[Any, Mapping[int, float]]) -> None:
     for key, hist in other.items():
-        mine = into[key]
-        for b, w in hist.items():
-            mine[b] += w
+        add_into(into[key], hist)
 
 
 def _add_dataclass(into: KCounts | PositionCounts, other: KCounts | PositionCounts) -> None:

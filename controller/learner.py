@@ -31,7 +31,7 @@ from controller.drift_watch import DriftAlarm, DriftWatch
 from controller.journal import Journal
 from controller.prior import PriorModel, train_prior
 from controller.store import IngestResult, Snapshot, TelemetryStore
-from controller.timing_histogram import median, total
+from controller.timing_histogram import add_into, median, total
 from specd_api.plan import batch_bucket
 from specd_api.segments import OVERFLOW_SEGMENT
 
@@ -75,8 +75,8 @@ class Learner:
         self._prior_document: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         self.drift_watch = DriftWatch(self.registry, store.config.bucket_seconds, store.config.window_buckets)
-        self._fleet: dict[str, tuple[int, tuple[float, float]]] = {}  # drafter -> (version, fleet acceptance)
-        self._fleet_calibration: dict[str, tuple[int, tuple[float, float]]] = {}  # drafter -> (version, its)
+        # (figure, drafter) -> (version, the figure over every segment): acceptance, calibration
+        self._fleet: dict[tuple[str, str], tuple[int, tuple[float, float]]] = {}
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -238,36 +238,42 @@ class Learner:
     def fleet_acceptance(self, drafter: str) -> tuple[float, float]:
         """(accepted, verified) of ``drafter`` over every segment and position, served and scored: the fleet's
         evidence (computed once per snapshot)."""
-        version = self.version
-        cached = self._fleet.get(drafter)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        with self._lock:
-            tables = [*self._snapshot.segments.values(), *self._pending.segments.values()]
-        accepted = verified = 0.0
-        for counts in tables:
-            for table in (counts.positions, counts.counterfactual):
-                for (d, _), p in table.items():
-                    if d == drafter:
-                        accepted, verified = accepted + p.accepted, verified + p.verified
-        self._fleet[drafter] = (version, (accepted, verified))
-        return accepted, verified
+
+        def acceptance(tables: list[SegmentCounts]) -> tuple[float, float]:
+            accepted = verified = 0.0
+            for counts in tables:
+                for table in (counts.positions, counts.counterfactual):
+                    for (d, _), p in table.items():
+                        if d == drafter:
+                            accepted, verified = accepted + p.accepted, verified + p.verified
+            return accepted, verified
+
+        return self._over_the_fleet(("acceptance", drafter), acceptance)
 
     def fleet_calibration(self, drafter: str) -> tuple[float, float]:
         """(median realised / expected speedup, requests) of ``drafter`` over every segment's requests: where a
         segment's own calibration starts (computed once per snapshot)."""
+
+        def calibration(tables: list[SegmentCounts]) -> tuple[float, float]:
+            merged: dict[int, float] = {}
+            for counts in tables:
+                add_into(merged, counts.calibration.get(drafter, {}))
+            return median(merged), total(merged)
+
+        return self._over_the_fleet(("calibration", drafter), calibration)
+
+    def _over_the_fleet(
+        self, key: tuple[str, str], compute: Callable[[list[SegmentCounts]], tuple[float, float]]
+    ) -> tuple[float, float]:
+        """``compute`` over every segment's counts, once per version of the learner."""
         version = self.version
-        cached = self._fleet_calibration.get(drafter)
+        cached = self._fleet.get(key)
         if cached is not None and cached[0] == version:
             return cached[1]
         with self._lock:
             tables = [*self._snapshot.segments.values(), *self._pending.segments.values()]
-        merged: dict[int, float] = {}
-        for counts in tables:
-            for b, weight in counts.calibration.get(drafter, {}).items():
-                merged[b] = merged.get(b, 0.0) + weight
-        result = (median(merged), total(merged))
-        self._fleet_calibration[drafter] = (version, result)
+        result = compute(tables)
+        self._fleet[key] = (version, result)
         return result
 
     def segment_version(self, segment: str) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 BINS_PER_OCTAVE = 16  # bins 4.4% wide; the quantile is interpolated within its bin
 MIN_BIN, MAX_BIN = -40 * BINS_PER_OCTAVE, 16 * BINS_PER_OCTAVE  # 2^-40 s (1 ps) .. 2^16 s (18 h): clamped beyond
@@ -38,6 +38,12 @@ def bin_of(seconds: float) -> int | None:
 def bin_low(b: int) -> float:
     """The smallest time in bin ``b``."""
     return 2.0 ** (b / BINS_PER_OCTAVE)
+
+
+def add_into(into: MutableMapping[int, float], other: Histogram) -> None:
+    """Add ``other``'s observations to ``into``, bin by bin."""
+    for b, w in other.items():
+        into[b] = into.get(b, 0.0) + w
 
 
 def total(histogram: Histogram) -> float:
