@@ -22,8 +22,8 @@ import torch
 
 from decoder.engine import SpeculativeDecoder
 from decoder.models import load_model, parse_dtype, resolve_device
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import Plan
 from specd_api.position_tally import PositionTally
 from workloads import Prompt, load_all
@@ -75,7 +75,7 @@ def measure(
         for temperature in temperatures:
             for n, prompt in enumerate(items):
                 ids = decoder.encode(prompt.prompt)
-                rules = StopRules(prompt.max_new_tokens)  # no EOS: every arm decodes the same length
+                rules = StopConditions(prompt.max_new_tokens)  # no EOS: every arm decodes the same length
                 served: list[int] = []
                 for drafter, k in arms(ks):
                     params = SamplingParams(temperature=temperature, seed=seed + n if temperature else None)

@@ -17,6 +17,18 @@ and verification cost v(K) (measured in isolation).
 
     python benchmarks/decode_loop.py                          # a synthetic pair built from configs
     python benchmarks/decode_loop.py --target T --draft D     # any local Hugging Face pair
+
+Beside them, from the same run: kernels per 1-token target step (CUDA kernels, counted with torch.profiler; on a
+CPU its aten operators, the unit named in the JSON), the first step at a never-seen KV length against the same step
+repeated, v(K) for K up to 8, and each step against its roofline (weight bytes over the read bandwidth measured in
+this run: benchmarks/roofline.py). With ``--alphas 0.5,0.7,0.9 --ks 1,2,4,8`` it also measures the speedup curve
+over α and K with a drafter of set acceptance (benchmarks/speedup_curve.py) on real draft and target passes.
+
+On a GPU (warm-up over every prompt first, so no first visit of a KV length is timed; fewer prompts and variants
+keep it inside a few minutes; benchmarks/gpu_suite.sh runs it so):
+
+    python -m benchmarks.decode_loop --target T --draft D --device cuda --dtype bfloat16 --prompts 3 --repeats 2 \
+        --variants hf-plain,ours-none,ours-draft --alphas 0.5,0.7,0.9 --ks 1,2,4,8 --json F
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,18 +47,25 @@ from typing import Any
 
 import torch
 
+if __package__ in (None, ""):  # run as a file: the repository root is not on the path, benchmarks/ is
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.kept_slots import KeptSlots, decode_with
+from benchmarks.roofline import first_visits, ops_per_step, read_bandwidth, step_roofline, synchronize
+from benchmarks.speedup_curve import curve_json, measure_curve, print_curve
 from decoder.batch_engine import BatchEngine
 from decoder.choices import RUNNER_NAMES
-from decoder.engine import SpeculativeDecoder
+from decoder.engine import SpeculativeDecoder, make_drafter
 from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, resolve_device
 from decoder.runners import KVPool
 from decoder.runners.native import NativePass
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats, RoundRecord
 from specd.bench.isolated import engine_costs
 from specd.bench.suffix_cost import describe, measure_suffix_cost
+from specd_api.plan import requested
+from specd_api.speedup import runs_draft_model
 
 PROMPTS = [
     "def parse_config(path):\n    with open(path) as f:\n        data = json.load(f)\n    return",
@@ -77,11 +97,12 @@ class Tally:
 
 
 Run = Callable[[list[int]], tuple[list[int], RequestStats | None]]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+VARIANTS = (
+    *("hf-plain", "hf-assisted", "hf-lookup"),
+    *("ours-none", "ours-draft", "ours-lookup", "ours-suffix", "ours-self"),
+)
+REQUIRED = ("hf-plain", "ours-none")  # the baselines every ratio is taken against
+V_K_MAX = 8  # v(K) is measured up to K = 8 whatever --k is
 
 
 def build_synthetic_pair(device: torch.device, dtype: torch.dtype, damping: float) -> tuple[LoadedModel, LoadedModel]:
@@ -132,10 +153,16 @@ def hf_runner(target: LoadedModel, max_new_tokens: int, device: torch.device, **
 
 
 def ours_runner(decoder: SpeculativeDecoder, drafter: str, k: int, max_new_tokens: int) -> Run:
-    rules = StopRules(max_new_tokens=max_new_tokens)  # no EOS, like eos_token_id=None for generate()
+    """``decoder.generate`` (no EOS, like eos_token_id=None for generate()) on KV slots kept from one request to
+    the next, as a worker keeps them (benchmarks/kept_slots.py): the same loop and tokens, no per-request pool."""
+    plan = requested(drafter, k)
+    slots = KeptSlots(decoder.target, decoder.draft if runs_draft_model(drafter) else None)
 
     def run(prompt_ids: list[int]) -> tuple[list[int], RequestStats | None]:
-        result = decoder.generate(prompt_ids, drafter, k, SamplingParams(), rules)
+        with slots.lend(runs_draft_model(drafter)) as (target_seq, draft_seq):
+            made = make_drafter(plan, decoder.draft, decoder.prompt_lookup, SamplingParams(), None, draft_seq,
+                                decoder.suffix_cache)  # fmt: skip
+            result = decode_with(decoder.target, made, prompt_ids, plan.k, max_new_tokens, target_seq)
         return result.token_ids, result.stats
 
     return run
@@ -166,8 +193,9 @@ class Costs:
     v: list[float]  # v[j] = time of a (j + 1)-token target pass / time of a 1-token pass
 
 
-def measure_costs(target: LoadedModel, draft: LoadedModel, context: list[int], k_max: int) -> Costs:
-    repeats = 30
+def measure_costs(target: LoadedModel, draft: LoadedModel, context: list[int], k_max: int, repeats: int = 30) -> (
+    Costs
+):  # fmt: skip
     step = time_forward(target, context, 1, repeats)
     draft_step = time_forward(draft, context, 1, repeats)
     v = [time_forward(target, context, j + 1, repeats) / step for j in range(k_max + 1)]
@@ -195,7 +223,34 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--runner", choices=RUNNER_NAMES, default="auto", help="model forward for our loop")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS),
+        help=f"which to run, of {','.join(VARIANTS)} ({' and '.join(REQUIRED)} always)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup", choices=("auto", "first", "full"), default="auto",
+        help="uncounted runs first: the first prompt per variant, or every prompt (every KV length and width the "
+        "counted runs visit: on a GPU a first visit builds kernel plans); auto: full on a GPU, first on a CPU",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engine-costs-prompts", type=int, default=None, metavar="N",
+        help="prompts for the engine-loop costs (none and draft at K = 1..8 each); default all, 0 skips them",
+    )  # fmt: skip
+    parser.add_argument("--alphas", default="", help="set acceptances for the speedup curve, e.g. 0.5,0.7,0.9")
+    parser.add_argument("--ks", default="1,2,4,8", help="K values for the speedup curve")
+    parser.add_argument("--seed", type=int, default=0, help="the set-acceptance drafter's corruption seed")
     args = parser.parse_args()
+    variants = [name for name in VARIANTS if name in {*REQUIRED, *args.variants.split(",")}]
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+    if not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--prompts must be in 1..{len(PROMPTS)}")
+    alphas = [float(a) for a in args.alphas.split(",") if a]
+    curve_ks = [int(k) for k in args.ks.split(",") if k]
+    if any(not 0.0 <= a <= 1.0 for a in alphas) or any(k < 1 for k in curve_ks):
+        parser.error("--alphas must be in [0, 1] and --ks at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -214,20 +269,24 @@ def main() -> None:
     draft.model.generation_config.assistant_confidence_threshold = 0.0
     ours = SpeculativeDecoder(target, draft)
     ours_self = SpeculativeDecoder(target, target)
-    runs: dict[str, Run] = {
-        "hf-plain": hf_runner(target, n, device),
-        "hf-assisted": hf_runner(target, n, device, assistant_model=draft.model),
-        "hf-lookup": hf_runner(target, n, device, prompt_lookup_num_tokens=k, max_matching_ngram_size=3),
-        "ours-none": ours_runner(ours, "none", 0, n),
-        "ours-draft": ours_runner(ours, "draft", k, n),
-        "ours-lookup": ours_runner(ours, "prompt_lookup", k, n),
-        "ours-suffix": ours_runner(ours, "suffix", k, n),
-        "ours-self": ours_runner(ours_self, "draft", k, n),
+    makers: dict[str, Callable[[], Run]] = {  # only the chosen ones are made: ours hold KV slots
+        "hf-plain": lambda: hf_runner(target, n, device),
+        "hf-assisted": lambda: hf_runner(target, n, device, assistant_model=draft.model),
+        "hf-lookup": lambda: hf_runner(target, n, device, prompt_lookup_num_tokens=k, max_matching_ngram_size=3),
+        "ours-none": lambda: ours_runner(ours, "none", 0, n),
+        "ours-draft": lambda: ours_runner(ours, "draft", k, n),
+        "ours-lookup": lambda: ours_runner(ours, "prompt_lookup", k, n),
+        "ours-suffix": lambda: ours_runner(ours, "suffix", k, n),
+        "ours-self": lambda: ours_runner(ours_self, "draft", k, n),
     }
-    prompts = [ours.encode(p) for p in PROMPTS]
+    runs = {name: makers[name]() for name in variants}
+    prompts = [ours.encode(p) for p in PROMPTS[: args.prompts]]
     reference = {i: runs["ours-none"](p)[0] for i, p in enumerate(prompts)}
+    full_warmup = args.warmup == "full" or (args.warmup == "auto" and device.type == "cuda")
+    warmup_prompts = len(prompts) if full_warmup else 1
     for run in runs.values():  # warm-up, not counted
-        run(prompts[0])
+        for prompt in prompts[:warmup_prompts]:
+            run(prompt)
 
     tallies = {name: Tally() for name in runs}
     names = list(runs)
@@ -248,7 +307,8 @@ def main() -> None:
                     tally.stats.append(stats)
 
     mid_context = prompts[0] + reference[0][: n // 2]
-    costs = measure_costs(target, draft, mid_context, k)
+    costs_to_8 = measure_costs(target, draft, mid_context, max(k, V_K_MAX, *curve_ks))
+    costs = dataclasses.replace(costs_to_8, v=costs_to_8.v[: k + 1])  # the --k costs, as before
     forward = KVPool(target, 1).forward_pass
     print(f"runner {target.runner} (the {forward.name} pass, {forward.kernel} products), device {device}, "
           f"dtype {dtype}, threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
@@ -257,14 +317,26 @@ def main() -> None:
           f"draft {draft.name} ({params_millions(draft):.1f}M params)")  # fmt: skip
     print(f"costs, one forward alone: target step {costs.target_step_seconds * 1e3:.2f} ms, "
           f"c(draft) = {costs.c_draft:.3f}, v(K) = " + ", ".join(f"{x:.2f}" for x in costs.v))  # fmt: skip
-    loop = engine_costs(BatchEngine(target, draft), prompts, n)  # what a worker reports, measured without one
-    print(f"costs, in the engine's loop (as a worker reports them): target step {loop.step_seconds * 1e3:.2f} ms, "
-          f"c(draft) = {loop.c_draft:.3f}, v(n) = " + ", ".join(f"{x:.2f}" for x in loop.v))  # fmt: skip
-    suffix = measure_suffix_cost(target.vocab_size, loop.step_seconds)  # the worker's cache, full
+    print("v(K) alone, K = 0.." + str(len(costs_to_8.v) - 1) + ": " + ", ".join(f"{x:.2f}" for x in costs_to_8.v))
+    loop_prompts = prompts[: args.engine_costs_prompts] if args.engine_costs_prompts is not None else prompts
+    loop = engine_costs(BatchEngine(target, draft), loop_prompts, n) if loop_prompts else None  # as a worker reports
+    if loop is not None:
+        print(f"costs, in the engine's loop (as a worker reports them): target step {loop.step_seconds * 1e3:.2f} "
+              f"ms, c(draft) = {loop.c_draft:.3f}, v(n) = " + ", ".join(f"{x:.2f}" for x in loop.v))  # fmt: skip
+    step_seconds = loop.step_seconds if loop is not None else costs.target_step_seconds
+    suffix = measure_suffix_cost(target.vocab_size, step_seconds)  # the worker's cache, full
     print(f"costs, suffix decoding at the cache's full size: {describe(suffix)}")
     bandwidth = read_bandwidth_gbps(device)
     print(f"memory read bandwidth (a sum over 256 MB): {bandwidth:.1f} GB/s")
     report(tallies, costs, len(prompts) * args.repeats)
+    step_figures = measure_step_figures(target, draft, prompts, reference, costs, max(k, V_K_MAX, *curve_ks))
+    print_step_figures(step_figures)
+    curve = None
+    if alphas:
+        points = measure_curve(target, draft, prompts, [reference[i] for i in range(len(prompts))], alphas, curve_ks,
+                               args.repeats, warmup_prompts, args.seed)  # fmt: skip
+        curve = curve_json(points, costs.c_draft, costs_to_8.v)
+        print_curve(curve)
     lines = roofline(tallies, target, draft)
     print(
         f"\nroofline: weight bytes read per emitted token, and the rate that makes, against {bandwidth:.1f} GB/s read"
@@ -280,9 +352,9 @@ def main() -> None:
                 for name, t in tallies.items()
             },
             "costs": {
-                "target_step_ms": loop.step_seconds * 1e3,
-                "c_draft": loop.c_draft,
-                "v": loop.v,
+                "target_step_ms": loop.step_seconds * 1e3 if loop else None,  # None: --engine-costs-prompts 0
+                "c_draft": loop.c_draft if loop else None,
+                "v": loop.v if loop else None,
                 "forward_alone": {"target_step_ms": costs.target_step_seconds * 1e3, "c_draft": costs.c_draft,
                                   "v": costs.v},
                 "c_suffix": suffix.c_suffix,  # one proposal at the cache's full size / a target step
@@ -292,6 +364,12 @@ def main() -> None:
             "roofline": lines,
             "forward_pass": {"runner": forward.name, "dtype": forward.dtype_name, "kernel": forward.kernel,
                              "cpu": cpu_model()},
+            "device": device_json(device),
+            "settings": {"k": k, "max_new_tokens": n, "prompts": len(prompts), "repeats": args.repeats,
+                         "variants": variants, "warmup_prompts": warmup_prompts},
+            "v_by_k": costs_to_8.v,  # v(K) alone for K = 0..8 (at least), in target steps
+            **step_figures,
+            "speedup_curve": curve,
         }  # fmt: skip
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -307,16 +385,69 @@ def cpu_model() -> str:
 
 
 def read_bandwidth_gbps(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
-    """A STREAM-like read: the best of ``repeats`` sums over a ``megabytes`` float32 tensor, in GB/s."""
-    data = torch.ones(megabytes * (1 << 20) // 4, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        data.sum()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
+    """A STREAM-like read: the best of ``repeats`` sums over a ``megabytes`` float32 tensor, in GB/s (the figure
+    the CPU tables have always printed; the roofline line takes a median, ``step_figures``)."""
+    return read_bandwidth(device, megabytes, repeats, warmup=0).best_gbps
+
+
+def device_json(device: torch.device) -> dict[str, Any]:
+    """The device the figures were taken on, and the software that drove it."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    return {"type": device.type, "name": name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def measure_step_figures(
+    target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], reference: dict[int, list[int]], costs: Costs,
+    visited: int,
+) -> dict[str, Any]:  # fmt: skip
+    """The JSON's per-step figures: ``kernels_per_step`` (target and draft), ``first_visit_ms`` (the target, at KV
+    lengths past every run's: ``visited`` tokens past the longest prompt and output) and ``step_roofline`` (each
+    model's step, measured alone, against its weight bytes over the read bandwidth measured now)."""
+    context = prompts[0] + reference[0]
+    kernels = {"target": ops_per_step(target, context), "draft": ops_per_step(draft, context)}
+    longest = max(len(p) + len(reference[i]) for i, p in enumerate(prompts))
+    limit = target.max_context or longest + 64
+    base_length = min(longest + visited + 16, limit - 9)
+    fresh = (context * (base_length // len(context) + 2))[: base_length + 8]  # prompts repeated: a new length
+    visits = first_visits(target, fresh) if base_length > longest + visited else None
+    bandwidth = read_bandwidth(target.device)
+    target_bytes = streamed_bytes(target, ours=True)
+    draft_step = costs.c_draft * costs.target_step_seconds
+    return {
+        "kernels_per_step": {
+            "unit": kernels["target"].unit,
+            "target": kernels["target"].per_step,
+            "draft": kernels["draft"].per_step,
+            "detail": {"target": kernels["target"].detail, "draft": kernels["draft"].detail},
+        },
+        "first_visit_ms": visits.to_json() if visits is not None else None,  # None: no room left in the context
+        "step_roofline": {
+            "read_gbps_median": bandwidth.median_gbps,
+            "read_gbps_samples": bandwidth.samples_gbps,
+            "read_buffer_bytes": bandwidth.buffer_bytes,
+            "target": dataclasses.asdict(step_roofline(target_bytes, costs.target_step_seconds, bandwidth)),
+            "draft": dataclasses.asdict(step_roofline(streamed_bytes(draft, ours=True), draft_step, bandwidth)),
+        },
+    }
+
+
+def print_step_figures(figures: dict[str, Any]) -> None:
+    kernels, visits, roof = figures["kernels_per_step"], figures["first_visit_ms"], figures["step_roofline"]
+    print(f"\nper 1-token step: target {kernels['target']:.0f} {kernels['unit']}, draft {kernels['draft']:.0f}")
+    if visits is not None:
+        print(f"first step at a never-seen KV length {visits['first']:.2f} ms, the same step repeated "
+              f"{visits['repeated']:.2f} ms ({visits['ratio']:.2f}x; lengths {visits['lengths'][0]}.."
+              f"{visits['lengths'][-1]})")  # fmt: skip
+    samples, megabytes = len(roof["read_gbps_samples"]), roof["read_buffer_bytes"] / 1e6
+    print(f"step roofline, read bandwidth {roof['read_gbps_median']:.1f} GB/s (median of {samples} sums over "
+          f"{megabytes:.0f} MB, this run):")  # fmt: skip
+    for role in ("target", "draft"):
+        r = roof[role]
+        print(
+            f"  {role:<6} {r['weight_bytes'] / 1e6:8.1f} MB/step  roofline {r['roofline_step_ms']:.3f} ms  "
+            f"measured {r['measured_step_ms']:.3f} ms  ({r['achieved_share']:.0%} of the read bandwidth)"
+        )
 
 
 def streamed_bytes(lm: LoadedModel, ours: bool) -> int:
@@ -335,6 +466,7 @@ def roofline(tallies: dict[str, Tally], target: LoadedModel, draft: LoadedModel)
     rows = {}
     for name, t in tallies.items():
         ours = name.startswith("ours-")
+        per_token: float
         if name == "hf-plain":
             per_token = streamed_bytes(target, ours=False)  # one target pass per token
         elif ours:
@@ -377,12 +509,16 @@ def report(tallies: dict[str, Tally], costs: Costs, runs_total: int) -> None:
         ("ours-draft", "hf-assisted"),
         ("ours-lookup", "hf-lookup"),
     ):
+        if ours_name not in tallies or hf_name not in tallies:
+            continue
         ratio = tallies[ours_name].tokens_per_second / tallies[hf_name].tokens_per_second
         print(f"  {ours_name} / {hf_name}: {ratio:.2f}x")
 
     print("\noverhead efficiency = measured decode speedup / predicted from measured tau, c and v(K)")
     print("  (c as the loop measures it, i.e. as workers report it to the controller; v(K) measured in isolation)")
     for name in ("ours-draft", "ours-lookup", "ours-suffix", "ours-self"):
+        if name not in tallies:
+            continue
         t = tallies[name]
         rounds = rounds_of(t)
         c = (

@@ -400,6 +400,63 @@ MUTATIONS: tuple[Mutation, ...] = (
         "streams opened together before any table exists each build every table (a controller restart, with every "
         "worker reconnecting, costs N builds)",
     ),
+    Mutation(
+        "graph-tiles",
+        "decoder/runners/graphed.py",
+        "    return torch.cat([step(slice(first, first + TILE)) for first in range(0, rows, TILE)])",
+        "    return step(slice(0, rows))",
+        ("tests/decoder/test_graph_pass.py",),
+        "the graphs pass runs its row-wise steps on all of a bucket's rows in one call: a GPU picks the product's "
+        "kernel by the row count, so a token's bits would depend on its bucket",
+    ),
+    Mutation(
+        "graph-padding-slot",
+        "decoder/runners/graphed.py",
+        "        self._staging[ROW_SLOTS, :n] = self.scratch",
+        "        self._staging[ROW_SLOTS, :n] = 0",
+        ("tests/decoder/test_graph_pass.py",),
+        "rows padded up to a bucket write their keys and values into slot 0, a live sequence's, not the scratch slot",
+    ),
+    Mutation(
+        "graph-attention-slot",
+        "decoder/runners/capacity_attention.py",
+        "keys.index_select(0, seq_slots[b : b + 1])[0],  # [kv, C, d]",
+        "keys.index_select(0, seq_slots[:1])[0],  # [kv, C, d]",
+        ("tests/decoder/test_graph_pass.py",),
+        "every sequence of a batched step attends to the first sequence's keys (right at batch 1 only)",
+    ),
+    Mutation(
+        "set-acceptance-rate-inverted",
+        "benchmarks/set_acceptance.py",
+        "keep = torch.rand(n, generator=generator, dtype=torch.float64) < alpha",
+        "keep = torch.rand(n, generator=generator, dtype=torch.float64) >= alpha",
+        ("tests/decoder/test_set_acceptance.py",),
+        "the cost studies' drafter corrupts at rate α instead of 1 - α: every speedup curve is drawn at the wrong α",
+    ),
+    Mutation(
+        "set-acceptance-proposes-the-drafts-own",
+        "benchmarks/set_acceptance.py",
+        "return self.proposals[position : position + 1], None",
+        "return logits.argmax(dim=-1), None",
+        ("tests/decoder/test_set_acceptance.py",),
+        "the set-acceptance drafter proposes the draft model's own tokens: its α is the draft's, not the set one",
+    ),
+    Mutation(
+        "interceptor-wraps-every-call",
+        "controller/grpc_server.py",
+        "        if kept is not None and kept[0] is handler:",
+        "        if False:",
+        ("tests/controller/test_interceptors.py",),
+        "every call builds its interceptors' handlers anew: a burst of calls costs the event loop more per call",
+    ),
+    Mutation(
+        "refusal-runs-the-chain",
+        "controller/auth.py",
+        "        streaming = self._streaming.get(method)",
+        "        streaming = None",
+        ("tests/controller/test_interceptors.py",),
+        "a refused call runs every interceptor behind the token check before it is refused",
+    ),
 )
 
 

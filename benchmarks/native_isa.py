@@ -38,9 +38,9 @@ from decoder.batch_engine import BatchEngine
 from decoder.engine import SpeculativeDecoder
 from decoder.models import load_model
 from decoder.native import build
+from decoder.request_stop import StopConditions
 from decoder.runners import KVPool
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 
 ARMS = [("none", 0), *(("draft", k) for k in (2, 3, 4, 6)), ("prompt_lookup", 4)]
 V_SIZES = range(1, 10)  # tokens per pass: v(0) .. v(8)
@@ -97,7 +97,7 @@ def main() -> None:
     decoder = SpeculativeDecoder(target, draft)
     prompts = [decoder.encode(p) for p in PROMPTS]
     batch_prompts = prompts[:4]
-    rules = StopRules(max_new_tokens=args.max_new_tokens)
+    rules = StopConditions(max_new_tokens=args.max_new_tokens)
     engines, kernels, references = {}, {}, {}
     for isa in isas:
         use(isa)

@@ -7,6 +7,12 @@ Each measurement opens B sequences (prompts cycled from the workloads of the cho
 run of the same batch: every speculative variant must produce the same tokens.
 
     python benchmarks/worker_throughput.py --target models/reference/target --draft models/reference/draft
+
+On a GPU, up to batch 64 (the first repetition then runs uncounted: every (batch, width, KV length) the counted
+ones visit is seen once, so no first visit's kernel plans are timed):
+
+    python -m benchmarks.worker_throughput --device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64 \
+        --variants none,draft --json F
 """
 
 from __future__ import annotations
@@ -14,16 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+if __package__ in (None, ""):  # run as a file: the repository root is not on the path, benchmarks/ is
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import synchronize
 from decoder.batch_engine import BatchEngine
+from decoder.choices import RUNNER_NAMES
 from decoder.models import load_model, parse_dtype, resolve_device
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import requested
 from workloads import load_all
 
@@ -42,7 +54,8 @@ def decode_batch(
     engine: BatchEngine, prompts: list[list[int]], drafter: str, k: int, tokens: int
 ) -> tuple[float, list[list[int]], float | None]:
     """Decode all prompts together; returns (tokens/s, outputs, α)."""
-    rules = StopRules(max_new_tokens=tokens)  # no EOS: every sequence decodes the full budget
+    rules = StopConditions(max_new_tokens=tokens)  # no EOS: every sequence decodes the full budget
+    synchronize(engine.target.device)
     started = time.perf_counter()
     sessions = [engine.open(p, GREEDY, rules, requested(drafter, k)) for p in prompts]  # no batch rule: every K
     live = list(sessions)
@@ -51,6 +64,7 @@ def decode_batch(
         for s in [s for s in live if s.finish_reason is not None]:
             engine.close(s)
         live = [s for s in live if s.finish_reason is None]
+    synchronize(engine.target.device)
     seconds = time.perf_counter() - started
     outputs = [s.generated for s in sessions]
     proposed = sum(s.stats.num_drafted for s in sessions)
@@ -70,31 +84,44 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runner", choices=RUNNER_NAMES, default="auto", help="the models' forward pass")
+    parser.add_argument("--variants", default="none,draft,prompt_lookup", help="drafters to run (none always)")
+    parser.add_argument(
+        "--warmup", choices=("auto", "short", "full"), default="auto",
+        help="short: one small batch; full: a whole uncounted repetition first (every batch, width and KV length the "
+        "counted ones visit); auto: full on a GPU, short on a CPU",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
-    target = load_model(args.target, device, dtype)
-    draft = load_model(args.draft, device, dtype)
+    target = load_model(args.target, device, dtype, args.runner)
+    draft = load_model(args.draft, device, dtype, args.runner)
     batches = [int(b) for b in args.batches.split(",")]
     engine = BatchEngine(target, draft, max_batch=max(batches))
     workloads = load_all("workloads")
     texts = [p.prompt for seg in args.segments.split(",") for p in workloads[seg]]
     prompts = [engine.encode(t) for t in texts]
-    variants = [("none", 0), ("draft", args.k), ("prompt_lookup", args.k)]
+    drafters = ["none", *(d for d in args.variants.split(",") if d and d != "none")]
+    variants = [(d, 0 if d == "none" else args.k) for d in drafters]
     results: dict[tuple[int, str], Measurement] = {}
-    decode_batch(engine, prompts[:2], "draft", args.k, 8)  # warm-up
-    for rep in range(args.repeats):
+    full_warmup = args.warmup == "full" or (args.warmup == "auto" and device.type == "cuda")
+    if not full_warmup:
+        decode_batch(engine, prompts[:2], "draft", args.k, 8)  # warm-up
+    for rep in range(-1 if full_warmup else 0, args.repeats):  # rep -1: the full warm-up, not counted
         for b in batches:
-            chosen = [prompts[(rep * 7 + i) % len(prompts)] for i in range(b)]
+            offset = 0 if full_warmup else rep * 7  # after a full warm-up every repetition reruns what it saw
+            chosen = [prompts[(offset + i) % len(prompts)] for i in range(b)]
             reference: list[list[int]] | None = None
             order = variants if rep % 2 == 0 else variants[::-1]
             runs = {}
             for drafter, k in order:
                 runs[drafter] = decode_batch(engine, chosen, drafter, k, args.tokens)
             reference = runs["none"][1]
+            if rep < 0:
+                continue
             for drafter, _ in variants:
                 rate, outputs, alpha = runs[drafter]
                 m = results.setdefault((b, drafter), Measurement())
@@ -103,19 +130,22 @@ def main() -> None:
                     m.alpha.append(alpha)
                 m.mismatches += sum(o != r for o, r in zip(outputs, reference, strict=True))
                 m.sequences += len(outputs)
-    print(f"device {device}, dtype {dtype}, {args.threads} threads, K={args.k}, {args.tokens} new tokens/sequence, "
-          f"{args.repeats} repeats, prompts from {args.segments}")  # fmt: skip
+    forward = engine.target_pool.forward_pass
+    print(
+        f"device {device}, dtype {dtype}, runner {target.runner} (the {forward.name} pass), {args.threads} threads, "
+        f"K={args.k}, {args.tokens} new tokens/sequence, {args.repeats} repeats, prompts from {args.segments}"
+    )
     print(f"{'batch':>5} {'drafter':<14} {'tok/s':>8} {'vs none':>8} {'alpha':>6} {'same output':>12}")
     for b in batches:
         base = statistics.median(results[(b, "none")].tokens_per_second)
         for drafter, _ in variants:
             m = results[(b, drafter)]
             rate = statistics.median(m.tokens_per_second)
-            alpha = f"{statistics.mean(m.alpha):.2f}" if m.alpha else "-"
+            shown = f"{statistics.mean(m.alpha):.2f}" if m.alpha else "-"
             same = "yes" if m.mismatches == 0 else f"{m.mismatches} differ"
-            print(f"{b:>5} {drafter:<14} {rate:>8.1f} {rate / base:>7.2f}x {alpha:>6} {same:>12}")
+            print(f"{b:>5} {drafter:<14} {rate:>8.1f} {rate / base:>7.2f}x {shown:>6} {same:>12}")
     if args.json:
-        from benchmarks.decode_loop import read_bandwidth_gbps
+        from benchmarks.decode_loop import device_json, read_bandwidth_gbps
 
         def figures(m: Measurement, none: Measurement) -> dict[str, object]:
             rate = statistics.median(m.tokens_per_second)
@@ -132,7 +162,11 @@ def main() -> None:
                 for b in batches
             },
             "bandwidth_gbps": read_bandwidth_gbps(device),
-        }
+            "forward_pass": {"runner": forward.name, "dtype": forward.dtype_name, "kernel": forward.kernel},
+            "device": device_json(device),
+            "settings": {"k": args.k, "tokens": args.tokens, "repeats": args.repeats, "warmup": "full" if full_warmup
+                         else "short", "segments": args.segments},
+        }  # fmt: skip
         args.json.write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {args.json}")
 

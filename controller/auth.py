@@ -130,17 +130,31 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: Tokens, refusals: RefusalLog | None = None) -> None:
         self.tokens = tokens
         self.refusals = refusals or RefusalLog()
+        # (method, code, reason) -> its refusing handler, built once; (method) -> does it stream its responses.
+        # Both are bounded by the service's methods: only a method that has a handler is ever kept.
+        self._refusing: dict[tuple[str, grpc.StatusCode, str], grpc.RpcMethodHandler] = {}
+        self._streaming: dict[str, bool] = {}
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        why = refusal(self.tokens, details.method, details.invocation_metadata)
-        handler = await continuation(details)
-        if why is None or handler is None:
-            return handler
-        return refusing_handler(handler, details.method, *why, self.refusals)
+        method = details.method
+        why = refusal(self.tokens, method, details.invocation_metadata)
+        if why is None:
+            return await continuation(details)
+        streaming = self._streaming.get(method)
+        if streaming is None:  # the first refusal of this method: learn its kind from the handlers behind
+            handler = await continuation(details)
+            if handler is None:
+                return None  # no such method: UNIMPLEMENTED, as without tokens
+            streaming = self._streaming[method] = bool(handler.response_streaming)
+        key = (method, *why)
+        refusing = self._refusing.get(key)
+        if refusing is None:
+            refusing = self._refusing[key] = refusing_handler(streaming, method, *why, self.refusals)
+        return refusing
 
 
 def refusing_handler(
-    handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, reason: str, refusals: RefusalLog
+    response_streaming: bool, method: str, code: grpc.StatusCode, reason: str, refusals: RefusalLog
 ) -> grpc.RpcMethodHandler:
     """A handler that refuses the call as soon as its headers are in, on the event loop, without waiting for its
     request: a request-streaming handler, which grpc.aio runs at once and which never reads (on the wire every kind
@@ -151,7 +165,7 @@ def refusing_handler(
         refusals.note(method, context.peer(), code, reason)
         await context.abort(code, reason)
 
-    if handler.response_streaming:
+    if response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse)
     return grpc.stream_unary_rpc_method_handler(refuse)
 

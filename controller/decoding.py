@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from controller.grpc_server import PerMethod
 from specd_api.checks import quoted
 
 
@@ -29,9 +30,15 @@ class Undecodable:
 
 
 class RefuseUndecodable(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        self._wrapped = PerMethod(self._wrap)
+
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
+        return self._wrapped(details.method, await continuation(details))
+
+    @staticmethod
+    def _wrap(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.request_deserializer is None:
             return handler  # handlers that read no bytes
         if handler.unary_unary is not None:
             behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
@@ -47,7 +54,7 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
             except DecodeError as e:
                 return Undecodable(quoted(str(e), 160))  # protobuf's words ("String field had bad UTF-8")
 
-        checked = checking(behavior, details.method)
+        checked = checking(behavior, method)
         return make(checked, request_deserializer=decode, response_serializer=handler.response_serializer)
 
 

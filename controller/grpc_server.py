@@ -123,15 +123,44 @@ class ThreadedStreams(grpc.aio.ServerInterceptor):
     def __init__(self, pool: futures.Executor) -> None:
         self.pool = pool
 
+        self._wrapped = PerMethod(self._wrap)
+
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.unary_stream is None or is_async(handler.unary_stream):
+        return self._wrapped(details.method, await continuation(details))
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.unary_stream is None or is_async(handler.unary_stream):
             return handler
         return grpc.unary_stream_rpc_method_handler(
             stream_in_pool(handler.unary_stream, self.pool),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+class PerMethod:
+    """An interceptor's wrapping of a method's handler, built once per method rather than once per call: the
+    service's handlers are one object per method, so the wrapped one can be kept and handed out again. Every call
+    goes through every interceptor on the one event loop, so this is paid by every call, refused ones included (a
+    burst of calls refused for their token is the loop's work and nothing else: issue 22). ``wrap(handler, method)``
+    returns the handler to serve; a ``None`` handler (no such method) passes through, and is never kept."""
+
+    LIMIT = 256  # methods kept; the service has a handful, and a method name a client makes up finds no handler
+
+    def __init__(self, wrap: Callable[[grpc.RpcMethodHandler, str], grpc.RpcMethodHandler]) -> None:
+        self._wrap = wrap
+        self._kept: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def __call__(self, method: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+        if handler is None:
+            return None
+        kept = self._kept.get(method)
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        wrapped = self._wrap(handler, method)
+        if len(self._kept) < self.LIMIT:
+            self._kept[method] = (handler, wrapped)
+        return wrapped
 
 
 def is_async(behavior: Callable[..., Any]) -> bool:
@@ -229,6 +258,7 @@ class InFlight(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
+        self._wrapped = PerMethod(self._wrap)
 
     @property
     def count(self) -> int:
@@ -246,8 +276,10 @@ class InFlight(grpc.aio.ServerInterceptor):
                 self._count -= 1
 
     async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
+        return self._wrapped(details.method, await continuation(details))
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.unary_unary is None:
             return handler  # streams (health Watch, WatchDecisions, reflection): long-lived by design, not counted
         behavior = handler.unary_unary
 

@@ -26,9 +26,9 @@ from decoder.drafters.draft_model import propose_together
 from decoder.engine import DecodeSession, SpeculativeDecoder
 from decoder.kv_cache import ModelSequence
 from decoder.models import LoadedModel
+from decoder.request_stop import StopConditions
 from decoder.runners import KVPool, PooledSequence
 from decoder.sampling import SamplingParams, make_generator
-from decoder.stopping import StopRules
 from specd_api.plan import Plan, requested
 from specd_api.speedup import runs_draft_model
 
@@ -59,7 +59,7 @@ class BatchEngine(SpeculativeDecoder):
     def free_slots(self) -> int:
         return self.target_pool.free_slots
 
-    def open(self, prompt_ids: list[int], params: SamplingParams, rules: StopRules, plan: Plan) -> DecodeSession:
+    def open(self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan) -> DecodeSession:
         """A new sequence in a free slot, decoded as ``plan`` says, prefilled and ready for ``step``. Raises
         ValueError on a bad request (a drafter this engine does not offer, a prompt too long)."""
         generator = make_generator(params.seed, self.target.device)
@@ -101,7 +101,7 @@ class BatchEngine(SpeculativeDecoder):
             assert isinstance(s.target, PooledSequence)
             rows.append((s.target, s.verify_input(d)))
         started = time.perf_counter()
-        logits = self.target_pool.forward_many(rows)  # [K_i + 1, vocab] each
+        logits = self.target_pool.forward_many(rows)  # [k_i + 1, vocab] each
         self._stall(sessions)  # an injected stall lands inside the timed pass, as a real one would
         verify_share = (time.perf_counter() - started) / len(sessions)
         # 3-5. Accept, emit and roll back, each sequence on its own.
@@ -128,7 +128,7 @@ class BatchEngine(SpeculativeDecoder):
         25 % slower, and the controller learned them as costs. Nothing here is reported. Returns the rounds run."""
         span = max(min(97, self.target.vocab_size - 3), 1)
         prompt = [(i * 7) % span + 3 for i in range(WARM_UP_PROMPT_TOKENS // 2)] * 2  # repeats: lookup finds n-grams
-        rules = StopRules(max_new_tokens=2 * max_k * (max_k + 1) + 8)
+        rules = StopConditions(max_new_tokens=2 * max_k * (max_k + 1) + 8)
         rounds = 0
         for drafter in self.drafters:
             if drafter == "chain":

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decoder.batch_engine import BatchEngine
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.telemetry import RoundRecord
 from specd_api.plan import offers, requested
 
@@ -48,7 +48,7 @@ def measure_costs(
 
 
 def _sequence(engine: BatchEngine, prompt: Sequence[int], drafter: str, k: int, rounds: int) -> list[RoundRecord]:
-    rules = StopRules(max_new_tokens=(k + 1) * (rounds + 1) + 1)  # never cut by the budget: every round drafts k
+    rules = StopConditions(max_new_tokens=(k + 1) * (rounds + 1) + 1)  # never cut by the budget: every round drafts k
     plan = requested(drafter, k, max_batch_size=1)  # at batch 1, whatever the worker's batch rule
     session = engine.open(list(prompt), SamplingParams(), rules, plan)
     try:

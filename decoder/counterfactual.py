@@ -30,7 +30,7 @@ import torch
 
 from decoder.drafters.base import Drafter
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
-from decoder.stopping import StopRules, draft_budget
+from decoder.request_stop import StopConditions, draft_budget
 from specd_api.position_tally import PositionTally
 
 
@@ -49,7 +49,7 @@ def replay_lookup(
     generated: Sequence[int],
     config: PromptLookupConfig,
     k: int,
-    rules: StopRules,
+    rules: StopConditions,
     max_context: int | None,
 ) -> list[Scored]:
     """Prompt lookup at ceiling ``k``, replayed over ``generated``: one score per ceiling the rounds had."""
@@ -61,7 +61,7 @@ def replay(
     prompt_ids: Sequence[int],
     generated: Sequence[int],
     k: int,
-    rules: StopRules,
+    rules: StopConditions,
     max_context: int | None,
 ) -> list[Scored]:
     """A fresh one-hot ``drafter`` at ceiling ``k``, replayed over ``generated``: one score per ceiling the rounds
@@ -102,7 +102,7 @@ def _proposer(drafter: Drafter, text: list[int], prompt: int) -> Callable[[int, 
             return index.propose(k)
 
         return lookup
-    tensor = torch.tensor(text, dtype=torch.long)  # [prompt + generated]: each round reads a view of it
+    tensor = torch.tensor(text, dtype=torch.long)  # [t] (prompt + generated): each round reads a view of it
     drafter.prefill(tensor[:prompt])
 
     def propose(length: int, k: int) -> list[int]:

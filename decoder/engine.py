@@ -5,6 +5,8 @@ the drafter and answers each round's K; the loop tells it what each round kept.
 
 Invariant between rounds: the target's KV cache holds every token of the context but the last one,
 which is fed at the head of the next verification pass together with the draft.
+
+Shapes in the notation of ``decoder/__init__.py``: ``t`` the context, ``k`` the tokens drafted this round.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from decoder.drafters import (
 )
 from decoder.kv_cache import ModelSequence, open_sequence
 from decoder.models import LoadedModel, check_pair
+from decoder.request_stop import StopConditions, cut_round, draft_budget, trim_stop_string
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
-from decoder.stopping import StopRules, cut_round, draft_budget, trim_stop_string
 from decoder.telemetry import RequestStats, RoundRecord
 from specd_api.plan import DRAFTER_NAMES, SCORABLE, Plan, offers, requested
 from specd_api.round_policy import RoundPolicy
@@ -82,7 +84,7 @@ class DecodeSession:
         policy: RoundPolicy[Drafter],
         prompt_ids: list[int],
         params: SamplingParams,
-        rules: StopRules,
+        rules: StopConditions,
         generator: torch.Generator | None,
         target_sequence: ModelSequence | None = None,
     ) -> None:
@@ -123,7 +125,7 @@ class DecodeSession:
         draft = self.drafter.propose(self.context, k)
         drafted = time.perf_counter()
         # 2. Verify the last context token and all K drafts in one target pass.
-        logits = self.target.forward(self.verify_input(draft))  # [K + 1, vocab]
+        logits = self.target.forward(self.verify_input(draft))  # [k + 1, vocab]
         return self.finish_round(k, draft, logits, drafted - start, time.perf_counter() - drafted)
 
     def draft_budget(self) -> int:
@@ -134,7 +136,7 @@ class DecodeSession:
         return draft_budget(length, len(self.generated), self.rules, self.target.lm.max_context)
 
     def verify_input(self, draft: Draft) -> torch.Tensor:
-        """What the target runs this round: the last context token, then the draft.  # [K + 1] int64"""
+        """What the target runs this round: the last context token, then the draft.  # [k + 1] int64"""
         return torch.cat([self.context[-1:], draft.tokens])
 
     def rewind(self) -> None:
@@ -241,13 +243,17 @@ class SpeculativeDecoder:
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
 
-    def session(self, prompt_ids: list[int], params: SamplingParams, rules: StopRules, plan: Plan) -> DecodeSession:
+    def session(
+        self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan
+    ) -> DecodeSession:
         """A sequence decoded as ``plan`` says (its drafter, K ceiling, stop rule and per-round rule)."""
         generator = make_generator(params.seed, self.target.device)
         policy = self._open_policy(plan, params, generator)
         return DecodeSession(self.target, policy, prompt_ids, params, rules, generator)
 
-    def decode(self, prompt_ids: list[int], params: SamplingParams, rules: StopRules, plan: Plan) -> GenerationResult:
+    def decode(
+        self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan
+    ) -> GenerationResult:
         """Decode one request as ``plan`` says (use ``session`` to run it round by round)."""
         session = self.session(prompt_ids, params, rules, plan)
         session.prefill()
@@ -256,7 +262,7 @@ class SpeculativeDecoder:
         return session.result()
 
     def generate(
-        self, prompt_ids: list[int], drafter: str, k: int, params: SamplingParams, rules: StopRules
+        self, prompt_ids: list[int], drafter: str, k: int, params: SamplingParams, rules: StopConditions
     ) -> GenerationResult:
         """Decode one request with ``drafter`` at ceiling ``k`` every round (a caller's own plan: ``decode`` runs
         any plan)."""
@@ -273,7 +279,12 @@ class SpeculativeDecoder:
         return {d: k for d, k in ks if k > 0 and d != ran and d in SCORABLE and offers(self.drafters, d)}
 
     def score(
-        self, ks: Mapping[str, int], prompt_ids: Sequence[int], generated: Sequence[int], rules: StopRules, segment: str
+        self,
+        ks: Mapping[str, int],
+        prompt_ids: Sequence[int],
+        generated: Sequence[int],
+        rules: StopConditions,
+        segment: str,
     ) -> list[Scored]:
         """Each drafter of ``ks`` (one-hot: prompt lookup, suffix decoding) replayed over ``generated`` at its
         ceiling, made as serving makes it (``make_drafter``: suffix decoding reads ``segment``'s outputs in the suffix

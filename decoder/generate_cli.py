@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from decoder.drafters import PromptLookupConfig
     from decoder.engine import SpeculativeDecoder
     from decoder.models import load_model, parse_dtype, resolve_device
+    from decoder.request_stop import StopConditions
     from decoder.sampling import SamplingParams
-    from decoder.stopping import StopRules
 
     drafter = args.drafter or ("draft" if args.draft else "none")
     if runs_draft_model(drafter) and not args.draft:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
         lookup = PromptLookupConfig(min_ngram=args.min_ngram, max_ngram=args.max_ngram)
-        max_new_tokens = StopRules(max_new_tokens=args.max_new_tokens).max_new_tokens
+        max_new_tokens = StopConditions(max_new_tokens=args.max_new_tokens).max_new_tokens
     except ValueError as e:
         raise UsageError(str(e)) from None
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = decoder.encode(prompt)
     if not prompt_ids:
         raise UsageError("the prompt is empty after tokenization")
-    rules = StopRules(
+    rules = StopConditions(
         max_new_tokens=max_new_tokens,
         eos_token_ids=frozenset() if args.ignore_eos else target.eos_token_ids,
         stop_strings=tuple(args.stop),

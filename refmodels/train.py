@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from decoder.schedules import warmup_cosine
+from distill.schedules import warmup_cosine
 from refmodels.corpus import CorpusConfig
 from refmodels.data import PreparedData, file_sha256, prepare_data, read_json, write_json
 from refmodels.modeling import (

@@ -24,7 +24,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 Handler = Callable[[argparse.Namespace], int]
 
-PROJECT_PACKAGES = frozenset({"specd", "specd_api", "decoder", "controller", "workloads", "refmodels"})
+PROJECT_PACKAGES = frozenset(
+    {"specd", "specd_api", "specd_client", "decoder", "controller", "workloads", "refmodels", "distill"}
+)
 DEMO_EXTRA_MODULES = frozenset({"rich", "matplotlib", "httpx"})  # pyproject's demo extra; the rest is worker's
 
 
@@ -47,8 +49,8 @@ def needs_extra(error: ModuleNotFoundError) -> str:
 def build_parser() -> argparse.ArgumentParser:
     from controller import cli as controller_cli
     from decoder import generate_cli, tiny
-    from decoder.distill import cli as distill_cli
     from decoder.worker import cli as worker_cli
+    from distill import cli as distill_cli
 
     parser = OneLineParser(prog="specd", description="Adaptive speculative decoding.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
@@ -59,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cli.add_parser(commands)
     add_extra_parser(commands, "demo", "the demo")
     add_extra_parser(commands, "bench", "the benchmark")
-    tiny_parser = commands.add_parser("tiny-pair", help="write a tiny random target/draft pair (for trying things)")
+    tiny_parser = commands.add_parser(
+        "tiny-pair", help="write a random target/draft pair: tiny (for trying things), or --shape 1b (to measure costs)"
+    )
     tiny.add_arguments(tiny_parser)
     tiny_parser.set_defaults(handler=tiny.run)
     return parser

@@ -60,7 +60,7 @@ class RoundPolicy(Generic[D]):
 
     def round_k(self, batch_size: int, budget: int) -> int:
         """This round's K, in a batch of ``batch_size`` sequences, with room for ``budget`` drafted tokens (what the
-        output budget and the context leave: ``decoder.stopping.draft_budget``)."""
+        output budget and the context leave: ``decoder.request_stop.draft_budget``)."""
         if not self.speculates_at(batch_size):
             return 0
         ceiling = self.ceiling

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from decoder.models import LoadedModel, from_objects
 from decoder.tiny import build_model, build_tokenizer
-from tests.otlp_receiver import OtlpReceiver
+
+if TYPE_CHECKING:
+    from tests.otlp_receiver import OtlpReceiver
 
 # Tiny models gain nothing from intra-op threads, and lose a lot when another process holds the cores.
 torch.set_num_threads(1)
@@ -60,6 +63,9 @@ def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture
 def otlp_receiver() -> Iterator[OtlpReceiver]:
-    """A started OTLP/gRPC trace receiver of this test's own (tests/otlp_receiver.py): send to ``.endpoint``."""
+    """A started OTLP/gRPC trace receiver of this test's own (tests/otlp_receiver.py): send to ``.endpoint``.
+    Imported here, not at the top: tests/decoder runs where only torch and transformers are (a GPU machine)."""
+    from tests.otlp_receiver import OtlpReceiver
+
     with OtlpReceiver() as receiver:
         yield receiver

@@ -23,7 +23,8 @@ import yaml
 from tests.waiting import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("specd", "specd_api", "decoder", "controller", "workloads", "refmodels")  # pyproject's packages.find
+# pyproject's packages.find
+PACKAGES = ("specd", "specd_api", "specd_client", "decoder", "controller", "workloads", "refmodels", "distill")
 WORKER_ONLY = ("torch", "transformers", "tokenizers", "safetensors", "fastapi", "uvicorn")
 DEMO_ONLY = ("rich", "matplotlib", "httpx")
 

@@ -9,8 +9,8 @@ import torch
 
 from decoder.engine import SpeculativeDecoder
 from decoder.models import check_pair, load_model
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 
 REFERENCE = Path(__file__).resolve().parent.parent / "models" / "reference"
 CPU = torch.device("cpu")
@@ -44,7 +44,7 @@ def test_speculative_greedy_equals_target_only(pair, drafter):
     torch.set_num_threads(1)
     decoder = SpeculativeDecoder(target, draft)
     prompt = decoder.encode("def read_config(path):\n    with open(path) as f:\n")
-    rules = StopRules(24, target.eos_token_ids)
+    rules = StopConditions(24, target.eos_token_ids)
     expected = decoder.generate(prompt, "none", 0, SamplingParams(), rules)
     got = decoder.generate(prompt, drafter, 4, SamplingParams(), rules)
     assert got.token_ids == expected.token_ids

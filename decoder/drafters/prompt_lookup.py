@@ -43,7 +43,7 @@ def find_continuation(tokens: np.ndarray, k: int, min_ngram: int, max_ngram: int
     for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
         suffix = tokens[t - n :]
         # Windows starting at 0 .. t-n-1: every earlier n-gram that has at least one token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: t - 1], n)  # [t - n, n]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: t - 1], n)  # [t - n, n], n the n-gram size here
         starts = np.flatnonzero((windows == suffix).all(axis=1))
         if starts.size:
             begin = int(starts[-1]) + n

@@ -6,7 +6,7 @@ the pass's business (``new_store``): the Llama passes share ``SlotTensors`` (dec
 keeps one ``DynamicCache`` per slot. The pool owns the slots and their lengths; a rollback is a length change, and
 a pass reads each row's start from the pool, never from its own storage.
 
-Shapes: ``n`` one row's new tokens, ``vocab`` the logits' width (one notation across decoder/).
+Shapes in the notation of ``decoder/__init__.py`` (``n_i`` row i's new tokens, ``vocab`` the logits' width).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ What it costs: a pass of up to ``TILE`` tokens reads the weights once (as a 1-to
 drafts costs about one step where the weights dominate), one attention call per token and layer, and more tiles for
 longer passes (a prefill). The figures are in docs/BENCHMARKS.md.
 
-Shapes: ``r`` real tokens in the pass, ``p`` padded to a multiple of ``TILE``, ``T`` one tile.
+Shapes in the notation of ``decoder/__init__.py``: ``r`` real tokens in the pass, ``p`` padded to whole tiles,
+``tile`` one tile's ``TILE`` rows.
 """
 
 from __future__ import annotations
@@ -58,19 +59,19 @@ def by_tiles(step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
 def project_qkv(
     pass_: InvariantPass, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """Norm, q/k/v projections and rotary embedding of one tile. # x: [T, hidden] -> [T, heads + 2 kv, d]"""
+    """Norm, q/k/v projections and rotary embedding of one tile. # x: [tile, hidden] -> [tile, heads + 2 kv, d]"""
     attn, shape = layer.self_attn, pass_.shape
     heads, kv, d = shape.heads, shape.kv_heads, shape.head_dim
-    h = layer.input_layernorm(x)  # [T, hidden]
-    q = attn.q_proj(h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, T, d]
-    k = attn.k_proj(h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, T, d]
+    h = layer.input_layernorm(x)  # [tile, hidden]
+    q = attn.q_proj(h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, tile, d]
+    k = attn.k_proj(h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, tile, d]
     v = attn.v_proj(h).view(1, -1, kv, d).transpose(1, 2)
-    q, k = pass_.rope(q, k, cos, sin)  # cos, sin: [1, T, d]
+    q, k = pass_.rope(q, k, cos, sin)  # cos, sin: [1, tile, d]
     return torch.cat([q, k, v], dim=1)[0].transpose(0, 1)
 
 
 def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The attention's output projection and the MLP, residuals included. # x: [T, hidden] -> [T, hidden]"""
+    """The attention's output projection and the MLP, residuals included. # x: [tile, hidden] -> [tile, hidden]"""
     h = x + layer.self_attn.o_proj(attended)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 

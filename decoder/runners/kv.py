@@ -4,7 +4,7 @@ Public on purpose: the passes read and write ``keys`` and ``values`` directly (a
 and the native kernel binds to them by address. Rollback is the pool's length change: nothing here is copied then;
 only growth copies (``reserve``, doubling).
 
-Shapes: ``[layers, slots, kv, capacity, d]`` with ``kv`` the key-value heads and ``d`` the head size.
+Shapes (the notation of ``decoder/__init__.py``): ``[layers, slots, kv, capacity, d]``.
 """
 
 from __future__ import annotations

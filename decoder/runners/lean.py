@@ -12,10 +12,8 @@ head with oneDNN, ``OutputHead``, which differs from transformers' in the last b
 Only plain ``LlamaForCausalLM`` models take this path (``decoder.runners.kv.why_not_plain_llama``); everything
 else runs through transformers (decoder/runners/hf.py).
 
-Shape comments, one notation across decoder/: ``b`` sequences in a pass, ``n`` one sequence's new tokens, ``w``
-the widest row of a ragged pass (the others padded), ``r`` its real tokens, ``end`` the positions attended to,
-``heads``/``kv``/``d`` the query heads, key-value heads and head size; ``t`` is a context's length (prompt plus
-emitted) and ``K`` a round's draft length.
+Shape comments use the one notation of ``decoder/__init__.py`` (``b`` rows, ``n_i`` a row's tokens, ``w`` the widest
+row, ``r`` the real tokens, ``end`` the positions attended to).
 """
 
 from __future__ import annotations
@@ -153,7 +151,7 @@ class LeanPass(LlamaTensorPass):
             k = attn.k_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [b, kv, w, d]
             v = attn.v_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
-            # Write only the real tokens: [t, kv, d] into (slot, :, position).
+            # Write only the real tokens: [r, kv, d] into (slot, :, position).
             store.keys[i][slot_of, :, pos_of] = k.transpose(1, 2)[row_of, col_of]
             store.values[i][slot_of, :, pos_of] = v.transpose(1, 2)[row_of, col_of]
             keys = store.keys[i, :, :, :end].index_select(0, slot_index)  # [b, kv, end, d]
@@ -168,5 +166,5 @@ class LeanPass(LlamaTensorPass):
             first_kept = torch.tensor([n - k for n, k in zip(counts, kept, strict=True)], device=device)  # [b]
             row_of, col_of = ((offsets[None, :] >= first_kept[:, None]) & real).nonzero(as_tuple=True)
             counts = kept
-        hidden = model.norm(x[row_of, col_of])  # [t, hidden]
+        hidden = model.norm(x[row_of, col_of])  # [r, hidden]
         return list(self.head(hidden).split(counts))  # [n_i or logits_to_keep, vocab] each

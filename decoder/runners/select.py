@@ -9,6 +9,7 @@ import torch
 
 from decoder.choices import RUNNER_NAMES
 from decoder.runners.base import ForwardPass, PassNotApplicable
+from decoder.runners.graphed import GraphPass
 from decoder.runners.hf import TransformersPass
 from decoder.runners.invariant import InvariantPass
 from decoder.runners.lean import LeanPass
@@ -19,16 +20,24 @@ PASSES: dict[str, Callable[[Any, torch.device], ForwardPass]] = {
     "native": NativePass.create,
     "lean": LeanPass.create,
     "invariant": InvariantPass.create,
+    "graphs": GraphPass.create,
     "transformers": TransformersPass,  # any causal LM
 }
-AUTO = ("native", "lean", "transformers")  # the fastest that applies; transformers' always does
+# the fastest that applies, by device type; transformers' always does
+AUTO = ("native", "lean", "transformers")
+AUTO_CUDA = ("graphs", "lean", "transformers")  # launch-bound eager passes: captured graphs first
+
+
+def auto_order(device: torch.device) -> tuple[str, ...]:
+    """The passes ``auto`` tries on ``device``, in order."""
+    return AUTO_CUDA if device.type == "cuda" else AUTO
 
 
 def select_pass(model: Any, runner: str, device: torch.device) -> ForwardPass:
-    """The pass ``runner`` names for ``model`` on ``device``; for "auto", the first of ``AUTO`` that applies.
-    Raises ``PassNotApplicable`` (a ValueError) saying why a named pass cannot run this model here."""
+    """The pass ``runner`` names for ``model`` on ``device``; for "auto", the first of ``auto_order(device)`` that
+    applies. Raises ``PassNotApplicable`` (a ValueError) saying why a named pass cannot run this model here."""
     if runner == "auto":
-        for name in AUTO:
+        for name in auto_order(device):
             try:
                 return PASSES[name](model, device)
             except PassNotApplicable:

@@ -184,9 +184,10 @@ class WorkerConfig(Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = Field(
         "auto", description="auto: float32 on a CPU (the native pass, exact), bfloat16 on a GPU that has it"
     )
-    runner: Literal["auto", "native", "lean", "invariant", "transformers"] = Field(
+    runner: Literal["auto", "native", "lean", "invariant", "graphs", "transformers"] = Field(
         "auto", description="the model forward (README, 'The native pass'); invariant: batch-invariant in any dtype, "
-        "so greedy speculative output equals target-only output in bfloat16 on a GPU too",
+        "so greedy speculative output equals target-only output in bfloat16 on a GPU too; graphs: the same exactness "
+        "in CUDA graphs (auto's choice on a GPU)",
     )  # fmt: skip
     threads: int | None = Field(None, ge=1, description="torch threads; null: torch's default")
     max_batch: int = Field(16, ge=1, le=256, description="sequences decoded together")

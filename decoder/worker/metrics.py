@@ -10,7 +10,7 @@ labels always keep theirs).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 from decoder.drafters.suffix_cache import CacheStats
 from decoder.runners.base import ForwardPass
+from decoder.runners.graphed import GraphPass
 from decoder.telemetry import RequestStats
 from decoder.worker.scheduler import StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
@@ -128,6 +129,11 @@ class WorkerMetrics:
     def observe_forward_pass(self, forward: ForwardPass) -> None:
         self.forward_pass.labels(forward.name, forward.dtype_name, forward.kernel).set(1)
 
+    def watch_forward_passes(self, passes: Mapping[str, ForwardPass]) -> None:
+        """Export, by model ("target", "draft"), the passes outside the graphs pass's buckets (read at each scrape;
+        the other passes have no buckets and export nothing)."""
+        self.registry.register(OutsideBucketsCollector(passes))
+
     def watch_client(self, stats: Callable[[], ClientStats]) -> None:
         """Export the controller client's telemetry counters (read at each scrape)."""
         self.registry.register(ClientCollector(stats))
@@ -176,6 +182,28 @@ class WorkerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class OutsideBucketsCollector(Collector):
+    """``specd_forward_pass_outside_buckets_total{model, reason}``: a graphs pass's passes that fit no captured bucket
+    (a prefill longer than K_max+1 tokens, more rows than the largest batch bucket), run as several bucket-shaped
+    steps (decoder/runners/buckets.py). Steady decoding counts none; a growing count at batch 1 is prefills."""
+
+    def __init__(self, passes: Mapping[str, ForwardPass]) -> None:
+        self.passes = {model: forward for model, forward in passes.items() if isinstance(forward, GraphPass)}
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.passes:
+            return
+        family = CounterMetricFamily(
+            "specd_forward_pass_outside_buckets",
+            "Passes outside the graphs pass's buckets, run as several bucket-shaped steps",
+            labels=["model", "reason"],
+        )
+        for model, forward in self.passes.items():
+            for reason, count in forward.outside_buckets.items():
+                family.add_metric([model, reason], count)
+        yield family
 
 
 class ClientCollector(Collector):

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, GenerationResult
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.worker.fault_injection import STALL_ROUND
 from specd_api.plan import Plan
 
@@ -55,7 +55,7 @@ class Job:
 
     prompt_ids: list[int]
     params: SamplingParams
-    rules: StopRules
+    rules: StopConditions
     plan: Plan  # what to run: its drafter, K ceiling, stop rule, per-round rule and batch threshold
     timeout_seconds: float
     on_tokens: Callable[[list[int]], None]  # every step's emitted tokens (maybe empty)

@@ -29,8 +29,8 @@ from decoder.calibration import CALIBRATION_SEGMENT, calibration_prompt, measure
 from decoder.drafters import PromptLookupConfig, SuffixCache
 from decoder.engine import GenerationResult
 from decoder.models import load_model, parse_dtype, resolve_device
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats, RoundRecord
 from decoder.worker.config import WorkerConfig
 from decoder.worker.fault_injection import StallPicker
@@ -138,6 +138,9 @@ class WorkerService:
         self.engine = self.scheduler.engine
         if self.engine is not None:
             self.metrics.observe_forward_pass(self.engine.target_pool.forward_pass)
+            draft = self.engine.draft_pool
+            passes = {"target": self.engine.target_pool.forward_pass}
+            self.metrics.watch_forward_passes(passes if draft is None else {**passes, "draft": draft.forward_pass})
         exporter = make_exporter(cfg.telemetry.exporter, cfg.telemetry.endpoint)
         if exporter is not None:
             self._provider = make_provider(cfg.telemetry.service_name, exporter)
@@ -311,7 +314,7 @@ class WorkerService:
         job = Job(
             prompt_ids=spec.prompt_ids,
             params=spec.params,
-            rules=StopRules(spec.max_new_tokens, self.engine.target.eos_token_ids, spec.stop_strings),
+            rules=StopConditions(spec.max_new_tokens, self.engine.target.eos_token_ids, spec.stop_strings),
             plan=plan,
             timeout_seconds=self.cfg.request_timeout_seconds,
             on_tokens=lambda tokens: put("tokens", tokens),
@@ -490,7 +493,7 @@ class WorkerService:
         suffix cache)."""
         assert self.client is not None and self.engine is not None
         spec, engine = request.spec, self.engine
-        rules = StopRules(spec.max_new_tokens, engine.target.eos_token_ids)
+        rules = StopConditions(spec.max_new_tokens, engine.target.eos_token_ids)
         try:
             scored = engine.score(ks, spec.prompt_ids, generated, rules, request.segment) if ks else []
         except Exception:  # a scoring bug must not cost the request's served rounds, nor the request

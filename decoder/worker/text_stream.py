@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from decoder.stopping import trim_stop_string
+from decoder.request_stop import trim_stop_string
 
 
 class TextStream:

@@ -21,8 +21,8 @@ import torch
 
 from decoder.batch_engine import BatchEngine
 from decoder.models import load_model, parse_dtype, resolve_device
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import requested
 from workloads import Prompt
 
@@ -42,7 +42,7 @@ def engine_costs(engine: BatchEngine, prompts: Sequence[list[int]], max_new_toke
     per_token: list[float] = []  # drafting seconds per drafted token, per round
     for ids in prompts:
         for drafter, k in (("none", 0), *(("draft", k) for k in KS)):
-            session = engine.open(ids, SamplingParams(), StopRules(max_new_tokens), requested(drafter, k))
+            session = engine.open(ids, SamplingParams(), StopConditions(max_new_tokens), requested(drafter, k))
             while session.finish_reason is None:
                 engine.step([session])
             engine.close(session)

@@ -1,5 +1,8 @@
 """Redis for controller tests: the embedded server (always; tests/conftest.py), and the local Redis at
-127.0.0.1:6379 when one answers. Every test gets its own key prefix, so runs never see each other's keys."""
+127.0.0.1:6379 when one answers. Every test gets its own key prefix, so runs never see each other's keys.
+
+And a running daemon each module may share (``daemon``, from tests/daemons.py); a module that needs another setup
+defines its own ``daemon``."""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import pytest
 import redis
 
 from controller.redis_conn import make_client
+from controller.server import ControllerDaemon
+from tests.daemons import DEFAULT_POLICY, FORCED_OFF_RULE, running_daemon
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -46,3 +51,12 @@ def prefix(redis_client) -> Iterator[str]:
     keys = list(redis_client.scan_iter(f"{name}:*", count=1000))
     if keys:
         redis_client.delete(*keys)
+
+
+@pytest.fixture(scope="module")
+def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
+    """The module's daemon over the embedded Redis: the default policy plus one rule that switches `forced-off*`
+    segments off. Tests share it, so each uses segment names of its own."""
+    policy = DEFAULT_POLICY.read_text() + FORCED_OFF_RULE
+    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("daemon"), policy) as d:
+        yield d

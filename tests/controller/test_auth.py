@@ -14,7 +14,7 @@ import secrets
 import socket
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.auth import RefusalLog, Tokens, exposure_warnings, refusal, required_role
-from controller.config import ControllerConfig, LearningConfig, TokenAuth, load_config
+from controller.config import ControllerConfig, TokenAuth, load_config
 from controller.server import ControllerDaemon
 from specd.cli import main as specd_main
 from specd_api.security import ClientTls, ControllerCredentials, Secret, ServerTls, controller_channel
@@ -32,6 +32,7 @@ from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError, parse_yaml_model
 from specd_client import ClientConfig, ControllerClient
+from tests.daemons import running_daemon
 from tests.tls_certs import Pki, encrypted_copy, make_pki, uncomment
 from tests.waiting import wait_until
 
@@ -66,21 +67,11 @@ def tokens(tmp_path_factory) -> TokenFiles:
     return TokenFiles(**paths)
 
 
-@contextmanager
-def running(folder: Path, redis_url: str, listen: str = "127.0.0.1:0", **security: Any) -> Iterator[ControllerDaemon]:
-    policy = folder / "policy.yaml"
-    policy.write_text((REPO / "policies" / "default.yaml").read_text())
-    config = ControllerConfig(
-        listen=listen, redis_url=redis_url, policy_path=policy, state_dir=folder / "state", max_workers=4,
-        shutdown_grace_seconds=0.5, learning=LearningConfig(prefix=f"auth{uuid.uuid4().hex[:8]}", refresh_seconds=0.1),
-        **security,
-    )  # fmt: skip
-    daemon = ControllerDaemon(config)
-    try:
-        daemon.startup()
-        yield daemon
-    finally:
-        daemon.shutdown()
+def running(
+    folder: Path, redis_url: str, listen: str = "127.0.0.1:0", **security: Any
+) -> AbstractContextManager[ControllerDaemon]:
+    """A daemon (tests/daemons.py) with the shipped policy and ``security`` (``tls``, ``auth``)."""
+    return running_daemon(redis_url, folder, listen=listen, shutdown_grace_seconds=0.5, **security)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.half_open import HalfOpenCalls
 from tests.controller.test_daemon import start, write_config
-from tests.controller.test_service import DEFAULT_POLICY, connected, running_daemon
+from tests.daemons import DEFAULT_POLICY, connected, running_daemon
 from tests.waiting import free_port, wait_until
 
 STREAMS = 120  # well past the daemon's pool (max_workers 4 + max_watchers)

@@ -13,7 +13,7 @@ import pytest
 
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
-from tests.controller.test_service import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
+from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
 
 T = TypeVar("T")
 STEP = 0.001  # one plain step, seconds

@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import grpc
 import pytest
 
-from controller.config import ControllerConfig, LearningConfig
-from controller.server import ControllerDaemon
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import running_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,26 +23,18 @@ def specd(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, embedded_redis_url):
+    """A daemon (tests/daemons.py) that refreshes only when told, holding one report of segment "code"."""
     tmp = tmp_path_factory.mktemp("cli")
-    policy = tmp / "policy.yaml"
-    policy.write_text((REPO / "policies" / "default.yaml").read_text())
-    d = ControllerDaemon(
-        ControllerConfig(
-            listen="127.0.0.1:0", redis_url=embedded_redis_url, policy_path=policy, state_dir=tmp / "state",
-            learning=LearningConfig(prefix=f"cli{uuid.uuid4().hex[:8]}", refresh_seconds=3600),
-        )
-    )  # fmt: skip
-    d.startup()
-    stub = pb_grpc.ControllerStub(grpc.insecure_channel(d.address))
-    agg = pb.RoundsAggregate(
-        segment="code", drafter="draft", k=2, rounds=10, num_drafted=20,
-        num_accepted=15, proposed_per_position=[10, 10], verified_per_position=[10, 8], accepted_per_position=[8, 7],
-        tokens_emitted=25, draft_seconds=0.02, verify_seconds=0.1, batch_size=1,
-    )  # fmt: skip
-    stub.ReportRounds(pb.ReportRoundsRequest(report_id="cli-1", aggregates=[agg]))
-    assert d.controller is not None and d.controller.learner.refresh()
-    yield d
-    d.shutdown()
+    with running_daemon(embedded_redis_url, tmp, learning={"refresh_seconds": 3600}) as d:
+        stub = pb_grpc.ControllerStub(grpc.insecure_channel(d.address))
+        agg = pb.RoundsAggregate(
+            segment="code", drafter="draft", k=2, rounds=10, num_drafted=20, num_accepted=15,
+            proposed_per_position=[10, 10], verified_per_position=[10, 8], accepted_per_position=[8, 7],
+            tokens_emitted=25, draft_seconds=0.02, verify_seconds=0.1, batch_size=1,
+        )  # fmt: skip
+        stub.ReportRounds(pb.ReportRoundsRequest(report_id="cli-1", aggregates=[agg]))
+        assert d.controller is not None and d.controller.learner.refresh()
+        yield d
 
 
 def test_alpha_json_reports_the_learned_rate(daemon):

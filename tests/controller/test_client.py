@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,9 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 import controller.server as server_module
-from controller.config import ControllerConfig, LearningConfig
-from controller.redis_conn import make_client
-from controller.server import ControllerDaemon
+from controller.config import ControllerConfig
 from decoder.counterfactual import Scored
 from decoder.telemetry import RoundRecord
 from specd_api.checks import check_aggregate
@@ -44,10 +42,11 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client import ClientConfig, ControllerClient, rounds_to_aggregates, self_repetition
 from specd_client.buffer import ReportBuffer
 from specd_client.fallback import DecisionMemory
+from tests import daemons
+from tests.daemons import DEFAULT_POLICY, FORCED_OFF_RULE, running
 from tests.waiting import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_POLICY = REPO / "policies" / "default.yaml"
 DEADLINE_MS = 5.0
 LATENCY_BOUND_S = 0.050  # a fallback's p99 with a 5 ms deadline, with room for a loaded 2-core test machine
 WAIT_S = 10.0
@@ -383,34 +382,13 @@ def test_bad_config_is_refused_with_the_field_named(changes, named):
 # --- daemons and fakes ---------------------------------------------------------------------------------
 
 
-def policy_with_a_forced_rule(folder: Path) -> Path:
-    """The default policy plus one rule that switches `forced-off*` segments off."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "policy.yaml"
-    path.write_text(DEFAULT_POLICY.read_text() + '\n  - match: "forced-off*"\n    force: none\n')
-    return path
-
-
 def daemon_config(redis_url: str, folder: Path, prefix: str, port: int = 0) -> ControllerConfig:
-    return ControllerConfig(
-        listen=f"127.0.0.1:{port}",
-        redis_url=redis_url,
-        policy_path=policy_with_a_forced_rule(folder),
-        state_dir=folder / "state",
-        max_workers=4,
-        shutdown_grace_seconds=0.5,
-        learning=LearningConfig(prefix=prefix, refresh_seconds=0.1, half_life_seconds=1e7),
-    )
-
-
-@contextmanager
-def running(config: ControllerConfig, clock: Callable[[], float] = time.time) -> Iterator[ControllerDaemon]:
-    daemon = ControllerDaemon(config, clock)
-    try:
-        daemon.startup()
-        yield daemon
-    finally:
-        daemon.shutdown()
+    """The module daemon's setup (the default policy plus the `forced-off*` rule) for a daemon of a test's own, on
+    ``port`` and ``prefix``: restarted on both, it finds what it learned."""
+    return daemons.daemon_config(
+        redis_url, folder, DEFAULT_POLICY.read_text() + FORCED_OFF_RULE, listen=f"127.0.0.1:{port}",
+        shutdown_grace_seconds=0.5, learning={"prefix": prefix},
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -418,24 +396,7 @@ def prefix(embedded_redis_url) -> Iterator[str]:
     """A fresh Redis key prefix for a daemon; its keys are deleted afterwards."""
     name = f"c{uuid.uuid4().hex[:12]}"
     yield name
-    client = make_client(embedded_redis_url, 2.0)
-    keys = list(client.scan_iter(f"{name}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
-    """The module's daemon (default policy); tests use their own segment names."""
-    prefix = f"c{uuid.uuid4().hex[:12]}"
-    with running(daemon_config(embedded_redis_url, tmp_path_factory.mktemp("daemon"), prefix)) as d:
-        yield d
-    client = make_client(embedded_redis_url, 2.0)
-    keys = list(client.scan_iter(f"{prefix}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    daemons.forget_keys(embedded_redis_url, name)
 
 
 def config(address: str, **changes) -> ClientConfig:

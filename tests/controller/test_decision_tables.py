@@ -14,22 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.config import ControllerConfig, LearningConfig
+from controller.config import ControllerConfig
 from controller.table_publisher import PROBE_DRAWS, segment_table
 from specd_api.plan import BATCH_RULE_REASON, Plan, off
 from specd_api.table_rule import BucketEntry, SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
 from specd_client import ClientConfig
-from tests.controller.test_client import (
-    DECIDE_ARGS,
-    DEFAULT_POLICY,
-    REPORT_ARGS,
-    draft,
-    lookup,
-    running,
-    started,
-    stub_for,
-)
+from tests import daemons
+from tests.controller.test_client import DECIDE_ARGS, REPORT_ARGS, draft, lookup, started, stub_for
+from tests.daemons import DEFAULT_POLICY, running
 
 DRAFTERS = ("draft", "prompt_lookup")
 WAIT_S = 10.0
@@ -99,31 +92,22 @@ def test_a_table_survives_its_wire_form():
 # --- over gRPC, with a real daemon ------------------------------------------------------------------------------
 
 
-def policy(folder: Path, exploration: float) -> Path:
+def policy(exploration: float) -> str:
     """The default policy with exploration at ``exploration`` (a switched-off segment probes at 0.6 of it)."""
-    folder.mkdir(parents=True, exist_ok=True)
     text = DEFAULT_POLICY.read_text()
     text = text.replace("min_exploration_rate: 0.02", f"min_exploration_rate: {0.6 * exploration}")
     text = text.replace("exploration_rate: 0.25", f"exploration_rate: {exploration}")
     assert f"exploration_rate: {exploration}" in text
-    path = folder / "policy.yaml"
-    path.write_text(text)
-    return path
+    return text
 
 
 def daemon_config(
     redis_url: str, folder: Path, prefix: str, exploration: float = 0.0, port: int = 0, max_watchers: int = 8
 ) -> ControllerConfig:
-    return ControllerConfig(
-        listen=f"127.0.0.1:{port}",
-        redis_url=redis_url,
-        policy_path=policy(folder, exploration),
-        state_dir=folder / "state",
-        max_workers=4,
-        max_watchers=max_watchers,
-        shutdown_grace_seconds=0.5,
-        learning=LearningConfig(prefix=prefix, refresh_seconds=0.1, half_life_seconds=1e7),
-    )
+    return daemons.daemon_config(
+        redis_url, folder, policy(exploration), listen=f"127.0.0.1:{port}", max_watchers=max_watchers,
+        shutdown_grace_seconds=0.5, learning={"prefix": prefix},
+    )  # fmt: skip
 
 
 def client_config(address: str, watch: tuple[str, ...] = DRAFTERS) -> ClientConfig:

@@ -4,16 +4,14 @@ controller around it (the learner restarts the segment's regime, GetSegmentStats
 from __future__ import annotations
 
 import random
-import uuid
 from pathlib import Path
 
 import pytest
 
-from controller.config import ControllerConfig, LearningConfig
 from controller.drift import page_hinkley
-from controller.server import ControllerDaemon
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import running_daemon
 
 
 def series(rates: list[float], trials: int, seed: int) -> list[tuple[int, float, float]]:
@@ -63,19 +61,9 @@ def first_position(segment: str, verified: int, accepted: int) -> pb.RoundsAggre
 
 
 def test_the_controller_raises_the_alarm_on_drift_and_not_on_steady_traffic(tmp_path: Path, embedded_redis_url):
-    policy = tmp_path / "policy.yaml"
-    policy.write_text("{}\n")
     clock = FakeClock()
-    daemon = ControllerDaemon(
-        ControllerConfig(
-            listen="127.0.0.1:0", redis_url=embedded_redis_url, policy_path=policy, state_dir=tmp_path / "state",
-            learning=LearningConfig(prefix=f"drift{uuid.uuid4().hex[:8]}", bucket_seconds=10, half_life_seconds=600,
-                                    refresh_seconds=3600),
-        ),
-        clock=clock,
-    )  # fmt: skip
-    daemon.startup()
-    try:
+    learning = {"bucket_seconds": 10, "half_life_seconds": 600, "refresh_seconds": 3600}
+    with running_daemon(embedded_redis_url, tmp_path, "{}\n", clock=clock, learning=learning) as daemon:
         import grpc
 
         stub = pb_grpc.ControllerStub(grpc.insecure_channel(daemon.address))
@@ -113,5 +101,3 @@ def test_the_controller_raises_the_alarm_on_drift_and_not_on_steady_traffic(tmp_
             {"segment": "drifting", "drafter": "draft", "direction": "down"},
         )
         assert metrics == 1
-    finally:
-        daemon.shutdown()

@@ -30,8 +30,9 @@ from specd_api.checks import MAX_AGGREGATES, MAX_K
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.proto_strategies import SEGMENT_CHARS, field_values, messages, wire, with_field
-from tests.controller.test_service import RPC_TIMEOUT, connected, decide, draft_aggregate, report, running_daemon
+from tests.controller.test_service import decide, draft_aggregate, report
 from tests.controller.yaml_strategies import DEFAULT_TEXT, mutated_default_documents, policy_files
+from tests.daemons import RPC_TIMEOUT, connected, running_daemon
 from tests.fuzzing import fuzz_settings
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Controller"]

@@ -13,8 +13,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import controller.journal as journal_module
-from controller.config import ControllerConfig, LearningConfig
 from controller.counts import Aggregate
 from controller.journal import Journal, JournalFull, record
 from controller.learner import Learner
@@ -37,9 +35,9 @@ from specd_api.yaml_config import ConfigError
 from specd_client import ControllerClient
 from specd_client.config import ClientConfig
 from specd_client.reports import rounds_to_aggregates
+from tests.daemons import DEFAULT_POLICY, daemon_config, running
 from tests.waiting import wait_until
 
-DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
 UNREACHABLE_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 RPC_TIMEOUT = 5.0
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -83,23 +81,15 @@ def stored_rounds(client: redis.Redis, prefix: str) -> float:
     return total
 
 
-@contextmanager
-def running_daemon(state_dir: Path, redis_url: str | None, **settings: Any) -> Iterator[ControllerDaemon]:
-    """A daemon in this process on a free loopback port, with its own key prefix (``daemon.config.learning.prefix``);
-    learning settings go in ``settings["learning"]``."""
-    learning = LearningConfig(
-        prefix=f"t{uuid.uuid4().hex[:12]}", refresh_seconds=0.1, half_life_seconds=1e9, **settings.pop("learning", {})
+def running_daemon(state_dir: Path, redis_url: str | None, **settings: Any) -> AbstractContextManager[ControllerDaemon]:
+    """A daemon in this process on a free loopback port (tests/daemons.py), with its own key prefix
+    (``daemon.config.learning.prefix``), the shipped policy file and a half-life of 1e9 s; learning settings go in
+    ``settings["learning"]``. Its keys stay: a test reads them after it stops."""
+    learning = {"half_life_seconds": 1e9, **settings.pop("learning", {})}
+    config = daemon_config(
+        redis_url, state_dir.parent, DEFAULT_POLICY, state_dir=state_dir, learning=learning, **settings
     )
-    config = ControllerConfig(
-        listen="127.0.0.1:0", redis_url=redis_url, policy_path=DEFAULT_POLICY, state_dir=state_dir, max_workers=4,
-        shutdown_grace_seconds=1.0, learning=learning, **settings,
-    )  # fmt: skip
-    daemon = ControllerDaemon(config)
-    try:
-        daemon.startup()
-        yield daemon
-    finally:
-        daemon.shutdown()
+    return running(config)
 
 
 def health(channel: grpc.Channel, service: str) -> int:

@@ -30,7 +30,7 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError
 from tests.controller.test_calibration_service import draft_request, send, until
 from tests.controller.test_redis_outage import EmbeddedServer
-from tests.controller.test_service import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
+from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
 from tests.waiting import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -101,7 +102,8 @@ def test_the_count_goes_down_when_a_handler_raises():
         async def continuation(details: object) -> grpc.RpcMethodHandler:
             return handler
 
-        return asyncio.run(in_flight.intercept_service(continuation, None))
+        details = SimpleNamespace(method=f"/t/{id(handler)}")
+        return asyncio.run(in_flight.intercept_service(continuation, details))
 
     boom = intercepted(grpc.unary_unary_rpc_method_handler(lambda request, context: 1 / 0))
     with pytest.raises(ZeroDivisionError):

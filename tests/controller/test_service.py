@@ -11,7 +11,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -19,67 +19,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controller.config import ControllerConfig, LearningConfig
 from controller.redis_conn import make_client
-from controller.server import ControllerDaemon
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
 
-DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
 SERVICE = "specd.v1.Controller"
-RPC_TIMEOUT = 5.0
 REFRESH_WAIT = 2.0  # the daemon refreshes every 0.1 s; a report must be visible well within this
 
 
 # --- fixtures -----------------------------------------------------------------------------------------
-
-
-@contextmanager
-def running_daemon(redis_url: str, folder: Path, policy_text: str, **learning) -> Iterator[ControllerDaemon]:
-    """A daemon on a free loopback port with its own policy file, state dir and Redis key prefix (deleted after)."""
-    policy_path = folder / "policy.yaml"
-    policy_path.write_text(policy_text)
-    prefix = learning.pop("prefix", None) or f"t{uuid.uuid4().hex[:12]}"
-    max_watchers = learning.pop("max_watchers", None)
-    config = ControllerConfig(
-        listen="127.0.0.1:0",
-        redis_url=redis_url,
-        policy_path=policy_path,
-        state_dir=folder / "state",
-        max_workers=4,
-        **({} if max_watchers is None else {"max_watchers": max_watchers}),
-        shutdown_grace_seconds=1.0,
-        learning=LearningConfig(prefix=prefix, refresh_seconds=0.1, half_life_seconds=1e7, **learning),
-    )
-    daemon = ControllerDaemon(config)
-    try:
-        daemon.startup()
-        yield daemon
-    finally:  # shutdown() copes with a start-up that failed half way
-        daemon.shutdown()
-        client = make_client(redis_url, 2.0)
-        keys = list(client.scan_iter(f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
-
-
-@contextmanager
-def connected(daemon: ControllerDaemon) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(daemon.address) as channel:
-        grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT)
-        yield channel
-
-
-FORCED_OFF_RULE = '\n  - match: "forced-off*"\n    force: none\n'
-
-
-@pytest.fixture(scope="module")
-def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
-    """The module's daemon, running the default policy plus one rule that switches `forced-off*` segments off."""
-    policy = DEFAULT_POLICY.read_text() + FORCED_OFF_RULE
-    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("daemon"), policy) as d:
-        yield d
+# The module's daemon (``daemon``: the default policy plus a rule that switches `forced-off*` segments off) is
+# tests/controller/conftest.py's; tests/daemons.py starts it.
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +509,7 @@ def fresh(embedded_redis_url, tmp_path) -> Iterator[Callable[..., pb_grpc.Contro
     with ExitStack() as stack:
 
         def start(**learning) -> pb_grpc.ControllerStub:
-            daemon = stack.enter_context(running_daemon(embedded_redis_url, tmp_path, policy, **learning))
+            daemon = stack.enter_context(running_daemon(embedded_redis_url, tmp_path, policy, learning=learning))
             return pb_grpc.ControllerStub(stack.enter_context(connected(daemon)))
 
         yield start

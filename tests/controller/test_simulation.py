@@ -17,7 +17,6 @@ ignored (K runs to the largest allowed, where v(n) is dear), and always the larg
 from __future__ import annotations
 
 import random
-import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +24,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.config import ControllerConfig, LearningConfig
-from controller.server import ControllerDaemon
 from decoder.counterfactual import Scored
 from specd_api.plan import Plan
 from specd_api.position_tally import PositionTally
@@ -34,6 +31,7 @@ from specd_api.round_policy import RoundPolicy
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client.reports import rounds_to_aggregates
+from tests.daemons import running_daemon
 
 STEP_SECONDS = 0.010  # one target step
 VERIFY = (1.0, 1.39, 1.71, 1.58, 1.21, 1.9, 2.3, 2.7, 3.1, 3.5, 3.9, 4.3, 4.7, 5.1, 5.5, 5.9, 6.3)  # v(n), n = 0..16
@@ -151,22 +149,11 @@ class FakeClock:
 
 @pytest.fixture
 def daemon(tmp_path: Path, embedded_redis_url: str):
-    policy = tmp_path / "policy.yaml"
-    policy.write_text((Path(__file__).resolve().parents[2] / "policies" / "default.yaml").read_text())
-    config = ControllerConfig(
-        listen="127.0.0.1:0",
-        redis_url=embedded_redis_url,
-        policy_path=policy,
-        state_dir=tmp_path / "state",
-        learning=LearningConfig(
-            prefix=f"sim{uuid.uuid4().hex[:8]}", bucket_seconds=10, half_life_seconds=60, refresh_seconds=3600
-        ),
-    )
+    """A daemon (tests/daemons.py) on a clock the test moves: 10 s buckets, a 60 s half-life, refreshed when told."""
     clock = FakeClock()
-    d = ControllerDaemon(config, clock=clock)
-    d.startup()
-    yield d, clock
-    d.shutdown()
+    learning = {"bucket_seconds": 10, "half_life_seconds": 60, "refresh_seconds": 3600}
+    with running_daemon(embedded_redis_url, tmp_path, clock=clock, learning=learning) as d:
+        yield d, clock
 
 
 class Worker:

@@ -15,8 +15,8 @@ from controller.redis_schema import sample_row
 from controller.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
-from tests.controller.test_service import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
 from tests.controller.test_store import small
+from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
 
 T0 = 1_700_000_000.0
 
@@ -90,9 +90,8 @@ def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_red
         client.set(f"{prefix}:v1:prior", b"\x00 not json")
         client.rpush(f"{prefix}:v1:samples:{{#global}}", "{broken")
         started = time.monotonic()
-        config_prefix = {"prefix": prefix}
         with running_daemon(embedded_redis_url, tmp_path / "second", DEFAULT_POLICY.read_text(),
-                            **config_prefix) as daemon, connected(daemon) as channel:  # fmt: skip
+                            learning={"prefix": prefix}) as daemon, connected(daemon) as channel:  # fmt: skip
             stub = pb_grpc.ControllerStub(channel)
             request = pb.DecideRequest(segment="chat", batch_size=1, drafters=["draft"], max_new_tokens=64)
             decision = stub.Decide(request, timeout=RPC_TIMEOUT)

@@ -17,8 +17,8 @@ import pytest
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession
 from decoder.models import LoadedModel
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import requested
 from tests.conftest import perturbed_copy
 from tests.decoder.distribution import (
@@ -74,7 +74,7 @@ class Observed:
 
 def sample_mixed_batches(engine: BatchEngine) -> Observed:
     """SAMPLES sequences of every lane, decoded in waves of mixed batches; every sequence has its own seed."""
-    rules = StopRules(max_new_tokens=NUM_TOKENS)
+    rules = StopConditions(max_new_tokens=NUM_TOKENS)
     seen = Observed({name: [] for name in LANES}, dict.fromkeys(LANES, 0), dict.fromkeys(LANES, 0), 0, 0)
     next_seed = 0
     for _ in range(SAMPLES // WAVE):

@@ -12,9 +12,9 @@ import torch
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, SpeculativeDecoder
+from decoder.request_stop import StopConditions
 from decoder.runners import KVPool
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import requested
 from tests.conftest import perturbed_copy, tiny_lm
 
@@ -90,7 +90,7 @@ def random_requests(vocab: int, seed: int, count: int) -> list[tuple[list[int], 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batched_greedy_equals_single_sequence_greedy(llama_target, llama_draft, seed):
-    rules = StopRules(max_new_tokens=16, eos_token_ids=llama_target.eos_token_ids)
+    rules = StopConditions(max_new_tokens=16, eos_token_ids=llama_target.eos_token_ids)
     requests = random_requests(llama_target.vocab_size, seed, count=10)
     single = SpeculativeDecoder(llama_target, llama_draft)
     expected = [single.generate(p, "none", 0, GREEDY, rules).token_ids for p, _, _, _ in requests]
@@ -129,7 +129,7 @@ def test_batched_greedy_equals_single_sequence_greedy(llama_target, llama_draft,
 def test_batched_sampling_with_seeds_reproduces_single_sequence(llama_target, llama_draft):
     """Seeded sampling draws from each request's own generator, so batching changes nothing."""
     params = SamplingParams(temperature=0.9, seed=11)
-    rules = StopRules(max_new_tokens=12)
+    rules = StopConditions(max_new_tokens=12)
     prompt = [5, 6, 7, 8]
     single = SpeculativeDecoder(llama_target, llama_draft).generate(prompt, "draft", 3, params, rules)
     engine = BatchEngine(llama_target, llama_draft, max_batch=3)
@@ -152,7 +152,7 @@ def test_a_refused_request_gives_its_slots_back(llama_target, llama_draft):
     too_long = [1] * (llama_target.max_context or 4096)
     for drafter in ("draft", "prompt_lookup"):
         with pytest.raises(ValueError, match="context"):
-            engine.open(too_long, GREEDY, StopRules(max_new_tokens=4), requested(drafter, 2))
+            engine.open(too_long, GREEDY, StopConditions(max_new_tokens=4), requested(drafter, 2))
     assert engine.free_slots == 2
     assert engine.draft_pool is not None and engine.draft_pool.free_slots == 2
 

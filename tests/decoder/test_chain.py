@@ -18,9 +18,9 @@ from decoder.batch_engine import BatchEngine
 from decoder.drafters import ChainDrafter, Draft, DraftModelDrafter, PromptLookupConfig, PromptLookupDrafter
 from decoder.engine import DecodeSession, SpeculativeDecoder, make_drafter
 from decoder.models import LoadedModel
+from decoder.request_stop import StopConditions
 from decoder.runners import PooledSequence
 from decoder.sampling import SamplingParams, make_generator
-from decoder.stopping import StopRules
 from specd_api.plan import Plan, requested
 from tests.conftest import perturbed_copy, tiny_lm
 
@@ -129,7 +129,7 @@ def test_the_chains_draft_model_honours_the_plans_stop_threshold(llama_target, l
     chain = make_drafter(plan, llama_draft, PromptLookupConfig(), GREEDY, None)
     assert isinstance(chain, ChainDrafter) and chain.model.stop_threshold == 0.6
     with pytest.raises(ValueError, match="needs a draft model"):
-        SpeculativeDecoder(llama_target).session([5, 6], GREEDY, StopRules(4), plan)
+        SpeculativeDecoder(llama_target).session([5, 6], GREEDY, StopConditions(4), plan)
     assert "chain" not in SpeculativeDecoder(llama_target).drafters, "no draft model: no chain"
     assert "chain" in SpeculativeDecoder(llama_target, llama_draft).drafters
 
@@ -140,7 +140,7 @@ def test_the_chains_draft_model_honours_the_plans_stop_threshold(llama_target, l
 def test_chain_greedy_equals_target_only_and_proposes_what_a_fresh_chain_would(arch, tokenizer, target):
     draft = perturbed_copy(target, scale=0.1, seed=3)
     decoder = SpeculativeDecoder(target, draft)
-    rules = StopRules(max_new_tokens=20)  # no EOS: long outputs, where repetition gives lookup matches
+    rules = StopConditions(max_new_tokens=20)  # no EOS: long outputs, where repetition gives lookup matches
     log: RoundLog = []
     proposed = accepted = 0
     for k in (1, 3, 5, 8):
@@ -174,7 +174,7 @@ def test_batched_chain_rounds_join_the_draft_pass_and_equal_single_sequence_roun
     """Chain sequences decoded beside draft, prompt lookup and plain ones: each emits the target's greedy output in
     the very rounds the single-sequence engine runs, and a chain's draft-model rounds share the batched draft pass
     with the draft drafter's."""
-    rules = StopRules(max_new_tokens=16)
+    rules = StopConditions(max_new_tokens=16)
     vocab = llama_target.vocab_size
     prompts = chain_prompts(vocab, seed=40, count=8)
     drafters = ["chain", "draft", "chain", "prompt_lookup", "chain", "none", "chain", "draft"]
@@ -218,7 +218,7 @@ def test_batched_chain_rounds_join_the_draft_pass_and_equal_single_sequence_roun
 def test_a_batched_chain_proposes_what_a_fresh_chain_would(llama_target, llama_draft, monkeypatch):
     """The batch engine drafts a chain's model rounds itself (``propose_together``), not through ``propose``: its
     proposals are read where the target takes them."""
-    rules = StopRules(max_new_tokens=20)
+    rules = StopConditions(max_new_tokens=20)
     engine = BatchEngine(llama_target, llama_draft, max_batch=4)
     prompts = chain_prompts(llama_target.vocab_size, seed=50, count=4)
     sessions = [engine.open(p, GREEDY, rules, requested("chain", 5)) for p in prompts]

@@ -18,8 +18,8 @@ import pytest
 from decoder.counterfactual import Scored, replay_lookup
 from decoder.drafters import PromptLookupConfig, SuffixCache, SuffixConfig
 from decoder.engine import SpeculativeDecoder
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import Plan, requested
 from tests.conftest import tiny_lm
 from tests.decoder.test_suffix import filled_cache, prompts_with_structure
@@ -64,7 +64,7 @@ def decoder(tokenizer):
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_the_replay_counts_what_serving_prompt_lookup_counted(decoder, tokenizer, k):
-    rules = StopRules(max_new_tokens=40, eos_token_ids=decoder.target.eos_token_ids)
+    rules = StopConditions(max_new_tokens=40, eos_token_ids=decoder.target.eos_token_ids)
     config = PromptLookupConfig()
     accepted_somewhere = False
     for prompt in prompts(tokenizer, 8):
@@ -79,14 +79,14 @@ def test_the_replay_counts_what_serving_prompt_lookup_counted(decoder, tokenizer
 
 def test_the_replay_stops_where_the_request_ended():
     # the proposal reaches past the last emitted token: those positions are proposed but never verified
-    tallies = replay_lookup([1, 2, 3, 1, 2], [3], PromptLookupConfig(), 8, StopRules(8), None)  # ended by EOS
+    tallies = replay_lookup([1, 2, 3, 1, 2], [3], PromptLookupConfig(), 8, StopConditions(8), None)  # ended by EOS
     zeros = [0] * 4
     assert [as_tuple(t) for t in tallies] == [(7, 1, [1, 1, 1, *zeros], [1, 0, 0, *zeros], [1, 0, 0, *zeros])]
     # the budget cuts the ceiling as it cuts a served round's: 3 tokens allowed, so K <= 2 in the first round
-    tallies = replay_lookup([1, 2, 3, 1, 2], [3, 1], PromptLookupConfig(), 8, StopRules(3), None)
+    tallies = replay_lookup([1, 2, 3, 1, 2], [3, 1], PromptLookupConfig(), 8, StopConditions(3), None)
     assert [as_tuple(t) for t in tallies] == [(2, 1, [1, 1], [1, 1], [1, 1])]
-    assert replay_lookup([1, 2], [], PromptLookupConfig(), 4, StopRules(8), None) == []
-    assert replay_lookup([1, 2], [5, 6], PromptLookupConfig(), 0, StopRules(8), None) == []
+    assert replay_lookup([1, 2], [], PromptLookupConfig(), 4, StopConditions(8), None) == []
+    assert replay_lookup([1, 2], [5, 6], PromptLookupConfig(), 0, StopConditions(8), None) == []
 
 
 # -- suffix decoding --------------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_the_suffix_replay_counts_what_serving_suffix_decoding_counted(decoder, 
     """The segment's cache holds earlier outputs (and corrupted copies: proposals from it are accepted in part); each
     request is served with suffix decoding, and decoded plainly; the engine's scoring of the plain output (what the
     worker reports) must count the served rounds, with the cache it read and without it differently."""
-    rules = StopRules(max_new_tokens=30)  # no EOS: long outputs, where the cache and the own text give matches
+    rules = StopConditions(max_new_tokens=30)  # no EOS: long outputs, where the cache and the own text give matches
     earlier = prompts_with_structure(len(tokenizer), seed=1, count=6)
     cache = filled_cache(decoder, earlier, rules, "seg-a")
     served_by = SpeculativeDecoder(decoder.target, suffix_cache=cache)
@@ -121,7 +121,7 @@ def test_the_suffix_replay_counts_what_serving_suffix_decoding_counted(decoder, 
 
 
 def test_the_suffix_replay_reads_its_own_segment_and_not_the_output_it_scores(decoder, tokenizer):
-    rules = StopRules(max_new_tokens=30)
+    rules = StopConditions(max_new_tokens=30)
     prompt = prompts_with_structure(len(tokenizer), seed=3, count=1)[0]
     output = decoder.generate(prompt, "none", 0, GREEDY, rules).token_ids
     cache = SuffixCache(SuffixConfig(depth=8))

@@ -21,8 +21,8 @@ import torch
 from decoder.drafters import DraftModelDrafter
 from decoder.engine import SpeculativeDecoder
 from decoder.models import LoadedModel
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams, logits_to_probs
-from decoder.stopping import StopRules
 from specd_api.plan import Plan, requested
 from tests.conftest import perturbed_copy
 from tests.decoder.distribution import (
@@ -57,7 +57,7 @@ def near_draft(small_vocab_pair) -> LoadedModel:
 
 def sampled_joint(decoder: SpeculativeDecoder, drafter: str | Plan, params: SamplingParams) -> list[Outcome]:
     """Samples of the first tokens, ``drafter`` at K = 3 (or the plan given)."""
-    rules = StopRules(max_new_tokens=NUM_TOKENS + 2)  # K = 3 in the first round: the residual path matters
+    rules = StopConditions(max_new_tokens=NUM_TOKENS + 2)  # K = 3 in the first round: the residual path matters
     plan = drafter if isinstance(drafter, Plan) else requested(drafter, 3)
     samples = []
     for seed in range(SAMPLES):
@@ -102,7 +102,7 @@ def test_a_wrong_residual_is_detected(small_vocab_pair, monkeypatch):
 def sampled_rounds(decoder: SpeculativeDecoder) -> tuple[list[Outcome], float]:
     """The K + 1 tokens of the first round of ROUND_SAMPLES seeded requests, and the share of those rounds that
     were fully accepted (so ended with a bonus token drawn from p_K)."""
-    rules = StopRules(max_new_tokens=ROUND_K + 1)  # the first round runs at K = 2 and can emit all 3 tokens
+    rules = StopConditions(max_new_tokens=ROUND_K + 1)  # the first round runs at K = 2 and can emit all 3 tokens
     samples, full = [], 0
     for seed in range(ROUND_SAMPLES):
         params = SamplingParams(temperature=1.0, seed=seed)
@@ -136,7 +136,7 @@ def test_plain_sampling_matches_the_enumeration(small_vocab_pair):
     # wrong position in the enumeration cannot pass for a speculative bug, nor hide one.
     target = small_vocab_pair[0]
     decoder = SpeculativeDecoder(target)
-    rules = StopRules(max_new_tokens=ROUND_K + 1)
+    rules = StopConditions(max_new_tokens=ROUND_K + 1)
     samples = [
         tuple(decoder.generate(list(PROMPT), "none", 0, SamplingParams(temperature=1.0, seed=s), rules).token_ids)
         for s in range(PLAIN_SAMPLES)
@@ -148,7 +148,7 @@ def test_plain_sampling_matches_the_enumeration(small_vocab_pair):
 def test_seeded_runs_are_reproducible(small_vocab_pair):
     target, draft = small_vocab_pair
     decoder = SpeculativeDecoder(target, draft)
-    rules = StopRules(max_new_tokens=12)
+    rules = StopConditions(max_new_tokens=12)
     runs = [
         decoder.generate(list(PROMPT), "draft", 4, SamplingParams(temperature=1.0, seed=s), rules).token_ids
         for s in (42, 42, 43)
@@ -174,7 +174,7 @@ def test_a_draft_stopped_by_its_confidence_stays_exact(small_vocab_pair, thresho
     pvalue = chi_square_pvalue(sampled_joint(decoder, plan, params), exact_joint(small_vocab_pair[0], params))
     assert pvalue > REJECT_BELOW, f"a stopped draft changed the distribution (chi-square p = {pvalue:.2e})"
     # and the rule really stopped rounds short (else this test proves nothing)
-    rules = StopRules(max_new_tokens=NUM_TOKENS + 2)
+    rules = StopConditions(max_new_tokens=NUM_TOKENS + 2)
     stats = [decoder.decode(list(PROMPT), SamplingParams(1.0, seed=s), rules, plan).stats for s in range(50)]
     assert any(r.num_drafted < r.k for st in stats for r in st.rounds)
 

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from decoder.engine import SpeculativeDecoder
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import Plan, requested
 from tests.conftest import perturbed_copy, tiny_lm
 
@@ -38,7 +38,7 @@ def drafts(arch, tokenizer, target):
 @pytest.mark.parametrize("draft_kind", ["disagrees", "agrees", "sometimes"])
 def test_draft_model_greedy_equals_target_only(target, drafts, draft_kind, tokenizer):
     decoder = SpeculativeDecoder(target, drafts[draft_kind])
-    rules = StopRules(max_new_tokens=20, eos_token_ids=target.eos_token_ids)
+    rules = StopConditions(max_new_tokens=20, eos_token_ids=target.eos_token_ids)
     proposed = accepted = 0
     for k in range(1, 9):
         for prompt in random_prompts(tokenizer, seed=k, count=3):
@@ -56,7 +56,7 @@ def test_draft_model_greedy_equals_target_only(target, drafts, draft_kind, token
 
 def test_prompt_lookup_greedy_equals_target_only(arch, target, tokenizer):
     decoder = SpeculativeDecoder(target)
-    rules = StopRules(max_new_tokens=24)  # no EOS: long outputs, where repetition gives lookup matches
+    rules = StopConditions(max_new_tokens=24)  # no EOS: long outputs, where repetition gives lookup matches
     proposed = accepted = 0
     for k in range(1, 9):
         for prompt in random_prompts(tokenizer, seed=100 + k, count=3):
@@ -72,7 +72,7 @@ def test_prompt_lookup_greedy_equals_target_only(arch, target, tokenizer):
 
 def test_k_can_change_every_round(target, tokenizer):
     decoder = SpeculativeDecoder(target, perturbed_copy(target, scale=0.1, seed=5))
-    rules = StopRules(max_new_tokens=30)
+    rules = StopConditions(max_new_tokens=30)
     prompt = random_prompts(tokenizer, seed=9, count=1)[0]
     expected = decoder.generate(prompt, "none", 0, GREEDY, rules).token_ids
     session = decoder.session(prompt, GREEDY, rules, requested("draft", 8, k_schedule=(3, 0, 8, 1, 5, 2, 7, 4)))
@@ -88,7 +88,7 @@ def test_plans_that_change_k_every_round_and_stop_early_stay_exact(target, token
     # A plan adapts K round by round (specd_api.round_policy) and the draft stops at its confidence threshold;
     # whatever K each round ends up with, the greedy output is the target's own.
     decoder = SpeculativeDecoder(target, perturbed_copy(target, scale=0.1, seed=5))
-    rules = StopRules(max_new_tokens=30)
+    rules = StopConditions(max_new_tokens=30)
     rng = random.Random(int(threshold * 10))
     ks, drafted_less = set(), False
     for prompt in random_prompts(tokenizer, seed=21, count=6):

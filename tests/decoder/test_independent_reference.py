@@ -26,8 +26,8 @@ import torch
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, GenerationResult, SpeculativeDecoder
 from decoder.models import LoadedModel, from_objects, load_model
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.telemetry import RequestStats
 from specd_api.plan import requested
 from tests.conftest import perturbed_copy, tiny_lm
@@ -65,9 +65,9 @@ class Reference:
         return next(self.lm.model.parameters()).dtype
 
     @property
-    def rules(self) -> StopRules:
+    def rules(self) -> StopConditions:
         """Our stopping rules, as generate() is called: max_new_tokens, and EOS kept and final on both sides."""
-        return StopRules(self.max_new_tokens, self.lm.eos_token_ids)
+        return StopConditions(self.max_new_tokens, self.lm.eos_token_ids)
 
     def greedy(self, prompt: Sequence[int]) -> list[int]:
         """generate()'s new tokens for ``prompt`` (EOS included when it ends the output)."""
@@ -215,7 +215,7 @@ def batch_requests(vocab: int, seed: int) -> list[tuple[list[int], str, int, int
     return [(prompt, drafter, k, i % 3) for i, (prompt, (drafter, k)) in enumerate(zip(prompts, plan, strict=True))]
 
 
-def run_batched(engine: BatchEngine, requests: Sequence[tuple[list[int], str, int, int]], rules: StopRules):
+def run_batched(engine: BatchEngine, requests: Sequence[tuple[list[int], str, int, int]], rules: StopConditions):
     """Decode ``requests`` together, each joining at its step; returns (results, the most sequences in a step)."""
     active: dict[int, DecodeSession] = {}
     results: dict[int, GenerationResult] = {}

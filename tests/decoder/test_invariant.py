@@ -18,9 +18,9 @@ from decoder.batch_engine import BatchEngine
 from decoder.engine import SpeculativeDecoder
 from decoder.kv_cache import open_sequence
 from decoder.models import from_objects
+from decoder.request_stop import StopConditions
 from decoder.runners.invariant import TILE
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.tiny import build_model
 from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, perturbed, pool_of
 
@@ -115,7 +115,7 @@ def bf16_pair(tokenizer, seed: int) -> tuple:
 
 
 def test_speculative_greedy_equals_target_only_exactly_in_bfloat16(tokenizer):
-    rules = StopRules(max_new_tokens=24)
+    rules = StopConditions(max_new_tokens=24)
     target, draft = bf16_pair(tokenizer, seed=4)
     decoder = SpeculativeDecoder(target, draft)
     rng = random.Random(5)
@@ -137,7 +137,7 @@ def test_speculative_greedy_equals_target_only_exactly_in_bfloat16(tokenizer):
 
 
 def test_batched_greedy_equals_single_exactly_in_bfloat16(tokenizer):
-    rules = StopRules(max_new_tokens=16)
+    rules = StopConditions(max_new_tokens=16)
     target, draft = bf16_pair(tokenizer, seed=8)
     engine = BatchEngine(target, draft, max_batch=4)
     assert engine.draft_pool is not None

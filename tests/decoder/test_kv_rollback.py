@@ -6,8 +6,8 @@ import torch
 
 from decoder.engine import SpeculativeDecoder
 from decoder.kv_cache import ModelSequence, open_sequence
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import requested
 from tests.conftest import tiny_lm
 
@@ -28,7 +28,9 @@ def assert_cache_holds(seq: ModelSequence, tokens: torch.Tensor) -> None:
 def test_caches_hold_the_accepted_prefix_after_each_round(arch, tokenizer, target):
     draft = tiny_lm(arch, tokenizer, seed=11, hidden=32, layers=1)
     decoder = SpeculativeDecoder(target, draft)
-    session = decoder.session(list(range(5, 25)), SamplingParams(), StopRules(max_new_tokens=40), requested("draft", 4))
+    session = decoder.session(
+        list(range(5, 25)), SamplingParams(), StopConditions(max_new_tokens=40), requested("draft", 4)
+    )
     session.prefill()
     rejections = 0
     while session.finish_reason is None:

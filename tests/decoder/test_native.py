@@ -20,10 +20,10 @@ from decoder.kv_cache import open_sequence
 from decoder.models import from_objects
 from decoder.native import build
 from decoder.native.llama import NativeLlama, pack_pair_panels, pack_panels
+from decoder.request_stop import StopConditions
 from decoder.runners import KVPool
 from decoder.runners.native import NativePass
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import requested
 
 VOCAB = 97  # not a multiple of 16: the LM head's last panel is padded
@@ -191,7 +191,7 @@ def greedy_pair(tokenizer, seed: int) -> tuple:
 def test_speculative_greedy_equals_target_only_exactly(tokenizer, isa):
     """No tie allowance: the verification pass computes each position's logits with the same instructions as a
     one-token step, so even a near-tie resolves the same way."""
-    rules = StopRules(max_new_tokens=24)
+    rules = StopConditions(max_new_tokens=24)
     target, drafts = greedy_pair(tokenizer, seed=4)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 20))] for _ in range(4)]
@@ -213,7 +213,7 @@ def test_speculative_greedy_equals_target_only_exactly(tokenizer, isa):
 
 
 def test_batched_greedy_equals_single_exactly(tokenizer, isa):
-    rules = StopRules(max_new_tokens=20)
+    rules = StopConditions(max_new_tokens=20)
     target, drafts = greedy_pair(tokenizer, seed=8)
     engine = BatchEngine(target, drafts["sometimes"], max_batch=4)
     assert engine.draft_pool is not None
@@ -222,7 +222,7 @@ def test_batched_greedy_equals_single_exactly(tokenizer, isa):
     assert_batched_equals_single(engine, rules, len(tokenizer))
 
 
-def assert_batched_equals_single(engine: BatchEngine, rules: StopRules, vocab: int) -> None:
+def assert_batched_equals_single(engine: BatchEngine, rules: StopConditions, vocab: int) -> None:
     """Four prompts decoded together with the draft, K varying per sequence and round (each its own cycle of
     1..4), give each one's target-only greedy output."""
     rng = random.Random(9)

@@ -4,8 +4,9 @@ model is refused with the reason; every pass computes transformers' logits on th
 rollbacks included; and with every pass greedy speculative output equals greedy target-only output.
 
 Which pass ran is observed, not only named: transformers' pass calls the model's own forward, the lean pass its
-embedding on the tokens as given, the invariant pass its embedding on tiles of ``TILE`` rows, the native pass none of
-the model's modules (it reads its packed copy of the weights)."""
+embedding on the tokens as given, the invariant pass its embedding on tiles of ``TILE`` rows, the graphs pass its
+embedding on its static int32 table of token ids, the native pass none of the model's modules (it reads its packed
+copy of the weights)."""
 
 from __future__ import annotations
 
@@ -27,21 +28,23 @@ from decoder.engine import SpeculativeDecoder
 from decoder.kv_cache import open_sequence
 from decoder.models import LoadedModel, from_objects
 from decoder.native import build
+from decoder.request_stop import StopConditions
 from decoder.runners import KVPool, PassNotApplicable, select_pass
+from decoder.runners.graphed import GraphPass
 from decoder.runners.hf import TransformersPass
 from decoder.runners.invariant import TILE, InvariantPass
 from decoder.runners.lean import LeanPass
 from decoder.runners.native import NativePass
-from decoder.runners.select import AUTO, PASSES
+from decoder.runners.select import AUTO, AUTO_CUDA, PASSES
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.tiny import build_model
 from specd_api.plan import requested
 from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, perturbed
 
 CPU = torch.device("cpu")
 NAMED = [name for name in RUNNER_NAMES if name != "auto"]
-CLASSES = {"native": NativePass, "lean": LeanPass, "invariant": InvariantPass, "transformers": TransformersPass}
+CLASSES = {"native": NativePass, "lean": LeanPass, "invariant": InvariantPass, "graphs": GraphPass,
+           "transformers": TransformersPass}  # fmt: skip
 HAS_NATIVE = build.load() is not None
 
 
@@ -60,7 +63,10 @@ def observed(model: torch.nn.Module) -> Iterator[list[str]]:
     seen: list[str] = []
 
     def embedded(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        seen.append("invariant" if inputs[0].dim() == 1 and inputs[0].shape[0] == TILE else "lean")
+        if inputs[0].dtype == torch.int32:
+            seen.append("graphs")
+        else:
+            seen.append("invariant" if inputs[0].dim() == 1 and inputs[0].shape[0] == TILE else "lean")
 
     hooks = [
         model.register_forward_pre_hook(lambda *_: seen.append("transformers")),  # before its embedding runs
@@ -85,7 +91,8 @@ def pass_that_ran(lm: LoadedModel, run) -> str:
 
 def test_the_selector_offers_every_runner_the_command_line_and_the_worker_do():
     assert {"auto", *PASSES} == set(RUNNER_NAMES)
-    assert set(AUTO) <= set(PASSES) and AUTO[-1] == "transformers", "auto ends with the pass that runs anything"
+    for order in (AUTO, AUTO_CUDA):
+        assert set(order) <= set(PASSES) and order[-1] == "transformers", "auto ends with the pass that runs anything"
     parser = argparse.ArgumentParser()
     generate_cli.add_parser(parser.add_subparsers())
     generate = parser._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
@@ -129,12 +136,12 @@ def test_each_runner_runs_the_pass_it_names(runner, tokenizer):
     tokens = torch.arange(1, 6)
     assert pass_that_ran(lm, lambda: open_sequence(lm).forward(tokens)) == runner
 
-    session = SpeculativeDecoder(lm, lm).session([5, 6, 7], SamplingParams(), StopRules(4), requested("draft", 2))
+    session = SpeculativeDecoder(lm, lm).session([5, 6, 7], SamplingParams(), StopConditions(4), requested("draft", 2))
     assert pass_that_ran(lm, session.prefill) == runner
     engine = BatchEngine(lm, lm, max_batch=2)
     assert engine.draft_pool is not None
     assert engine.target_pool.forward_pass.name == engine.draft_pool.forward_pass.name == runner
-    opened = engine.open([5, 6, 7], SamplingParams(), StopRules(max_new_tokens=4), requested("draft", 2))
+    opened = engine.open([5, 6, 7], SamplingParams(), StopConditions(max_new_tokens=4), requested("draft", 2))
     assert pass_that_ran(lm, lambda: engine.step([opened])) == runner
 
 
@@ -170,10 +177,20 @@ def mistral() -> torch.nn.Module:
         ("native", gpt2, CPU, "the native pass does not apply: GPT2LMHeadModel is not a plain Llama model"),
         ("lean", gpt2, CPU, "the lean pass does not apply: GPT2LMHeadModel is not a plain Llama model"),
         ("invariant", gpt2, CPU, "the invariant pass does not apply: GPT2LMHeadModel is not a plain Llama"),
+        ("graphs", gpt2, CPU, "the graphs pass does not apply: GPT2LMHeadModel is not a plain Llama"),
         ("lean", mistral, CPU, r"the lean pass does not apply: MistralForCausalLM is not a plain Llama"),
-        ("fast", lambda: llama(), CPU, r"unknown runner 'fast'; choose one of auto, native, lean, invariant, transf"),
+        ("fast", lambda: llama(), CPU, r"unknown runner 'fast'; choose one of auto, native, lean, invariant, g"),
     ],
-    ids=["native-float64", "native-gpu", "native-gpt2", "lean-gpt2", "invariant-gpt2", "lean-mistral", "unknown"],
+    ids=[
+        "native-float64",
+        "native-gpu",
+        "native-gpt2",
+        "lean-gpt2",
+        "invariant-gpt2",
+        "graphs-gpt2",
+        "lean-mistral",
+        "unknown",
+    ],
 )
 def test_a_pass_that_cannot_run_a_model_is_refused_with_the_reason(runner, model, device, reason):
     if runner == "native" and "float64" in reason and not HAS_NATIVE:
@@ -243,7 +260,7 @@ def test_greedy_speculative_output_equals_target_only_with_every_pass(runner, to
     skip_native_without_kernel(runner)
     target, draft = pair(tokenizer, runner)
     decoder = SpeculativeDecoder(target, draft)
-    rules = StopRules(max_new_tokens=16)
+    rules = StopConditions(max_new_tokens=16)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 15))] for _ in range(3)]
     echo = prompts[0] + decoder.generate(prompts[0], "none", 0, SamplingParams(), rules).token_ids + prompts[0]

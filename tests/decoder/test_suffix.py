@@ -16,8 +16,8 @@ from decoder.drafters.suffix_cache import NODE_BYTES, TOKEN_BYTES, TRIE_BYTES
 from decoder.drafters.suffix_trie import SuffixTrie, TextSuffixTrie
 from decoder.engine import SpeculativeDecoder
 from decoder.models import LoadedModel
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from specd_api.plan import Plan
 from tests.conftest import tiny_lm
 from tests.decoder.distribution import (
@@ -332,7 +332,9 @@ def prompts_with_structure(vocab: int, seed: int, count: int) -> list[list[int]]
     return [[t for _ in range(rng.randint(1, 4)) for t in rng.choice(fragments)] for _ in range(count)]
 
 
-def filled_cache(decoder: SpeculativeDecoder, prompts: list[list[int]], rules: StopRules, segment: str) -> SuffixCache:
+def filled_cache(
+    decoder: SpeculativeDecoder, prompts: list[list[int]], rules: StopConditions, segment: str
+) -> SuffixCache:
     """Earlier outputs of the target on ``prompts`` (what a worker serves), and a corrupted copy of each, so that
     proposals from the cache are accepted in part."""
     cache = SuffixCache(SuffixConfig(depth=8))
@@ -345,7 +347,7 @@ def filled_cache(decoder: SpeculativeDecoder, prompts: list[list[int]], rules: S
 
 
 def test_suffix_greedy_equals_target_only(arch, target, tokenizer):
-    rules = StopRules(max_new_tokens=20)  # no EOS: long outputs, where repetition gives matches
+    rules = StopConditions(max_new_tokens=20)  # no EOS: long outputs, where repetition gives matches
     plain = SpeculativeDecoder(target)
     earlier = prompts_with_structure(len(tokenizer), seed=1, count=6)
     decoder = SpeculativeDecoder(target, suffix_cache=filled_cache(plain, earlier, rules, ""))
@@ -369,7 +371,7 @@ def llama_target(tokenizer) -> LoadedModel:
 def test_batched_suffix_rounds_equal_single_sequence_rounds(llama_target):
     """Suffix sequences beside prompt lookup and plain ones, each with its segment's cache: the target's greedy
     output, in the very rounds the single-sequence engine runs."""
-    rules = StopRules(max_new_tokens=16)
+    rules = StopConditions(max_new_tokens=16)
     vocab = llama_target.vocab_size
     plain = SpeculativeDecoder(llama_target)
     cache = filled_cache(plain, prompts_with_structure(vocab, seed=30, count=6), rules, "seg-a")
@@ -410,10 +412,10 @@ def test_suffix_sampling_matches_the_target_distribution():
     plain = SpeculativeDecoder(target)
     cache = SuffixCache(SuffixConfig(depth=8))
     for seed in range(20):  # the cached outputs start with the prompt's last tokens, so the first round matches
-        sample = plain.generate(list(PROMPT), "none", 0, SamplingParams(1.0, seed=1000 + seed), StopRules(4))
+        sample = plain.generate(list(PROMPT), "none", 0, SamplingParams(1.0, seed=1000 + seed), StopConditions(4))
         cache.add("", [*PROMPT[-2:], *sample.token_ids])
     decoder = SpeculativeDecoder(target, suffix_cache=cache)
-    rules = StopRules(max_new_tokens=4)
+    rules = StopConditions(max_new_tokens=4)
     samples, proposed = [], 0
     for seed in range(1000):
         got = decoder.generate(list(PROMPT), "suffix", 3, SamplingParams(1.0, seed=seed), rules)

@@ -4,15 +4,21 @@ random Llama pair written once per session, configured by YAML files written lik
 Worker processes cost a few seconds each, so the ones several modules share are session-scoped:
 ``draft_worker`` (draft model, K=3) and ``lookup_worker`` (prompt lookup, K=4, no segment classifier).
 Every worker's log is checked for tracebacks when it stops: the worker must never crash on a request.
+
+Without HTTP: ``in_process`` starts a ``WorkerService`` in the test's process, and ``done_info`` runs one request
+through it. ``Worker.connect`` opens a raw socket to a worker process, for clients no HTTP library would imitate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import json
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +29,10 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from decoder.sampling import SamplingParams
 from decoder.tiny import save_tiny_pair
+from decoder.worker.config import WorkerConfig
+from decoder.worker.service import RequestSpec, WorkerService
 from specd.launch import Service, start
 
 MODEL = "tiny-worker-test"
@@ -95,6 +104,11 @@ class Worker:
 
     def client(self, timeout: float = 60.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def connect(self, timeout: float = 10.0) -> socket.socket:
+        """A raw TCP connection to the worker (the caller closes it)."""
+        host, port = self.service.address.rsplit(":", 1)
+        return socket.create_connection((host, int(port)), timeout=timeout)
 
     def post(self, path: str, body: dict[str, Any], **kwargs: Any) -> httpx.Response:
         with self.client() as client:
@@ -270,3 +284,45 @@ class Reference:
 @pytest.fixture(scope="session")
 def reference(tiny_pair) -> Reference:
     return Reference(tiny_pair.target)
+
+
+# --- a WorkerService in the test's process -------------------------------------------------------------------
+
+
+def service_config(pair: TinyPair, **overrides: Any) -> WorkerConfig:
+    """A worker on ``pair``'s target alone (float64, one thread, batches of 2, no segment classifier, no
+    telemetry), then ``overrides``."""
+    fields: dict[str, Any] = {
+        "target": pair.target, "draft": None, "device": "cpu", "dtype": "float64", "threads": 1, "max_batch": 2,
+        "segment_classifier": "none", "telemetry": {"exporter": "none"},
+    }  # fmt: skip
+    fields.update(overrides)
+    return WorkerConfig(**fields)
+
+
+@contextmanager
+def in_process(config: WorkerConfig) -> Iterator[WorkerService]:
+    """The worker's service (no HTTP server), started; shut down on the way out."""
+    service = WorkerService(config)
+    service.startup()
+    try:
+        yield service
+    finally:
+        service.shutdown()
+
+
+def done_info(
+    service: WorkerService, segment: str, max_new_tokens: int, prompt_ids: tuple[int, ...] = (5, 9, 3, 7)
+) -> dict[str, Any]:
+    """One greedy request through ``service``: its ``done`` event's ``specd`` statistics (an error event fails)."""
+    spec = RequestSpec(prompt_text=None, prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens,
+                       params=SamplingParams(), stop_strings=(), segment=segment)  # fmt: skip
+
+    async def run() -> dict[str, Any]:
+        async for event in service.run_request(spec):
+            assert event.kind != "error", event
+            if event.kind == "done":
+                return event.specd
+        raise AssertionError("no done event")
+
+    return asyncio.run(run())

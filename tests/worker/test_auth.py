@@ -8,11 +8,9 @@ runs the real WorkerService against a real daemon with certificates openssl made
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import secrets
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,16 +23,15 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from controller.config import ControllerConfig, LearningConfig, TokenAuth
+from controller.config import TokenAuth
 from controller.server import ControllerDaemon
-from decoder.sampling import SamplingParams
 from decoder.worker.auth import MISSING_KEY, WRONG_KEY, ApiKeyCheck
 from decoder.worker.config import WorkerConfig, load_worker_config
-from decoder.worker.service import RequestSpec, WorkerService
 from specd_api.security import Secret, ServerTls
 from specd_api.yaml_config import CONFIG_DIR, ConfigError, parse_yaml_model
+from tests.daemons import running_daemon
 from tests.tls_certs import Pki, make_pki, uncomment
-from tests.worker.conftest import MODEL, Worker
+from tests.worker.conftest import MODEL, Worker, done_info, in_process, service_config
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-" + "k" * 40
@@ -247,20 +244,11 @@ def tokens(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory, embedded_redis_url, pki, tokens) -> Iterator[ControllerDaemon]:
-    folder = tmp_path_factory.mktemp("secured")
-    policy = folder / "policy.yaml"
-    policy.write_text("{}\n")
-    daemon = ControllerDaemon(
-        ControllerConfig(
-            listen="127.0.0.1:0", redis_url=embedded_redis_url, policy_path=policy, state_dir=folder / "state",
-            learning=LearningConfig(prefix=f"wauth{uuid.uuid4().hex[:8]}", refresh_seconds=0.1),
-            tls=ServerTls(cert_file=pki.server.cert, key_file=pki.server.key, client_ca_file=pki.ca),
-            auth=TokenAuth(read_token=Secret(file=tokens["read"]), write_token=Secret(file=tokens["write"])),
-        )
-    )  # fmt: skip
-    daemon.startup()
-    yield daemon
-    daemon.shutdown()
+    """A daemon (tests/daemons.py) with an empty policy, mutual TLS and two tokens."""
+    tls = ServerTls(cert_file=pki.server.cert, key_file=pki.server.key, client_ca_file=pki.ca)
+    auth = TokenAuth(read_token=Secret(file=tokens["read"]), write_token=Secret(file=tokens["write"]))
+    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("secured"), "{}\n", tls=tls, auth=auth) as daemon:
+        yield daemon
 
 
 def decision_source(tiny_pair, daemon: ControllerDaemon, pki: Pki, token: Path) -> str:
@@ -270,27 +258,9 @@ def decision_source(tiny_pair, daemon: ControllerDaemon, pki: Pki, token: Path) 
         "tls": {"ca_file": str(pki.ca), "cert_file": str(pki.client.cert), "key_file": str(pki.client.key)},
         "token": {"file": str(token)},
     }  # fmt: skip
-    config = WorkerConfig(
-        target=tiny_pair.target, draft=tiny_pair.draft, device="cpu", dtype="float64", threads=1, max_batch=2,
-        segment_classifier="none", telemetry={"exporter": "none"}, controller=link,
-    )  # fmt: skip
-    service = WorkerService(config)
-    service.startup()
-    try:
+    with in_process(service_config(tiny_pair, draft=tiny_pair.draft, controller=link)) as service:
         assert service.client is not None and service.client.wait_until_ready(10.0)
-        spec = RequestSpec(prompt_text=None, prompt_ids=[5, 9, 3, 7], max_new_tokens=4, params=SamplingParams(),
-                           stop_strings=(), segment="auth")  # fmt: skip
-
-        async def run() -> dict[str, Any]:
-            async for event in service.run_request(spec):
-                assert event.kind != "error", event
-                if event.kind == "done":
-                    return event.specd
-            raise AssertionError("no done event")
-
-        return str(asyncio.run(run())["decision_source"])
-    finally:
-        service.shutdown()
+        return str(done_info(service, "auth", max_new_tokens=4)["decision_source"])
 
 
 def test_the_worker_links_to_a_controller_with_mutual_tls_and_its_token(tiny_pair, secured, pki, tokens):

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from controller.config import ControllerConfig, LearningConfig
 from controller.server import ControllerDaemon
 from decoder.runners import KVPool
 from decoder.sampling import SamplingParams
@@ -27,6 +25,7 @@ from decoder.worker.config import WorkerConfig
 from decoder.worker.service import RequestSpec, Speculation, WorkerService
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import running_daemon
 
 STEP = 0.030  # seconds of one injected target step
 V = (1.0, 1.6, 1.9, 1.5, 1.25)  # injected v(n) for n = 0..4 drafts: not a line, not monotonic
@@ -53,18 +52,9 @@ def slow_passes(monkeypatch) -> Iterator[None]:
 
 @pytest.fixture
 def controller(tmp_path: Path, embedded_redis_url: str) -> Iterator[ControllerDaemon]:
-    policy = tmp_path / "policy.yaml"
-    policy.write_text("{}\n")
-    daemon = ControllerDaemon(
-        ControllerConfig(
-            listen="127.0.0.1:0", redis_url=embedded_redis_url, policy_path=policy, state_dir=tmp_path / "state",
-            learning=LearningConfig(prefix=f"costs{uuid.uuid4().hex[:8]}", refresh_seconds=0.1,
-                                    half_life_seconds=1e9),
-        )
-    )  # fmt: skip
-    daemon.startup()
-    yield daemon
-    daemon.shutdown()
+    """A daemon (tests/daemons.py) with an empty policy and a half-life of 1e9 s."""
+    with running_daemon(embedded_redis_url, tmp_path, "{}\n", learning={"half_life_seconds": 1e9}) as daemon:
+        yield daemon
 
 
 @pytest.fixture

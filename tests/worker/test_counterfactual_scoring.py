@@ -12,8 +12,8 @@ import pytest
 
 from decoder.drafters import SuffixCache
 from decoder.engine import SpeculativeDecoder
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.worker.config import WorkerConfig
 from decoder.worker.service import RequestSpec, WorkerService
 from specd_api.plan import Plan
@@ -82,7 +82,7 @@ def test_suffix_is_scored_on_its_share_of_requests_with_the_cache_as_the_request
     service, client = scored_worker
     assert service.engine is not None
     target, config = service.engine.target, service.engine.suffix_cache.config
-    rules = StopRules(MAX_NEW_TOKENS, target.eos_token_ids)
+    rules = StopConditions(MAX_NEW_TOKENS, target.eos_token_ids)
     output = SpeculativeDecoder(target).generate(PROMPT, "none", 0, SamplingParams(), rules).token_ids
     assert len(client.reports) == 4
     scored = [suffix_scores(r) for r in client.reports]

@@ -4,23 +4,21 @@ telemetry all carry it. Which requests stall is a seeded draw."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
-from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from decoder.batch_engine import BatchEngine
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.worker.config import FaultInjection, WorkerConfig
 from decoder.worker.fault_injection import STALL_ROUND, StallPicker
 from decoder.worker.scheduler import Job, JobOutcome, Scheduler
-from decoder.worker.service import RequestSpec, WorkerService
 from specd_api.plan import Plan
 from tests.conftest import tiny_lm
+from tests.worker.conftest import done_info, in_process, service_config
 
 STALL = 0.3  # seconds: far above a tiny model's round (about a millisecond), far under the tests' patience
 
@@ -33,8 +31,8 @@ def target(tokenizer):
 def run_job(scheduler: Scheduler, stall_seconds: float, plan: Plan) -> JobOutcome:
     done: list[JobOutcome] = []
     finished = threading.Event()
-    job = Job(prompt_ids=[5, 6, 7, 8, 5, 6, 7], params=SamplingParams(), rules=StopRules(8, frozenset()), plan=plan,
-              timeout_seconds=60, on_tokens=lambda _: None, on_started=lambda _: None,
+    job = Job(prompt_ids=[5, 6, 7, 8, 5, 6, 7], params=SamplingParams(), rules=StopConditions(8, frozenset()),
+              plan=plan, timeout_seconds=60, on_tokens=lambda _: None, on_started=lambda _: None,
               on_finish=lambda o: (done.append(o), finished.set()), stall_seconds=stall_seconds)  # fmt: skip
     scheduler.submit(job)
     assert finished.wait(30), "the job never finished"
@@ -88,26 +86,11 @@ def test_bad_fault_injection_settings_are_refused(settings):
 
 
 def test_a_worker_set_to_stall_every_request_reports_the_stall_in_its_decode_seconds(tiny_pair):
-    config = WorkerConfig(
-        target=tiny_pair.target, draft=None, device="cpu", dtype="float64", threads=1, max_batch=2, warm_up=False,
-        segment_classifier="none", telemetry={"exporter": "none"}, controller={"address": None},
+    config = service_config(
+        tiny_pair, warm_up=False, controller={"address": None},
         fault_injection={"stall_share": 1.0, "stall_ms": STALL * 1000, "seed": 0},
     )  # fmt: skip
-    service = WorkerService(config)
-    service.startup()
-    try:
-        spec = RequestSpec(prompt_text=None, prompt_ids=[5, 9, 3, 7], max_new_tokens=6, params=SamplingParams(),
-                           stop_strings=(), segment="stall")  # fmt: skip
-
-        async def run() -> dict[str, Any]:
-            async for event in service.run_request(spec):
-                assert event.kind != "error", event
-                if event.kind == "done":
-                    return event.specd
-            raise AssertionError("no done event")
-
-        info = asyncio.run(run())
-    finally:
-        service.shutdown()
+    with in_process(config) as service:
+        info = done_info(service, "stall", max_new_tokens=6)
     assert info["num_rounds"] > STALL_ROUND + 1
     assert info["decode_seconds"] >= STALL  # what the response, and the telemetry, report

@@ -48,11 +48,6 @@ def worker(launcher: WorkerLauncher) -> Iterator[Worker]:
     assert_clean_log(worker)
 
 
-def connect(worker: Worker) -> socket.socket:
-    host, port = worker.service.address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
-
-
 def seconds_until_closed(sock: socket.socket, limit: float = 10.0) -> float:
     """How long until the worker closes ``sock`` (reading and dropping whatever it sends first)."""
     started = time.monotonic()
@@ -76,7 +71,7 @@ HALF_SENT = {
 def test_a_request_that_never_arrives_whole_is_dropped_at_the_deadline(worker: Worker, sent: str):
     """uvicorn cancels its keep-alive timer on every byte and has no deadline for a request, so each of these held a
     connection (a file descriptor) until the worker stopped."""
-    with connect(worker) as sock:
+    with worker.connect() as sock:
         sock.sendall(HALF_SENT[sent])
         took = seconds_until_closed(sock)
     assert READ_SECONDS * 0.9 <= took < READ_SECONDS + 3, f"closed after {took:.2f} s"
@@ -89,7 +84,7 @@ def test_a_request_that_never_arrives_whole_is_dropped_at_the_deadline(worker: W
 def test_a_client_that_goes_away_half_way_costs_no_traceback(worker: Worker, sent: str):
     """Half a request, then the client closes (or resets) its end: nothing to answer, nothing logged as an error."""
     for reset in (False, True):
-        with connect(worker) as sock:
+        with worker.connect() as sock:
             sock.sendall(HALF_SENT[sent])
             time.sleep(0.05)
             if reset:
@@ -103,7 +98,7 @@ def test_a_slow_request_within_the_deadline_and_kept_alive_connections_are_serve
     """The deadline is for a request to arrive: one that trickles in within it is served, and a connection kept
     alive serves its next request after an idle spell (the deadline counts from the previous response, so the idle
     time and the next request's arrival share it)."""
-    with connect(worker) as sock:
+    with worker.connect() as sock:
         for _ in range(2):
             request = HEAD % len(BODY) + BODY
             time.sleep(READ_SECONDS / 4)  # idle
@@ -152,7 +147,7 @@ def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: Wo
     try:
         for sent in ("the headers, half the body", "half the headers"):
             for _ in range(3):
-                sock = connect(worker)
+                sock = worker.connect()
                 sock.sendall(HALF_SENT[sent])
                 socks.append(sock)
         time.sleep(0.3)

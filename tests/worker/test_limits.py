@@ -5,7 +5,6 @@ loop, and the segment label set of /metrics bounded however many segments client
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -76,8 +75,7 @@ def test_a_50_mb_body_is_refused_before_it_is_parsed(worker: Worker, chunked: bo
 
 def test_a_declared_length_past_the_limit_is_refused_before_the_body_is_sent(worker: Worker):
     """The headers alone (Content-Length: 50,000,000) get the 413: the worker does not wait for the body."""
-    host, port = worker.service.address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
+    with worker.connect(timeout=5) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 50000000\r\n\r\n")  # fmt: skip
         reply = b""
@@ -100,8 +98,7 @@ def test_a_body_past_the_limit_gets_its_413_whole_not_a_reset(worker: Worker, ch
     if chunked:
         pieces = [body[i : i + 65536] for i in range(0, len(body), 65536)]
         body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
-    host, port = worker.service.address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with worker.connect() as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                      b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n" + body)  # fmt: skip
         reply = b""

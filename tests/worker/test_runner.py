@@ -1,7 +1,8 @@
 """The worker's ``runner`` setting reaches the engine: every runner name loads the pass it names (decoder/runners;
 the engine-level proofs are in tests/decoder/test_runners.py); ``runner: transformers`` serves transformers' greedy
 text and says so; with ``runner: invariant`` in bfloat16, a served greedy completion is the same text whatever the
-drafter and K (decoder/runners/invariant.py; tests/decoder/test_invariant.py)."""
+drafter and K (decoder/runners/invariant.py; tests/decoder/test_invariant.py); so with ``runner: graphs``, which also
+counts its passes outside its buckets in /metrics (decoder/runners/graphed.py; tests/decoder/test_graph_pass.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,30 @@ def test_an_invariant_bfloat16_worker_serves_the_same_greedy_text_with_every_dra
             texts[drafter, k] = worker.complete(prompt, **body)["choices"][0]["text"]
         assert len(set(texts.values())) == 1, texts
         assert texts["none", 0].strip(), "the target wrote nothing"
+    launcher.stop(worker)
+
+
+def test_a_graphs_worker_names_its_pass_counts_passes_outside_its_buckets_and_serves_exact_text(
+    launcher: WorkerLauncher,
+):
+    """``runner: graphs`` (decoder/runners/graphed.py; the eager stand-in on this CPU): the listening line and
+    /metrics name it, a prompt longer than its widest bucket is counted as a pass outside the buckets, and in
+    bfloat16 a greedy completion is the same text whatever the drafter and K (tests/decoder/test_graph_pass.py)."""
+    worker = launcher.start("graphs", runner="graphs", dtype="bfloat16", controller={"address": None})
+    assert "the graphs pass (torch products) in bfloat16" in worker.log.read_text()
+    before = worker.metrics()
+    assert before.total("specd_forward_pass_info", runner="graphs", dtype="bfloat16", kernel="torch") == 1
+    texts = {}
+    for drafter, k in (("none", 0), ("draft", 1), ("draft", 4), ("prompt_lookup", 4)):
+        body = {"max_tokens": 24, "temperature": 0, "speculation": {"drafter": drafter, "k": k}}
+        texts[drafter, k] = worker.complete(PROMPTS[0], **body)["choices"][0]["text"]
+    assert len(set(texts.values())) == 1 and texts["none", 0].strip(), texts
+    after = worker.metrics()
+    outside = "specd_forward_pass_outside_buckets_total"
+    for model, prefills in (("target", 4), ("draft", 2)):  # a prefill of more than 9 tokens per request it ran
+        wide = {"model": model, "reason": "wide_rows"}
+        assert after.total(outside, **wide) - before.total(outside, **wide) >= prefills, model
+    assert after.total(outside, reason="many_rows") == 0
     launcher.stop(worker)
 
 

@@ -14,8 +14,8 @@ import torch
 from decoder.batch_engine import BatchEngine
 from decoder.drafters import DraftModelDrafter, PromptLookupDrafter
 from decoder.engine import DecodeSession
+from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.stopping import StopRules
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
 from specd_api.plan import Plan
 from tests.conftest import tiny_lm
@@ -39,7 +39,7 @@ class Recorder:
         self.job_ = Job(
             prompt_ids=prompt or [5, 6, 7, 8],
             params=SamplingParams(),
-            rules=StopRules(max_new_tokens, frozenset()),  # no EOS: every job runs to max_new_tokens
+            rules=StopConditions(max_new_tokens, frozenset()),  # no EOS: every job runs to max_new_tokens
             plan=Plan("prompt_lookup", 2),
             timeout_seconds=timeout,
             on_tokens=self.tokens.extend,

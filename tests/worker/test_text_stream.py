@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from decoder.stopping import trim_stop_string
+from decoder.request_stop import trim_stop_string
 from decoder.worker.text_stream import TextStream
 
 TEXT = "Grüße — 日本語 🙂 and STOP words, then more; naïve café."

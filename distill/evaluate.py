@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from decoder.distill.config import EVAL_K, EVAL_PROMPT_TOKENS, MAX_EVAL_BLOCKS
-from decoder.distill.loss import forward_kl, top1_agreement
 from decoder.models import LoadedModel, from_objects
+from distill.config import EVAL_K, EVAL_PROMPT_TOKENS, MAX_EVAL_BLOCKS
+from distill.loss import forward_kl, top1_agreement
 
 EVAL_BATCH = 8  # held-out blocks per forward pass
 
@@ -19,7 +19,7 @@ class HeldOut:
     """What the draft is judged on, cut once from the held-out token stream."""
 
     prompts: list[list[int]]  # α: the target greedily continues each; the draft proposes K = 4 per round
-    blocks: torch.Tensor  # [num_blocks, block_len] KL and top-1 agreement over every position
+    blocks: torch.Tensor  # [num_blocks, n] KL and top-1 agreement over every position
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,13 @@ def evaluate(target: LoadedModel, draft_model: Any, data: HeldOut, eval_tokens: 
 def greedy_alpha(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], eval_tokens: int) -> float:
     """Accepted / proposed over greedy speculative decoding of every prompt (pooled, not a mean of ratios)."""
     from decoder.engine import SpeculativeDecoder
+    from decoder.request_stop import StopConditions
     from decoder.sampling import SamplingParams
-    from decoder.stopping import StopRules
 
     decoder = SpeculativeDecoder(target, draft)
     accepted = proposed = 0
     for prompt_ids in prompts:
-        stats = decoder.generate(prompt_ids, "draft", EVAL_K, SamplingParams(), StopRules(eval_tokens)).stats
+        stats = decoder.generate(prompt_ids, "draft", EVAL_K, SamplingParams(), StopConditions(eval_tokens)).stats
         accepted, proposed = accepted + stats.num_accepted, proposed + stats.num_drafted
     return accepted / proposed if proposed else 0.0
 
@@ -86,13 +86,13 @@ def greedy_alpha(target: LoadedModel, draft: LoadedModel, prompts: list[list[int
 def logit_match(target_model: Any, draft_model: Any, blocks: torch.Tensor) -> tuple[float, float]:
     """Mean per-token KL(p ‖ q) at temperature 1 and top-1 agreement over ``blocks``.
 
-    # blocks: [num_blocks, block_len] int64
+    # blocks: [num_blocks, n] int64
     """
     kl_sum = agree_sum = 0.0
     for batch in blocks.split(EVAL_BATCH):
         batch = batch.to(next(draft_model.parameters()).device)
-        target_logits = target_model(input_ids=batch, use_cache=False).logits  # [b, block_len, vocab]
-        draft_logits = draft_model(input_ids=batch, use_cache=False).logits  # [b, block_len, vocab]
+        target_logits = target_model(input_ids=batch, use_cache=False).logits  # [b, n, vocab]
+        draft_logits = draft_model(input_ids=batch, use_cache=False).logits  # [b, n, vocab]
         kl_sum += float(forward_kl(draft_logits, target_logits)) * len(batch)
         agree_sum += float(top1_agreement(draft_logits.float(), target_logits.float())) * len(batch)
     return kl_sum / len(blocks), agree_sum / len(blocks)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from decoder.distill.batches import BatchSource
-from decoder.distill.checkpoint import RunState, has_checkpoint, load_checkpoint
-from decoder.distill.config import HELDOUT_FRACTION, DistillConfig
-from decoder.distill.data import DataError, pack, read_documents, split_documents
-from decoder.distill.evaluate import Evaluation, HeldOut, evaluate, held_out
-from decoder.distill.models import check_lengths, load_draft, load_target, save_draft
-from decoder.distill.progress import Progress
-from decoder.distill.report import Report
-from decoder.distill.trainer import StopRequest, Trainer, make_optimizer
 from decoder.models import LoadedModel, parse_dtype, resolve_device
+from distill.batches import BatchSource
+from distill.checkpoint import RunState, has_checkpoint, load_checkpoint
+from distill.config import HELDOUT_FRACTION, DistillConfig
+from distill.data import DataError, pack, read_documents, split_documents
+from distill.evaluate import Evaluation, HeldOut, evaluate, held_out
+from distill.models import check_lengths, load_draft, load_target, save_draft
+from distill.progress import Progress
+from distill.report import Report
+from distill.trainer import StopRequest, Trainer, make_optimizer
 from specd_api.errors import UsageError
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from decoder.distill.config import EVAL_PROMPT_TOKENS, DistillConfig
 from decoder.models import LoadedModel, check_pair, from_objects, load_model
+from distill.config import EVAL_PROMPT_TOKENS, DistillConfig
 from specd_api.errors import TokenizerMismatchError, UsageError
 
 SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")

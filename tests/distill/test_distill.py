@@ -18,16 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from decoder.distill.batches import continue_with_target
-from decoder.distill.config import DistillConfig
-from decoder.distill.data import DataError, pack, read_documents, split_documents
-from decoder.distill.evaluate import evaluate, held_out
-from decoder.distill.loss import forward_kl, top1_agreement
-from decoder.distill.pipeline import distill
-from decoder.distill.progress import Progress
-from decoder.distill.trainer import StopRequest, learning_rate
 from decoder.models import load_model
 from decoder.tiny import build_model, build_tokenizer
+from distill.batches import continue_with_target
+from distill.config import DistillConfig
+from distill.data import DataError, pack, read_documents, split_documents
+from distill.evaluate import evaluate, held_out
+from distill.loss import forward_kl, top1_agreement
+from distill.pipeline import distill
+from distill.progress import Progress
+from distill.trainer import StopRequest, learning_rate
 from specd.cli import main
 from specd_api.errors import TokenizerMismatchError, UsageError
 

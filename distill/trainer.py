@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from decoder.distill.batches import BatchSource
-from decoder.distill.checkpoint import RunState, save_checkpoint
-from decoder.distill.config import DistillConfig
-from decoder.distill.loss import forward_kl
-from decoder.distill.progress import Progress
-from decoder.schedules import warmup_cosine
+from distill.batches import BatchSource
+from distill.checkpoint import RunState, save_checkpoint
+from distill.config import DistillConfig
+from distill.loss import forward_kl
+from distill.progress import Progress
+from distill.schedules import warmup_cosine
 from specd_api.errors import SpecdError
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
@@ -59,13 +59,13 @@ def train_step(
     cfg: DistillConfig,
     precision: contextlib.AbstractContextManager[Any],
 ) -> float:
-    """One optimizer step on ``batch`` ([batch, seq_len] int64); returns the distillation loss."""
+    """One optimizer step on ``batch`` ([b, n] int64); returns the distillation loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.no_grad():
-        target_logits = target_model(input_ids=batch, use_cache=False).logits  # [batch, seq_len, vocab]
+        target_logits = target_model(input_ids=batch, use_cache=False).logits  # [b, n, vocab]
     with precision:
-        draft_logits = draft_model(input_ids=batch, use_cache=False).logits  # [batch, seq_len, vocab]
+        draft_logits = draft_model(input_ids=batch, use_cache=False).logits  # [b, n, vocab]
     loss = forward_kl(draft_logits, target_logits, cfg.temperature)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(draft_model.parameters(), cfg.grad_clip)

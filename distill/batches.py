@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from decoder.distill.config import DistillConfig
+from distill.config import DistillConfig
 
 
 class BatchSource:
-    """Draws ``[batch_size, seq_len]`` token blocks from the packed train stream."""
+    """Draws ``[b, n]`` token blocks (``b`` = batch_size, ``n`` = seq_len) from the packed train stream."""
 
     def __init__(self, stream: torch.Tensor, cfg: DistillConfig, target_model: Any, device: torch.device) -> None:
         # stream: [num_tokens] int64 on CPU
@@ -26,7 +26,7 @@ class BatchSource:
         self.device = device
 
     def batch(self, step: int) -> tuple[torch.Tensor, bool]:
-        """The ``[batch_size, seq_len]`` tokens of step ``step`` (on the device) and whether the target wrote them."""
+        """The ``[b, n]`` tokens of step ``step`` (on the device) and whether the target wrote them."""
         cfg = self.cfg
         rng = np.random.default_rng([cfg.seed, step])
         self_generated = bool(rng.random() < cfg.self_generated)
@@ -48,14 +48,14 @@ def continue_with_target(
 ) -> torch.Tensor:
     """Each prompt followed by ``new_tokens`` tokens the model samples (greedy at temperature 0).
 
-    # prompts: [batch, prompt_len] int64  ->  [batch, prompt_len + new_tokens]
+    # prompts: [b, prompt_len] int64  ->  [b, prompt_len + new_tokens]
     All rows share one length, so no padding or attention mask is needed.
     """
     cache = DynamicCache()
     tokens = [prompts]
     logits = model(input_ids=prompts, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     for i in range(new_tokens):
-        next_token = _pick(logits.float(), temperature, generator)  # [batch, 1]
+        next_token = _pick(logits.float(), temperature, generator)  # [b, 1]
         tokens.append(next_token)
         if i + 1 < new_tokens:
             logits = model(input_ids=next_token, past_key_values=cache, use_cache=True).logits[:, -1]
@@ -63,7 +63,7 @@ def continue_with_target(
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    # logits: [batch, vocab]  ->  [batch, 1]
+    # logits: [b, vocab]  ->  [b, 1]
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     probs = torch.softmax(logits / temperature, dim=-1)

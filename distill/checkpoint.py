@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from decoder.distill.config import DistillConfig
+from distill.config import DistillConfig
 from specd_api.errors import UsageError
 
 STATE_FILE = "state.pt"

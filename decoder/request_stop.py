@@ -1,4 +1,7 @@
-"""When a request is finished: EOS, stop strings, max_new_tokens. Nothing past them is ever emitted."""
+"""When a request is finished: EOS, stop strings, max_new_tokens. Nothing past them is ever emitted.
+
+This is the request's stop (``StopConditions``), not the glossary's stop rule, which ends one round's draft early
+(``decoder/drafters/draft_model.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,9 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class StopRules:
+class StopConditions:
+    """What ends a request: its token budget, its EOS ids and its stop strings."""
+
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
@@ -19,7 +24,7 @@ class StopRules:
             raise ValueError("stop strings must not be empty")
 
 
-def draft_budget(context_length: int, num_generated: int, rules: StopRules, max_context: int | None) -> int:
+def draft_budget(context_length: int, num_generated: int, rules: StopConditions, max_context: int | None) -> int:
     """The most tokens the next round may draft: it emits up to K + 1 tokens, which may neither overshoot
     max_new_tokens nor the model's context (prompt + output must fit, as transformers' own generate() requires),
     so K <= remaining budget - 1 and L + K + 1 <= max_context."""
@@ -40,7 +45,7 @@ class Cut:
 def cut_round(
     generated: Sequence[int],
     new_tokens: Sequence[int],
-    rules: StopRules,
+    rules: StopConditions,
     decode: Callable[[Sequence[int]], str],
 ) -> Cut:
     """Decide how many of ``new_tokens`` (appended after ``generated``) to keep.

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoder.distill.config import EVAL_K
-from decoder.distill.evaluate import Evaluation
+from distill.config import EVAL_K
+from distill.evaluate import Evaluation
 
 
 @dataclass(frozen=True)

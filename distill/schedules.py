@@ -1,4 +1,5 @@
-"""Learning-rate schedules shared by the project's trainers (reference models, distillation)."""
+"""Learning-rate schedules shared by the project's trainers (distillation here, and the reference models'
+pretraining in ``refmodels/train.py``). Pure: no torch, so importing it costs nothing."""
 
 from __future__ import annotations
 

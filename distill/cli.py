@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from decoder.choices import DTYPE_NAMES
-from decoder.distill.config import DistillConfig
+from distill.config import DistillConfig
 
 
 def add_parser(commands: Any) -> None:
@@ -98,6 +98,6 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # validated before torch is imported
-    from decoder.distill.pipeline import distill
+    from distill.pipeline import distill
 
     return 0 if distill(cfg) is not None else 130
