@@ -457,6 +457,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/controller/test_interceptors.py",),
         "a refused call runs every interceptor behind the token check before it is refused",
     ),
+    Mutation(
+        "journal-view-takes-off-unshown",
+        "controller/journaled_view.py",
+        "        if not shown:\n            return\n",
+        "        if not shown:\n            pass\n",
+        ("tests/controller/test_journaled_view.py",),
+        "a previous run's replayed report, never shown, is taken off the view: this run's journaled counts vanish",
+    ),
 )
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -29,6 +29,7 @@ from controller.cost_model import MIN_REQUESTS, BucketCosts, CostModel, build_co
 from controller.counts import Aggregate, CostCounts, SegmentCounts
 from controller.drift_watch import DriftAlarm, DriftWatch
 from controller.journal import Journal
+from controller.journaled_view import JournaledView
 from controller.prior import PriorModel, train_prior
 from controller.store import IngestResult, Snapshot, TelemetryStore
 from controller.timing_histogram import add_into, median, total
@@ -59,12 +60,10 @@ class Learner:
         self.prior_retrain_seconds = prior_retrain_seconds
         self.prior: PriorModel | None = None
         self._snapshot = Snapshot()
-        self._pending = Snapshot()  # journaled reports, shown on top of the snapshot until replayed
+        self._journaled = JournaledView()  # journaled reports, shown on top of the snapshot until it holds them
         self._stale = True  # until the first successful refresh
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()  # one refresh at a time (the loop, and shutdown's last one)
-        self._shown: dict[str, int] = {}  # ids of the journaled reports in _pending (a previous run's are not)
-        self._replayed: list[Sequence[Aggregate]] = []  # in _pending and sent to Redis, not yet in the snapshot
         self._last_prior_fit = 0.0
         self.cost_model = CostModel()
         # Versions move only when what decisions read moved (a refresh that read the same data leaves them): the
@@ -91,9 +90,7 @@ class Learner:
                 self._stale = True
         with self._lock:  # the journal and its in-memory view change together
             self.journal.append(report_id, aggregates)
-            _add_to(self._pending, aggregates)
-            self._shown[report_id] = self._shown.get(report_id, 0) + 1
-            self._moved({a.segment for a in aggregates})
+            self._moved(self._journaled.journaled(report_id, aggregates))
         self._install_cost_model()
         self.version += 1
         return ReportOutcome(sum(a.rounds for a in aggregates), duplicate=False, journaled=True)
@@ -143,11 +140,7 @@ class Learner:
     def _send_journaled(self, report_id: str, aggregates: list[Aggregate]) -> None:
         self.store.ingest(report_id, aggregates, self._step_seconds)
         with self._lock:
-            shown = self._shown.pop(report_id, 0)
-            if shown:  # else a previous run's report: never in _pending
-                if shown > 1:  # a worker's retry journaled twice: shown twice, stored once
-                    self._shown[report_id] = shown - 1
-                self._replayed.append(aggregates)
+            self._journaled.replayed(report_id, aggregates)
 
     def _unreachable(self, error: redis.RedisError) -> bool:
         if not self._stale:
@@ -167,19 +160,9 @@ class Learner:
         moved = _changed_segments(self._snapshot, snapshot)  # outside the lock: only a refresh replaces the snapshot
         with self._lock:  # report() journals under this lock too: the journal and the view change together
             self._snapshot = snapshot
-            # The replayed reports are in this snapshot now: take them off the journaled view; what is still
-            # journaled (reports that arrived during the replay) stays on top.
-            if not len(self.journal):
-                moved |= set(self._pending.segments)
-                self._pending = Snapshot()  # exactly empty, with no rounding left by the subtractions
-                self._shown.clear()
-            else:
-                for aggregates in self._replayed:
-                    _add_to(self._pending, aggregates, weight=-1.0)
-                    moved |= {a.segment for a in aggregates}
-                if self._replayed:
-                    _clamp(self._pending)
-            self._replayed = []
+            # The replayed reports are in this snapshot now: they leave the journaled view; what is still journaled
+            # (reports that arrived during the replay) stays on top.
+            moved |= self._journaled.snapshot_installed(journal_empty=not len(self.journal))
             self._stale = False
             self._moved(moved)
         changed = bool(moved) | self._install_cost_model()
@@ -231,7 +214,7 @@ class Learner:
         distinct segments is reached and ``segment`` is not among those tracked (the store counts it there)."""
         with self._lock:
             known = self._snapshot.segments
-            if segment in known or segment in self._pending.segments:
+            if segment in known or self._journaled.segment(segment) is not None:
                 return segment
             return OVERFLOW_SEGMENT if len(known) >= self.store.config.max_segments else segment
 
@@ -271,7 +254,7 @@ class Learner:
         if cached is not None and cached[0] == version:
             return cached[1]
         with self._lock:
-            tables = [*self._snapshot.segments.values(), *self._pending.segments.values()]
+            tables = [*self._snapshot.segments.values(), *self._journaled.counts.segments.values()]
         result = compute(tables)
         self._fleet[key] = (version, result)
         return result
@@ -283,7 +266,7 @@ class Learner:
 
     def segments(self) -> list[str]:
         with self._lock:
-            return sorted(set(self._snapshot.segments) | set(self._pending.segments))
+            return sorted(set(self._snapshot.segments) | self._journaled.segments())
 
     def segment_counts(self, segment: str) -> SegmentCounts:
         """The segment's counts (read-only: shared with other readers when nothing is pending)."""
@@ -293,7 +276,7 @@ class Learner:
         """The segment's version and counts, read together (a cache keyed by the version holds these counts)."""
         with self._lock:
             version = self._segment_versions.get(segment, 0)
-            base, pending = self._snapshot.segments.get(segment), self._pending.segments.get(segment)
+            base, pending = self._snapshot.segments.get(segment), self._journaled.segment(segment)
         if pending is None:
             return version, base or SegmentCounts()
         merged = SegmentCounts()
@@ -306,7 +289,7 @@ class Learner:
         merged = CostCounts()
         with self._lock:
             merged.add(self._snapshot.costs)
-            merged.add(self._pending.costs)
+            merged.add(self._journaled.costs())
         return merged
 
 
@@ -318,35 +301,3 @@ def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:
     """The segments whose counts are not those of the previous snapshot (the store keeps a segment's counts object
     while its fields and the decay step stay the same: the decay is read once a bucket)."""
     return {s for s in old.segments.keys() | new.segments.keys() if old.segments.get(s) is not new.segments.get(s)}
-
-
-def _clamp(snapshot: Snapshot) -> None:
-    """Counts left by subtractions can be off by a rounding error; one below zero is zero (never a negative count)."""
-    for counts in snapshot.segments.values():
-        for table in (counts.by_k, counts.positions, counts.counterfactual):
-            for item in table.values():
-                for f in fields(item):
-                    if getattr(item, f.name) < 0:
-                        setattr(item, f.name, 0.0)
-        for hist in (*counts.calibration.values(), *counts.plain_step.values()):
-            _clamp_values(hist)
-    costs = snapshot.costs
-    for values in (costs.draft_s, costs.drafted, costs.verify_s, costs.verify_rounds):
-        _clamp_values(values)
-    for histograms in (costs.draft_hist, costs.verify_hist):
-        for hist in histograms.values():
-            _clamp_values(hist)
-
-
-def _clamp_values(values: MutableMapping[Any, float]) -> None:
-    for key, value in values.items():
-        if value < 0:
-            values[key] = 0.0
-
-
-def _add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate], weight: float = 1.0) -> None:
-    """Add (weight 1) or take off (weight -1) a report's counts."""
-    for agg in aggregates:
-        if not agg.calibration:  # the worker's start-up timings: costs only, in no segment
-            snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields(), weight)
-        snapshot.costs.add_fields(agg.cost_fields(), weight)

@@ -1,0 +1,103 @@
+"""The journaled reports as decisions see them: counts on top of the snapshot until the snapshot holds them.
+
+While Redis is down, a report goes to the local journal (controller/journal.py), and its counts are added here so
+that decisions learn from it at once. When the journal is replayed into Redis, a report stays here until the
+snapshot that includes it is installed, then it is taken off: never shown twice, never missed. A previous run's
+journal is not read up front: its reports show up through the snapshot as they are replayed, never here.
+
+Not thread-safe on its own: the learner calls it under the lock that also guards its snapshot, so that the
+journal, the snapshot and this view change together (controller/learner.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import fields
+from typing import Any
+
+from controller.counts import Aggregate, CostCounts, SegmentCounts
+from controller.store import Snapshot
+
+
+class JournaledView:
+    """Counts of the reports this run journaled and the snapshot does not hold yet."""
+
+    def __init__(self) -> None:
+        self.counts = Snapshot()  # the journaled reports' counts: segments and costs
+        self._shown: dict[str, int] = {}  # report id -> times journaled (a worker's retry may journal it twice)
+        self._replayed: list[Sequence[Aggregate]] = []  # sent to Redis, not yet in an installed snapshot
+
+    def journaled(self, report_id: str, aggregates: Sequence[Aggregate]) -> set[str]:
+        """A report went to the journal: show it. Returns the segments whose counts moved."""
+        add_to(self.counts, aggregates)
+        self._shown[report_id] = self._shown.get(report_id, 0) + 1
+        return {a.segment for a in aggregates}
+
+    def replayed(self, report_id: str, aggregates: Sequence[Aggregate]) -> None:
+        """A journaled report is in Redis now: it leaves this view with the next installed snapshot (a previous
+        run's report was never shown, and is ignored)."""
+        shown = self._shown.pop(report_id, 0)
+        if not shown:
+            return
+        if shown > 1:  # journaled twice, stored once: shown twice until both copies are replayed
+            self._shown[report_id] = shown - 1
+        self._replayed.append(aggregates)
+
+    def snapshot_installed(self, journal_empty: bool) -> set[str]:
+        """A snapshot that holds every replayed report is in place: take those reports off. With the journal empty,
+        nothing is left to show (and no rounding left by subtractions). Returns the segments whose counts moved."""
+        if journal_empty:
+            moved = set(self.counts.segments)
+            self.counts = Snapshot()
+            self._shown.clear()
+            self._replayed = []
+            return moved
+        moved = set()
+        for aggregates in self._replayed:
+            add_to(self.counts, aggregates, weight=-1.0)
+            moved |= {a.segment for a in aggregates}
+        if self._replayed:
+            clamp(self.counts)
+        self._replayed = []
+        return moved
+
+    def segment(self, segment: str) -> SegmentCounts | None:
+        return self.counts.segments.get(segment)
+
+    def segments(self) -> set[str]:
+        return set(self.counts.segments)
+
+    def costs(self) -> CostCounts:
+        return self.counts.costs
+
+
+def add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate], weight: float = 1.0) -> None:
+    """Add (weight 1) or take off (weight -1) a report's counts."""
+    for agg in aggregates:
+        if not agg.calibration:  # the worker's start-up timings: costs only, in no segment
+            snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields(), weight)
+        snapshot.costs.add_fields(agg.cost_fields(), weight)
+
+
+def clamp(snapshot: Snapshot) -> None:
+    """Counts left by subtractions can be off by a rounding error; one below zero is zero (never a negative count)."""
+    for counts in snapshot.segments.values():
+        for table in (counts.by_k, counts.positions, counts.counterfactual):
+            for item in table.values():
+                for f in fields(item):
+                    if getattr(item, f.name) < 0:
+                        setattr(item, f.name, 0.0)
+        for hist in (*counts.calibration.values(), *counts.plain_step.values()):
+            _clamp_values(hist)
+    costs = snapshot.costs
+    for values in (costs.draft_s, costs.drafted, costs.verify_s, costs.verify_rounds):
+        _clamp_values(values)
+    for histograms in (costs.draft_hist, costs.verify_hist):
+        for hist in histograms.values():
+            _clamp_values(hist)
+
+
+def _clamp_values(values: MutableMapping[Any, float]) -> None:
+    for key, value in values.items():
+        if value < 0:
+            values[key] = 0.0

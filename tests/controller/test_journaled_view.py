@@ -1,0 +1,64 @@
+"""The journaled view on its own (controller/journaled_view.py): a journaled report is shown until the snapshot that
+holds it is installed, then taken off, never twice and never missed; a retry journaled twice is shown twice until
+both copies are replayed; a previous run's report (never shown) is ignored when replayed."""
+
+from __future__ import annotations
+
+from controller.journaled_view import JournaledView
+from tests.controller.test_journal import aggregate
+
+
+def rounds(view: JournaledView, segment: str) -> float:
+    counts = view.segment(segment)
+    return 0.0 if counts is None else sum(item.rounds for item in counts.by_k.values())
+
+
+def test_a_journaled_report_is_shown_until_the_snapshot_holds_it() -> None:
+    view = JournaledView()
+    assert view.journaled("r1", [aggregate(10, "chat")]) == {"chat"}
+    assert view.journaled("r2", [aggregate(5, "code")]) == {"code"}
+    assert rounds(view, "chat") == 10 and rounds(view, "code") == 5 and view.segments() == {"chat", "code"}
+
+    view.replayed("r1", [aggregate(10, "chat")])
+    assert rounds(view, "chat") == 10  # sent, but no snapshot holds it yet: still shown
+    assert view.snapshot_installed(journal_empty=False) == {"chat"}
+    assert rounds(view, "chat") == 0 and rounds(view, "code") == 5  # r2 is still journaled
+    assert view.snapshot_installed(journal_empty=False) == set()  # nothing replayed since: nothing moves
+
+    view.replayed("r2", [aggregate(5, "code")])
+    assert view.snapshot_installed(journal_empty=True) == {"chat", "code"}
+    assert view.segments() == set() and view.costs().drafted == {}
+
+
+def test_a_retry_journaled_twice_is_shown_twice_until_both_are_replayed() -> None:
+    view = JournaledView()
+    report = [aggregate(4, "chat")]
+    view.journaled("r", report)
+    view.journaled("r", report)
+    assert rounds(view, "chat") == 8
+    view.replayed("r", report)
+    view.snapshot_installed(journal_empty=False)
+    assert rounds(view, "chat") == 4
+    view.replayed("r", report)
+    view.snapshot_installed(journal_empty=False)
+    assert rounds(view, "chat") == 0
+
+
+def test_a_previous_runs_report_is_never_taken_off() -> None:
+    view = JournaledView()
+    view.journaled("mine", [aggregate(3, "chat")])
+    view.replayed("earlier-run", [aggregate(7, "chat")])  # in the journal file before this run: never shown
+    assert view.snapshot_installed(journal_empty=False) == set()
+    assert rounds(view, "chat") == 3
+
+
+def test_counts_never_go_below_zero_after_subtractions() -> None:
+    view = JournaledView()
+    report = [aggregate(3, "chat")]
+    view.journaled("r", report)
+    view.replayed("r", [aggregate(5, "chat")])  # more taken off than shown (a rounding, at worst, in practice)
+    view.snapshot_installed(journal_empty=False)
+    counts = view.segment("chat")
+    assert counts is not None
+    assert all(item.rounds >= 0 for item in counts.by_k.values())
+    assert all(value >= 0 for value in view.costs().drafted.values())
