@@ -10,7 +10,9 @@ failures are cut into windows by wall clock.
                  p50/p99 for --seconds, at three points: 50 segments and no stream (the baseline), --segments and no
                  stream, --segments with --streams WatchDecisions streams open (held by another process, one
                  connection each; the first opens alone, so that the others find its tables built). Goals: idle
-                 under 5 % of a core, Decide p99 under 5 ms.
+                 under 5 % of a core, Decide p99 under 5 ms. Then, the streams still open, the steady client's Decide
+                 across the next decay step (every --bucket-seconds, the controller's bucket_seconds: every count's
+                 weight moves, so every table is recomputed and sent), from 1 s before it for 1 + --seconds s.
   half-open      (the attacks run on a second controller, with a read and a write token, taught 50 segments)
                  --half-open calls that send HTTP/2 headers and never a message without a token, as many with a
                  wrong token (raw HTTP/2: benchmarks/half_open.py): refused on the event loop, at once
@@ -30,6 +32,7 @@ The issue's goal: no client makes another's request fail or slows it by more tha
 A missed goal is printed as MISSED; the exit status is 1 only on a crash.
 
     python -m benchmarks.controller_scale [--segments 1000] [--streams 256] [--seconds 5] [--rate 100]
+        [--bucket-seconds 60]
         [--only scale,half-open,half-open-read,health-watch,big-reports,watch-streams,decide-flood,segment-flood]
         [--json FILE]
 """
@@ -100,6 +103,7 @@ class Settings:
     half_open: int = 1000  # per kind of caller
     health_streams: int = 1000
     flood_threads: int = 4
+    bucket_seconds: float = 60.0  # the scale controller's (the default's): one decay step each
 
 
 # --- the controller ----------------------------------------------------------------------------------------------
@@ -130,7 +134,9 @@ class Target:
                                f"{self.controller.folder}")  # fmt: skip
 
 
-def start_target(folder: Path, tokens: bool, max_segments: int = 1000, max_watchers: int = 256) -> Target:
+def start_target(
+    folder: Path, tokens: bool, max_segments: int = 1000, max_watchers: int = 256, bucket_seconds: float = 60.0
+) -> Target:
     """`specd controller` on its embedded Redis, the default pool, refreshing every second; with ``tokens``, a read
     and a write token (from files)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -145,6 +151,7 @@ def start_target(folder: Path, tokens: bool, max_segments: int = 1000, max_watch
         settings += (f"auth: {{read_token: {{file: {folder / 'read.token'}}}, "
                      f"write_token: {{file: {folder / 'write.token'}}}}}\n")  # fmt: skip
     learning = f", max_segments: {max_segments}" if max_segments != 1000 else ""
+    learning += f", bucket_seconds: {bucket_seconds:g}" if bucket_seconds != 60.0 else ""
     controller = Controller(folder, "null", refresh_seconds=REFRESH_S, settings=settings, learning=learning)
     target = Target(controller, read, write)
     controller.start(wait=False)
@@ -437,10 +444,24 @@ def measure(target: Target, prober: Prober, streams: int, seconds: float) -> Poi
     return Point(target.learned, streams, idle, deciding)
 
 
+def across_a_decay_step(target: Target, prober: Prober, settings: Settings) -> Window:
+    """The steady client's calls from 1 s before the next decay step (a multiple of bucket_seconds in unix time:
+    the first refresh after it finds every count's weight moved) for 1 + ``settings.seconds`` s."""
+    step = settings.bucket_seconds
+    boundary = math.ceil((time.time() + 1.5) / step) * step
+    time.sleep(max(boundary - 1.0 - time.time(), 0.0))
+    prober.resume()
+    window = Window(target.pid).close_after(1.0 + settings.seconds)
+    prober.pause()
+    target.alive()
+    return window
+
+
 def scale(root: Path, settings: Settings) -> dict[str, Any]:
-    """The three points (50 segments, no stream; all segments, no stream; all segments and the streams)."""
+    """The three points (50 segments, no stream; all segments, no stream; all segments and the streams), then the
+    steady client across a decay step, the streams open."""
     target = start_target(root / "scale", tokens=False, max_segments=max(settings.segments, 1000),
-                          max_watchers=max(settings.streams, 256))  # fmt: skip
+                          max_watchers=max(settings.streams, 256), bucket_seconds=settings.bucket_seconds)  # fmt: skip
     try:
         teach(target, min(BASELINE_SEGMENTS, settings.segments))
         with Prober(target, settings.rate) as prober:
@@ -454,6 +475,7 @@ def scale(root: Path, settings: Settings) -> dict[str, Any]:
                 all_open = holder.wait_ready(OPEN_TIMEOUT_S)  # if not, measured anyway, and reported
                 time.sleep(REFRESH_S)  # past the opening: the first refresh after it
                 points.append(measure(target, prober, settings.streams, settings.seconds))
+                step = across_a_decay_step(target, prober, settings)
             finally:
                 streams = holder.close()
             streams["all_open_within_timeout"] = all_open
@@ -462,8 +484,13 @@ def scale(root: Path, settings: Settings) -> dict[str, Any]:
         target.controller.stop()
     rows = [p.result(prober.samples) for p in points]
     at_scale = rows[-1]
+    decide = Latency.of(prober.samples, step)
+    at_step = {"decide_p50_ms": decide.p50_ms, "decide_p99_ms": decide.p99_ms, "decide_calls": decide.calls,
+               "decide_failures": decide.failures, "decide_over_deadline": decide.over_deadline,
+               "cpu_share": step.cpu_share, "seconds": step.end - step.start}  # fmt: skip
     return {"idle_cpu_share": at_scale["idle_cpu_share"], "decide_p99_ms": at_scale["decide_p99_ms"],
-            "baseline_decide_p99_ms": rows[0]["decide_p99_ms"], "points": rows, "streams": streams}  # fmt: skip
+            "baseline_decide_p99_ms": rows[0]["decide_p99_ms"], "points": rows, "streams": streams,
+            "decay_step": at_step}  # fmt: skip
 
 
 # --- attacks ----------------------------------------------------------------------------------------------------
@@ -809,6 +836,12 @@ def print_scale(s: dict[str, Any]) -> None:
           f"{st['full_bytes'] / 1024:.0f} KiB ({st['full_segments']} segments), then "
           f"{st['messages_per_stream_per_second']:.2f} messages/s each, {st['later_mean_bytes'] / 1024:.1f} KiB "
           f"({st['later_mean_segments']:.1f} segments changed) on average")  # fmt: skip
+    d = s["decay_step"]
+    print(
+        f"  across a decay step (from 1 s before, {d['seconds']:.1f} s, the streams open): Decide p50 "
+        f"{d['decide_p50_ms']:.2f} ms, p99 {d['decide_p99_ms']:.2f} ms, {d['decide_calls']} calls, "
+        f"{d['decide_failures']} failed, {d['decide_over_deadline']} over 5 ms; CPU {d['cpu_share']:.1%} of a core"
+    )
     print(f"  goals: idle < {IDLE_GOAL:.0%} of a core, Decide p99 < {P99_GOAL_MS:g} ms")
 
 
@@ -837,6 +870,8 @@ def parse(argv: Sequence[str] | None) -> tuple[Settings, list[str], Path | None,
     parser.add_argument("--half-open", type=int, default=defaults.half_open, help="calls per kind of caller")
     parser.add_argument("--health-streams", type=int, default=defaults.health_streams)
     parser.add_argument("--flood-threads", type=int, default=defaults.flood_threads)
+    parser.add_argument("--bucket-seconds", type=float, default=defaults.bucket_seconds,
+                        help="the scale controller's bucket_seconds: its decay step")  # fmt: skip
     parser.add_argument("--only", default=",".join(["scale", *ATTACKS]), help="comma-separated phase names")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument("--root", type=Path, default=None, help="the controllers' state and logs (default: a new "
@@ -846,10 +881,11 @@ def parse(argv: Sequence[str] | None) -> tuple[Settings, list[str], Path | None,
     unknown = [n for n in names if n != "scale" and n not in ATTACKS]
     if unknown:
         parser.error(f"unknown phases {unknown}; known: scale, {', '.join(ATTACKS)}")
-    if args.segments < BASELINE_SEGMENTS or args.streams < 1 or args.seconds <= 0 or args.rate <= 0:
-        parser.error(f"--segments must be at least {BASELINE_SEGMENTS}, --streams 1, --seconds and --rate above 0")
+    if args.segments < BASELINE_SEGMENTS or args.streams < 1 or min(args.seconds, args.rate, args.bucket_seconds) <= 0:
+        parser.error(f"--segments must be at least {BASELINE_SEGMENTS}, --streams 1, --seconds, --rate and "
+                     "--bucket-seconds above 0")  # fmt: skip
     settings = Settings(args.segments, args.streams, args.seconds, args.rate, args.half_open, args.health_streams,
-                        args.flood_threads)  # fmt: skip
+                        args.flood_threads, args.bucket_seconds)  # fmt: skip
     return settings, names, args.json, args.root or Path(tempfile.mkdtemp(prefix="specd-bench-scale-"))
 
 

@@ -179,6 +179,25 @@ def position_field(drafter: str, position: int, counter: PositionCounter, counte
     return f"{COUNTERFACTUAL if counterfactual else SERVED}|{drafter}|{position}|{counter}"
 
 
+# The names one report's increments are written under, per (drafter, K) and per (drafter, position, served or
+# scored): built once each, not per aggregate. Drafters are validated names and K and positions below MAX_K, so the
+# tables stay small; the caches are bounded all the same.
+_NAME_TABLES = 2**12
+
+
+@functools.lru_cache(maxsize=_NAME_TABLES)
+def k_fields(drafter: str, k: int) -> tuple[str, ...]:
+    """``k_field(drafter, k, c)`` for each counter c of ``K_COUNTERS``, in its order."""
+    return tuple(k_field(drafter, k, c) for c in K_COUNTERS.values())
+
+
+@functools.lru_cache(maxsize=_NAME_TABLES)
+def position_fields(drafter: str, position: int, counterfactual: bool = False) -> tuple[str, ...]:
+    """``position_field(drafter, position, c, counterfactual)`` for each counter c of ``POSITION_COUNTERS``, in its
+    order (offered, proposed, verified, accepted)."""
+    return tuple(position_field(drafter, position, c, counterfactual) for c in POSITION_COUNTERS.values())
+
+
 def calibration_field(drafter: str, b: int) -> str:
     return f"{CALIBRATION}|{drafter}|{b}"
 

@@ -49,6 +49,8 @@ class Controller:
         self._max_remembered = max_remembered
         self._rng = threading.local()
         self._estimates: dict[tuple[object, ...], dict[str, DrafterEstimate]] = {}
+        self._inputs: dict[tuple[object, ...], tuple[tuple[str, float, float, float], ...]] = {}
+        self._inputs_version: object = None  # the learner's version the kept inputs were made at
         self._drift_announced: LruMemory[bool] = LruMemory(max_remembered)  # alarms already put on a Decide span
 
     def rng(self) -> random.Random:
@@ -90,7 +92,22 @@ class Controller:
     def estimate_inputs(self, settings: Settings, request: Request) -> tuple[tuple[str, float, float, float], ...]:
         """Each drafter's prior acceptance and proposal rate for this request, and the fleet's calibration factor its
         segment's starts from (all quantised): the prior model's prediction from its features, else the fleet's
-        acceptance."""
+        acceptance. Kept per version of the learner (the prior and the fleet's figures move with it): a decision
+        table asks for the same features for every segment and bucket."""
+        key = (
+            self.learner.version, settings.prior_strength, tuple(settings.drafter(d).prior_alpha for d in DRAFTERS),
+            request.temperature, request.prompt_tokens, request.self_repetition,
+        )  # fmt: skip
+        cached = self._inputs.get(key)
+        if cached is None:
+            cached = self._estimate_inputs(settings, request)
+            with self._cache_lock:
+                if len(self._inputs) >= self._max_remembered or self._inputs_version != key[0]:
+                    self._inputs.clear()  # another version's: never asked for again
+                self._inputs[key], self._inputs_version = cached, key[0]
+        return cached
+
+    def _estimate_inputs(self, settings: Settings, request: Request) -> tuple[tuple[str, float, float, float], ...]:
         prior = self.learner.prior
         inputs = []
         for d in DRAFTERS:

@@ -20,25 +20,30 @@ Keys of the layout before hash tags (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import chain
+from typing import Any, cast
 
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
+from controller.pacing import Pacer
 from controller.redis_schema import Keys, encode_sample, first_position, sample_row
+from controller.report_increments import cost_increments, segment_increments
 from specd_api.segments import OVERFLOW_SEGMENT, valid_segment
 
 log = logging.getLogger(__name__)
 
 RedisClient = redis.Redis | RedisCluster  # one server, or a cluster (``redis+cluster://``; redis_conn.py)
+BucketFields = tuple[tuple[int, dict[str, float]], ...]  # (bucket, its hash's fields), in time order, none empty
 
 HEAD_LUA = """
 -- KEYS[1] the report's global dedup marker, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
@@ -77,15 +82,14 @@ return {0, verdict}
 
 SEGMENT_LUA = """
 -- KEYS[1] the report's dedup marker for this segment, KEYS[2] the segment's hash in the current bucket
--- ARGV: report ttl, now, bucket ttl, the aggregates' fields as a JSON list of {field: increment}
+-- ARGV: report ttl, now, bucket ttl, then the report's increments to the hash: field, increment, field, ...
+--       (each field once: report_increments.py sums the report's aggregates)
 -- Returns 0 when this part of the report was applied before, else 1.
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then
   return 0
 end
-for _, fields in ipairs(cjson.decode(ARGV[4])) do
-  for name, value in pairs(fields) do
-    redis.call('HINCRBYFLOAT', KEYS[2], name, value)
-  end
+for i = 4, #ARGV, 2 do
+  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[2], 'updated', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
@@ -150,6 +154,12 @@ class StoreConfig:
     def bucket_ttl_seconds(self) -> int:
         return math.ceil(self.bucket_seconds * (self.window_buckets + 1))
 
+    @property
+    def late_write_seconds(self) -> float:
+        """How long before a refresh (by its clock) a write it did not see may be dated: another replica's clock
+        skew, a report's segment parts landing after its head. One bucket period (the old closed-bucket re-read's)."""
+        return self.bucket_seconds
+
 
 @dataclass(frozen=True)
 class IngestResult:
@@ -167,9 +177,12 @@ class Snapshot:
     costs: CostCounts = field(default_factory=CostCounts)
     taken_at: float = 0.0
     series: dict[str, dict[str, list[tuple[int, float, float]]]] = field(default_factory=dict)
-    # what each segment's counts were made of (its buckets' fields, the decay time, its regime's start): a segment
-    # whose sources are those of the previous snapshot keeps its counts object (read_snapshot's ``previous``)
-    sources: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    # what each segment's counts were made of: (the decay time, its regime's start, its buckets' fields as
+    # ((bucket, fields), ...) in time order, empty buckets left out). A segment whose sources are those of the previous
+    # snapshot keeps its counts object (read_snapshot's ``previous``); the fields are what the next read starts from.
+    sources: dict[str, tuple[float, int | None, BucketFields]] = field(default_factory=dict)
+    cost_sources: tuple[float, BucketFields] | None = None  # the same for the costs
+    current_bucket: int | None = None  # the bucket at ``taken_at`` (None: nothing read yet)
 
 
 class TelemetryStore:
@@ -184,8 +197,9 @@ class TelemetryStore:
         self._segment = client.register_script(SEGMENT_LUA)
         self._upgrade = client.register_script(UPGRADE_LUA)
         self.skipped = SkippedEntries()  # stored entries no read could use (counted, each key logged once)
-        self._closed: dict[str, dict[str, float]] = {}  # cache of buckets that no longer receive writes
-        self._closed_read_at: dict[str, float] = {}
+        # each active segment's last report time (the segments sorted set's scores) and when they were read
+        self._reported: dict[str, float] = {}
+        self._reported_read_at = -math.inf
 
     def bucket(self, now: float) -> int:
         return int(now // self.config.bucket_seconds)
@@ -201,21 +215,21 @@ class TelemetryStore:
         is recorded too (``cal|`` fields)."""
         now = self.clock()
         c = self.config
+        pace = Pacer()  # a report sums up to MAX_AGGREGATES: other requests get the interpreter between chunks
         segments = list(dict.fromkeys(a.segment for a in aggregates if not a.calibration))  # in order, each once
-        duplicate, verdict = self._ingest_head(report_id, aggregates, segments, now)
+        duplicate, verdict = self._ingest_head(report_id, aggregates, segments, now, pace)
         counted_as = dict(pair.split("=", 1) for pair in verdict.split() if "=" in pair)
-        parts: dict[str, list[dict[str, float]]] = {}
-        for a in aggregates:
-            if a.segment in counted_as:  # else a report id reused for other segments: not part of that report
-                fields = a.segment_fields()
-                if step_seconds is not None:
-                    fields |= a.calibration_fields(step_seconds(a.segment, a.batch_size))
-                parts.setdefault(counted_as[a.segment], []).append(_nonzero(fields))
+        parts: dict[str, dict[str, float]] = {}  # segment counted as -> its increments (segments over the cap: one)
+        for segment, fields in segment_increments(aggregates, step_seconds, pace).items():
+            if segment in counted_as:  # else a report id reused for other segments: not part of that report
+                part = parts.setdefault(counted_as[segment], {})
+                for name, value in fields.items():
+                    part[name] = part.get(name, 0.0) + value
         self._ingest_segments(
             [
                 (
                     [self.keys.report(report_id, segment), self.keys.segment_bucket(segment, self.bucket(now))],
-                    [c.report_ttl_seconds, now, c.bucket_ttl_seconds, json.dumps(fields)],
+                    [c.report_ttl_seconds, now, c.bucket_ttl_seconds, *chain.from_iterable(fields.items())],
                 )
                 for segment, fields in parts.items()
             ]
@@ -223,17 +237,13 @@ class TelemetryStore:
         return IngestResult(rounds=0 if duplicate else sum(a.rounds for a in aggregates), duplicate=duplicate)
 
     def _ingest_head(
-        self, report_id: str, aggregates: Sequence[Aggregate], segments: list[str], now: float
+        self, report_id: str, aggregates: Sequence[Aggregate], segments: list[str], now: float, pace: Pacer
     ) -> tuple[bool, str]:
         """Run the report's global part: (seen before, its verdict: 'segment=counted_as' for each of ``segments``,
         separated by spaces)."""
-        cost: dict[str, float] = {}
-        for agg in aggregates:
-            for name, value in agg.cost_fields().items():
-                cost[name] = cost.get(name, 0.0) + value
         payload = {
             "segments": segments,
-            "cost": _nonzero(cost),
+            "cost": cost_increments(aggregates, pace),
             "samples": [
                 encode_sample(
                     drafter=a.drafter,
@@ -309,57 +319,144 @@ class TelemetryStore:
     # --- reads --------------------------------------------------------------------------------------
 
     def active_segments(self) -> list[str]:
-        """The segments with a report in the window. A key of the wrong type there (hand-edited data) is skipped
-        and counted: no segment is then tracked until reports rebuild it, but decisions go on."""
-        since = self.clock() - self.config.bucket_seconds * self.config.window_buckets
+        """The segments with a report in the window; their last report times (the scores every replica's ingest
+        writes) tell the next ``read_snapshot`` which segments no report reached since the snapshot before. A key of
+        the wrong type there (hand-edited data) is skipped and counted: no segment is then tracked until reports
+        rebuild it, but decisions go on."""
+        now = self.clock()
+        since = now - self.config.bucket_seconds * self.config.window_buckets
         key = self.keys.segments()
         try:
-            members = self.client.zrangebyscore(key, since, "+inf")
+            members = self.client.zrangebyscore(key, since, "+inf", withscores=True)
         except redis.ResponseError as e:  # WRONGTYPE: not a connection problem, nothing a retry would fix
             self.skipped.add(key, f"not a sorted set ({e})")
+            self._reported, self._reported_read_at = {}, now
             return []
-        return [s for s in (_text(m) for m in members) if s is not None and valid_segment(s)]
+        reported = {}
+        for member, score in cast(list[tuple[bytes, float]], members):
+            segment = _text(member)
+            if segment is not None and valid_segment(segment):
+                reported[segment] = float(score)
+        self._reported, self._reported_read_at = reported, now
+        return list(reported)
 
     def read_snapshot(
         self, segments: Sequence[str], since: Mapping[str, int] | None = None, previous: Snapshot | None = None
     ) -> Snapshot:
-        """Decayed counts of ``segments`` and of the costs (decayed to the start of the current decay step), reading
-        each closed bucket rarely. A segment named in ``since`` counts only its buckets from that one on (its
-        acceptance drifted there: the older traffic no longer describes it). A segment read from the same fields as
-        in ``previous`` (no report since, the same decay step) keeps ``previous``'s counts: the same object."""
+        """Decayed counts of ``segments`` and of the costs (decayed to the start of the current decay step). A
+        segment named in ``since`` counts only its buckets from that one on (its acceptance drifted there: the older
+        traffic no longer describes it).
+
+        With ``previous`` (the snapshot before), only what may have changed since is read (``_plan_reads``): a
+        segment no report reached (its last report time, from ``active_segments``, one ``late_write_seconds`` before
+        ``previous`` was taken) in the same decay step and window keeps ``previous``'s counts, the same object, with
+        no key built and nothing read; any other reads only its buckets from one ``late_write_seconds`` before
+        ``previous``, the older ones being ``previous``'s fields, and keeps ``previous``'s counts when the fields it
+        is made of are the same. A write dated earlier than that margin (a replica whose clock is further off) is
+        not seen: the margin is the bound on clock skew between replicas."""
         now = self.clock()
         current = self.bucket(now)
-        buckets = range(current - self.config.window_buckets + 1, current + 1)
-        keys = [self.keys.segment_bucket(s, b) for s in segments for b in buckets]
-        keys += [self.keys.cost_bucket(b) for b in buckets]
-        fields = self._read_buckets(keys, current_suffix=f":{current}", now=now)
-        snapshot = Snapshot(taken_at=now)
+        first = current - self.config.window_buckets + 1
         step = self.config.decay_step_seconds
         decay_at = math.floor(now / step) * step if step > 0 else now
+        since = since or {}
+        snapshot = Snapshot(taken_at=now, current_bucket=current)
+        fresh_from, kept, partial, whole = self._plan_reads(segments, since, previous, current, decay_at)
+        keys = [self.keys.segment_bucket(s, b) for s in whole for b in range(first, current + 1)]
+        keys += [self.keys.segment_bucket(s, b) for s in partial for b in range(fresh_from, current + 1)]
+        keys += [self.keys.cost_bucket(b) for b in range(fresh_from, current + 1)]
+        fields = self._read_buckets(keys)
         weights = {
             b: decay_weight(decay_at - (b + 1) * self.config.bucket_seconds, self.config.half_life_seconds)
-            for b in buckets
+            for b in range(first, current + 1)
         }
-        since = since or {}
-        for s in segments:
-            read = tuple((b, f) for b in buckets if (f := fields[self.keys.segment_bucket(s, b)]))
-            source = (decay_at, since.get(s), read)
-            snapshot.sources[s] = source
-            if previous is not None and previous.sources.get(s) == source:
-                snapshot.segments[s], snapshot.series[s] = previous.segments[s], previous.series[s]
-                continue
-            counts = SegmentCounts()
-            series: dict[str, list[tuple[int, float, float]]] = {}
-            for b, bucket_fields in read:  # in time order; an empty bucket adds nothing
-                if b >= since.get(s, b):
-                    counts.add_fields(bucket_fields, weights[b])
-                for drafter, accepted, verified in first_position(bucket_fields):
-                    series.setdefault(drafter, []).append((b, accepted, verified))
-            snapshot.segments[s] = counts
-            snapshot.series[s] = series
-        for b in buckets:
-            snapshot.costs.add_fields(fields[self.keys.cost_bucket(b)], weights[b])
+
+        def read(key: Callable[[int], str], start: int) -> BucketFields:
+            """The non-empty buckets read, from ``start`` to the current one, and ``previous``'s before ``start``."""
+            return tuple((b, f) for b in range(start, current + 1) if (f := fields[key(b)]))
+
+        def kept_from(earlier: BucketFields) -> BucketFields:
+            """``previous``'s buckets still in the window and not read again."""
+            return tuple((b, f) for b, f in earlier if first <= b < fresh_from)
+
+        before = previous or Snapshot()
+        for s in kept:
+            snapshot.sources[s] = before.sources[s]
+            snapshot.segments[s], snapshot.series[s] = before.segments[s], before.series[s]
+        for s in whole:
+            made_of = read(functools.partial(self.keys.segment_bucket, s), first)
+            self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous)
+        for s in partial:
+            made_of = kept_from(before.sources[s][2]) + read(functools.partial(self.keys.segment_bucket, s), fresh_from)
+            self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous)
+        costs_made_of = kept_from(before.cost_sources[1] if before.cost_sources else ())
+        snapshot.cost_sources = (decay_at, costs_made_of + read(self.keys.cost_bucket, fresh_from))
+        if previous is not None and previous.cost_sources == snapshot.cost_sources:
+            snapshot.costs = previous.costs
+        else:
+            for b, bucket_fields in snapshot.cost_sources[1]:
+                snapshot.costs.add_fields(bucket_fields, weights[b])
         return snapshot
+
+    def _plan_reads(
+        self,
+        segments: Sequence[str],
+        since: Mapping[str, int],
+        previous: Snapshot | None,
+        current: int,
+        decay_at: float,
+    ) -> tuple[int, list[str], list[str], list[str]]:
+        """What ``read_snapshot`` reads: (the first bucket read for a segment read in part and for the costs, the
+        segments kept whole from ``previous``, those read from that bucket on, those read over the whole window)."""
+        first = current - self.config.window_buckets + 1
+        margin = self.config.late_write_seconds
+        if previous is None or previous.current_bucket is None or previous.current_bucket > current:
+            return first, [], [], list(segments)  # nothing to start from (or a clock that went back)
+        fresh_from = max(first, self.bucket(min(previous.taken_at, self.clock()) - margin))
+        same_window = previous.current_bucket == current
+        # a segment whose last report is older than this was read whole by ``previous`` (when the report times were
+        # read after it: a report then bumped them)
+        quiet_before = previous.taken_at - margin if self._reported_read_at >= previous.taken_at else -math.inf
+        kept, partial, whole = [], [], []
+        for s in segments:
+            source = previous.sources.get(s)
+            if source is None:
+                whole.append(s)
+            elif (
+                same_window
+                and source[0] == decay_at
+                and source[1] == since.get(s)
+                and self._reported.get(s, math.inf) < quiet_before
+            ):
+                kept.append(s)
+            else:
+                partial.append(s)
+        return fresh_from, kept, partial, whole
+
+    def _count(
+        self,
+        snapshot: Snapshot,
+        segment: str,
+        source: tuple[float, int | None, BucketFields],
+        weights: Mapping[int, float],
+        previous: Snapshot | None,
+    ) -> None:
+        """The segment's counts and series from its buckets' fields (``source``), or ``previous``'s when they were
+        made of the same."""
+        snapshot.sources[segment] = source
+        if previous is not None and previous.sources.get(segment) == source:
+            snapshot.segments[segment], snapshot.series[segment] = previous.segments[segment], previous.series[segment]
+            return
+        _, regime, read = source
+        counts = SegmentCounts()
+        series: dict[str, list[tuple[int, float, float]]] = {}
+        for b, bucket_fields in read:  # in time order; an empty bucket adds nothing
+            if regime is None or b >= regime:
+                counts.add_fields(bucket_fields, weights[b])
+            for drafter, accepted, verified in first_position(bucket_fields):
+                series.setdefault(drafter, []).append((b, accepted, verified))
+        snapshot.segments[segment] = counts
+        snapshot.series[segment] = series
 
     def read_samples(self, limit: int) -> list[dict[str, Any]]:
         """The prior's training rows; a row that is not one (not JSON, a field missing or out of range) is skipped
@@ -399,35 +496,22 @@ class TelemetryStore:
             return None
         return document
 
-    def _read_buckets(self, keys: list[str], current_suffix: str, now: float) -> dict[str, dict[str, float]]:
-        """HGETALL every key, but closed buckets only once a bucket period (other replicas' late writes)."""
-        stale_after = self.config.bucket_seconds
-        to_read = [
-            k
-            for k in keys
-            if k.endswith(current_suffix) or k not in self._closed or now - self._closed_read_at[k] > stale_after
-        ]
+    def _read_buckets(self, keys: list[str]) -> dict[str, dict[str, float]]:
+        """HGETALL each key, in one pipeline. A reply that is an error (WRONGTYPE: a key of another type at a
+        bucket's name) spoils that key only; a connection error still raises (the learner then answers from memory,
+        marked stale)."""
         pipe = self.client.pipeline(transaction=False)
-        for k in to_read:
+        for k in keys:
             pipe.hgetall(k)
         result: dict[str, dict[str, float]] = {}
-        # A reply that is an error (WRONGTYPE: a key of another type at a bucket's name) spoils that key only; a
-        # connection error still raises (the learner then answers from memory, marked stale).
-        for k, raw in zip(to_read, pipe.execute(raise_on_error=False), strict=True):
+        for k, raw in zip(keys, pipe.execute(raise_on_error=False) if keys else [], strict=True):
             if isinstance(raw, redis.ResponseError):
                 self.skipped.add(k, f"not a hash ({raw})")
                 raw = {}
             elif isinstance(raw, Exception):
                 raise raw
-            parsed = _numbers(raw)
-            result[k] = parsed
-            if not k.endswith(current_suffix):
-                self._closed[k], self._closed_read_at[k] = parsed, now
-        keep = set(keys)
-        for k in list(self._closed):
-            if k not in keep:  # fell out of the window
-                del self._closed[k], self._closed_read_at[k]
-        return {k: result[k] if k in result else self._closed[k] for k in keys}
+            result[k] = _numbers(raw)
+        return result
 
 
 class SkippedEntries:
@@ -481,10 +565,6 @@ def _numbers(raw: Mapping[object, object]) -> dict[str, float]:
         except (TypeError, ValueError):
             continue
     return parsed
-
-
-def _nonzero(fields: dict[str, float]) -> dict[str, float]:
-    return {name: value for name, value in fields.items() if value}
 
 
 def _a_sample(agg: Aggregate) -> bool:

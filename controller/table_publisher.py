@@ -5,7 +5,11 @@ The tables are built once per refresh for each set of drafters that open streams
 streams, one build at a time; each stream then sends its worker only the segments whose table changed since its last
 message. A build recomputes only the tables whose inputs moved (``table_key``: the segment's counts, the costs, the
 policy, the priors, its hysteresis memory); the others are kept as they are, and their probe shares, drawn from a
-generator seeded per segment and bucket, come out the same when a table is recomputed from the same inputs. A
+generator seeded per segment and bucket, come out the same when a table is recomputed from the same inputs. Where
+nothing the key is made of can have moved (``quick_key``: the versions of the learner, the policy and the memory),
+the key itself is not computed. A stream wakes only when its drafters' tables changed (or the controller's view went
+stale, or the policy changed), and otherwise sends an empty message every ``HEARTBEAT_PERIODS`` refreshes: a worker
+takes a stream that said nothing for three such periods for dead. A
 segment enters the tables once its own rounds weigh at least as much as the prior (``prior_strength``): before
 that, the request's features, which a table cannot see, still steer its decision, and the worker asks Decide.
 """
@@ -17,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from controller.decide import Request
@@ -28,6 +32,9 @@ if TYPE_CHECKING:
     from controller.service import Controller
 
 PROBE_DRAWS = 64  # decisions drawn per bucket and refresh to estimate the probes' shares (±6 % at a share of 0.1)
+# Refreshes between a stream's messages when nothing changed. Each message wakes the stream's thread and the event
+# loop: at 256 streams and a heartbeat per refresh that was ~9 % of a core doing nothing (issue 22).
+HEARTBEAT_PERIODS = 5.0
 Drafters = tuple[str, ...]
 
 
@@ -46,6 +53,18 @@ class BuiltTable:
     table: pb.SegmentTable
     data: bytes  # the table's wire form: what a stream compares with what it sent
     key: tuple[object, ...]  # table_key once it was built
+    quick: tuple[object, ...] = ()  # quick_key when ``key`` was last found unmoved
+
+
+@dataclass(frozen=True)
+class Tables:
+    """One drafter set's tables as of one version, and what changed from the version before (a stream one version
+    behind sends that; one further behind compares every table)."""
+
+    version: int
+    tables: dict[str, BuiltTable]
+    changed: tuple[str, ...] = ()  # segments whose table is new or changed since version - 1
+    removed: tuple[str, ...] = ()  # segments gone since version - 1
 
 
 @dataclass
@@ -66,6 +85,16 @@ def table_key(controller: Controller, segment: str, drafters: Drafters) -> tuple
     learner = controller.learner
     versions = (learner.segment_version(segment), learner.costs_version, controller.policies.current.version)
     return (segment, *versions, inputs, drafters, memory)
+
+
+def quick_key(controller: Controller, segment: str, drafters: Drafters) -> tuple[object, ...]:
+    """What ``table_key`` is made of, by versions only: when these have not moved, neither has the key (the priors and
+    the fleet's figures that ``table_key``'s inputs read move with the learner's version). Cheap: no estimate."""
+    learner = controller.learner
+    previous = controller.previous_plan(segment)
+    memory = None if previous is None else (previous.drafter, previous.speculates)
+    policy = controller.policies.current.version
+    return (segment, learner.version, learner.segment_version(segment), learner.costs_version, policy, drafters, memory)
 
 
 def segment_table(
@@ -109,10 +138,12 @@ class DecisionPublisher:
         self._cond = threading.Condition()
         self._build_lock = threading.Lock()  # one build at a time: the refresh's, or the first stream's
         self.stats = PublisherStats()
-        self._generation = 0
+        self.heartbeat_seconds = HEARTBEAT_PERIODS * refresh_seconds
         self._closed = False
         self._watchers: Counter[Drafters] = Counter()
-        self._tables: dict[Drafters, dict[str, BuiltTable]] = {}
+        self._tables: dict[Drafters, Tables] = {}
+        self._header: tuple[str, bool] | None = None  # (policy version, stale) of the last build
+        self._deltas: dict[Drafters, tuple[Tables, pb.DecisionTables]] = {}  # each drafter set's latest change message
         self._built_unix = 0.0
 
     @property
@@ -121,18 +152,30 @@ class DecisionPublisher:
             return sum(self._watchers.values())
 
     def rebuild(self) -> None:
-        """New tables for every drafter set that open streams watch (recomputing only what moved); wakes the
-        streams."""
+        """New tables for every drafter set that open streams watch (recomputing only what moved); wakes the streams
+        whose tables changed (all of them when the policy or the controller's staleness did)."""
         with self._build_lock:
             with self._cond:
                 watched = [d for d, n in self._watchers.items() if n > 0]
                 previous = dict(self._tables)
-            built = {drafters: self._build(drafters, previous.get(drafters, {})) for drafters in watched}
+            built = {d: self._build(d, previous[d].tables if d in previous else {}) for d in watched}
+            header = (self.controller.policies.current.version, self.controller.learner.stale)
             with self._cond:
-                kept = {d: t for d, t in self._tables.items() if d not in built and self._watchers[d] > 0}
-                self._tables = built | kept
-                self._built_unix = self.clock()
-                self._generation += 1
+                news = header != self._header
+                self._header = header
+                for drafters, tables in built.items():
+                    before = self._tables.get(drafters)
+                    if before is None:
+                        self._tables[drafters] = Tables(0, tables)
+                        continue
+                    changed = tuple(s for s, t in tables.items() if _differs(before.tables.get(s), t))
+                    removed = tuple(s for s in before.tables if s not in tables)
+                    if changed or removed or news:
+                        self._tables[drafters] = Tables(before.version + 1, tables, changed, removed)
+                        self._built_unix = self.clock()
+                for drafters in [d for d in self._tables if self._watchers[d] <= 0]:
+                    del self._tables[drafters]
+                    self._deltas.pop(drafters, None)
                 self._cond.notify_all()
 
     def close(self) -> None:
@@ -146,62 +189,87 @@ class DecisionPublisher:
             self._cond.notify_all()
 
     def watch(self, drafters: Drafters, is_active: Callable[[], bool]) -> Iterator[pb.DecisionTables]:
-        """The stream's messages: every table first, then each refresh's changes (or a heartbeat), until the caller
-        goes away or the publisher closes. Raises TooManyWatchers before the first message."""
+        """The stream's messages: every table first, then each change of its drafters' tables (or, when nothing
+        changed for ``heartbeat_seconds``, an empty message), until the caller goes away or the publisher closes.
+        Raises TooManyWatchers before the first message."""
         with self._cond:
             if sum(self._watchers.values()) >= self.max_watchers:
                 raise TooManyWatchers(f"this controller already serves {self.max_watchers} WatchDecisions streams "
                                       "(max_watchers); ask Decide, or open the stream on another replica")  # fmt: skip
             self._watchers[drafters] += 1
         try:
-            generation, tables = self._first_tables(drafters)
-            yield self._message(True, (t.table for t in tables.values()), ())
-            sent = {segment: t.data for segment, t in tables.items()}
+            seen = self._first_tables(drafters)
+            yield self._message(True, (t.table for t in seen.tables.values()), ())
             while True:
                 with self._cond:
-                    self._cond.wait_for(self._changed_since(generation), self.refresh_seconds)
+                    self._cond.wait_for(self._moved_since(drafters, seen.version), self.heartbeat_seconds)
                     if self._closed:
                         return
-                    generation, tables = self._generation, self._tables.get(drafters, {})
+                    now = self._tables.get(drafters, seen)
                 if not is_active():
                     return
-                changed = [t.table for segment, t in tables.items() if sent.get(segment) != t.data]
-                removed = [segment for segment in sent if segment not in tables]
-                sent = {segment: t.data for segment, t in tables.items()}
-                yield self._message(False, changed, removed)
+                if now.version == seen.version:
+                    yield self._message(False, (), ())  # a heartbeat
+                    continue
+                if now.version == seen.version + 1:  # the usual case: every such stream sends the same message
+                    message = self._delta(drafters, now)
+                else:
+                    old = seen.tables
+                    changed = [t.table for s, t in now.tables.items() if s not in old or old[s].data != t.data]
+                    message = self._message(False, changed, [s for s in old if s not in now.tables])
+                seen = now
+                yield message
         finally:
             with self._cond:
                 self._watchers[drafters] -= 1
                 if self._watchers[drafters] <= 0:
                     del self._watchers[drafters]
 
-    def _changed_since(self, generation: int) -> Callable[[], bool]:
-        return lambda: self._generation != generation or self._closed
+    def _delta(self, drafters: Drafters, tables: Tables) -> pb.DecisionTables:
+        """The message from ``tables.version - 1`` to ``tables``, made once for every stream that sends it (at a
+        decay step every table changes: 256 streams each copying 1,000 tables into a message of their own cost
+        seconds). Read-only once made: streams only serialize it."""
+        with self._cond:
+            made = self._deltas.get(drafters)
+        if made is not None and made[0] is tables:
+            return made[1]
+        message = self._message(False, (tables.tables[s].table for s in tables.changed), tables.removed)
+        with self._cond:
+            self._deltas[drafters] = (tables, message)
+        return message
 
-    def _first_tables(self, drafters: Drafters) -> tuple[int, dict[str, BuiltTable]]:
+    def _moved_since(self, drafters: Drafters, version: int) -> Callable[[], bool]:
+        return lambda: self._closed or (drafters in self._tables and self._tables[drafters].version != version)
+
+    def _first_tables(self, drafters: Drafters) -> Tables:
         """The tables a new stream starts from: those built, or else built now (the first stream of these drafters
         does not wait for the next refresh), once: streams that open together wait for the one build."""
         with self._cond:
             if drafters in self._tables:
-                return self._generation, self._tables[drafters]
+                return self._tables[drafters]
         with self._build_lock:
             with self._cond:
                 if drafters in self._tables:  # built while this stream waited
-                    return self._generation, self._tables[drafters]
-            tables = self._build(drafters, {})
+                    return self._tables[drafters]
+            tables = Tables(0, self._build(drafters, {}))
             with self._cond:
                 self._tables[drafters] = tables
-                return self._generation, tables
+                return tables
 
     def _build(self, drafters: Drafters, previous: dict[str, BuiltTable]) -> dict[str, BuiltTable]:
         """The tables of ``drafters`` (under ``_build_lock``): each segment's previous table where its key has not
-        moved, else a new one."""
+        moved (the same object), else a new one."""
         tables = {}
         self.stats.builds += 1
         for segment in self.controller.learner.segments():
-            old, key = previous.get(segment), table_key(self.controller, segment, drafters)
-            if old is not None and old.key == key:
+            old, quick = previous.get(segment), quick_key(self.controller, segment, drafters)
+            if old is not None and old.quick == quick:
                 tables[segment] = old
+                self.stats.tables_kept += 1
+                continue
+            key = table_key(self.controller, segment, drafters)
+            if old is not None and old.key == key:
+                tables[segment] = replace(old, quick=quick)  # the same bytes: streams see no change
                 self.stats.tables_kept += 1
                 continue
             table = segment_table(self.controller, segment, drafters)
@@ -211,11 +279,19 @@ class DecisionPublisher:
                 # Kept under the key as of after the build (its batch-1 plan is what the hysteresis memory holds now),
                 # unless data moved during the build: then under the key before, so that the next build redoes it.
                 after = table_key(self.controller, segment, drafters)
-                tables[segment] = BuiltTable(table, data, after if after[:-1] == key[:-1] else key)
+                if after[:-1] == key[:-1]:
+                    tables[segment] = BuiltTable(table, data, after, quick_key(self.controller, segment, drafters))
+                else:
+                    tables[segment] = BuiltTable(table, data, key)
         return tables
 
     def _message(self, full: bool, tables: Iterable[pb.SegmentTable], removed: Iterable[str]) -> pb.DecisionTables:
         return pb.DecisionTables(
             full=full, segments=tables, removed=removed, policy_version=self.controller.policies.current.version,
-            stale=self.controller.learner.stale, refresh_seconds=self.refresh_seconds, built_unix=self._built_unix,
+            stale=self.controller.learner.stale, refresh_seconds=self.heartbeat_seconds, built_unix=self._built_unix,
         )  # fmt: skip
+
+
+def _differs(old: BuiltTable | None, new: BuiltTable) -> bool:
+    """Would a stream that sent ``old`` send ``new``? (A kept table is the same object, or the same bytes.)"""
+    return old is not new and (old is None or old.data != new.data)

@@ -19,8 +19,11 @@ measured by three hundred is a point.
 from __future__ import annotations
 
 import math
+import operator
 import random
-from collections.abc import Mapping, MutableMapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, MutableMapping
+from itertools import repeat
 
 BINS_PER_OCTAVE = 16  # bins 4.4% wide; the quantile is interpolated within its bin
 MIN_BIN, MAX_BIN = -40 * BINS_PER_OCTAVE, 16 * BINS_PER_OCTAVE  # 2^-40 s (1 ps) .. 2^16 s (18 h): clamped beyond
@@ -33,6 +36,19 @@ def bin_of(seconds: float) -> int | None:
     if not (math.isfinite(seconds) and seconds > 0):
         return None
     return min(max(math.floor(math.log2(seconds) * BINS_PER_OCTAVE), MIN_BIN), MAX_BIN)
+
+
+def count_bins(seconds: Iterable[float]) -> Counter[int]:
+    """How many of ``seconds`` fall in each bin: ``Counter(bin_of(s) for s in seconds)`` without the None. When
+    every value is a positive finite time, the same arithmetic as ``bin_of`` runs in C, value by value (a report at
+    the size bound holds 33,000 timings: 3 ms, not 10)."""
+    values = list(seconds)
+    if not (all(map(math.isfinite, values)) and min(values, default=1.0) > 0):
+        return Counter(b for b in map(bin_of, values) if b is not None)
+    counts: Counter[int] = Counter()
+    for b, n in Counter(map(math.floor, map(operator.mul, map(math.log2, values), repeat(BINS_PER_OCTAVE)))).items():
+        counts[min(max(b, MIN_BIN), MAX_BIN)] += n
+    return counts
 
 
 def bin_low(b: int) -> float:

@@ -11,6 +11,7 @@ import re
 
 from controller.counts import Aggregate
 from controller.decide import Request
+from controller.pacing import Pacer
 from specd_api.checks import (
     MAX_AGGREGATES,
     MAX_BATCH_SIZE,
@@ -71,39 +72,43 @@ def report(msg: pb.ReportRoundsRequest) -> tuple[str, list[Aggregate]]:
             f"{positions}: send it in smaller reports"
         )
     aggregates = []
+    valid_segments: set[str] = set()  # a report repeats a few segments: each name is checked once
+    pace = Pacer()  # up to MAX_AGGREGATES: the other requests' threads get the interpreter between chunks
     for i, a in enumerate(msg.aggregates):
+        pace()
         try:
-            aggregates.append(aggregate(a))
+            aggregates.append(aggregate(a, valid_segments))
         except ValueError as e:
             raise ValueError(f"aggregates[{i}]: {e}") from None
     return msg.report_id, aggregates
 
 
-def aggregate(a: pb.RoundsAggregate) -> Aggregate:
-    check_aggregate(a)
-    by_drafted = tuple(zip(a.rounds_by_drafted, a.verify_seconds_by_drafted, strict=True))
-    if not by_drafted and a.rounds and not a.counterfactual:  # totals only: all rounds at their mean length
-        mean = round(a.num_drafted / a.rounds)
-        by_drafted = tuple((a.rounds, a.verify_seconds) if n == mean else (0, 0.0) for n in range(mean + 1))
+def aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = None) -> Aggregate:
+    lists = check_aggregate(a, valid_segments)
+    counterfactual, rounds, verify_seconds = a.counterfactual, a.rounds, a.verify_seconds
+    by_drafted = tuple(zip(lists.rounds_by_drafted, lists.verify_seconds_by_drafted, strict=True))
+    if not by_drafted and rounds and not counterfactual:  # totals only: all rounds at their mean length
+        mean = round(a.num_drafted / rounds)
+        by_drafted = tuple((rounds, verify_seconds) if n == mean else (0, 0.0) for n in range(mean + 1))
     return Aggregate(
         segment=a.segment,
         drafter=a.drafter,
         k=a.k,
-        rounds=a.rounds,
+        rounds=rounds,
         num_drafted=a.num_drafted,
         num_accepted=a.num_accepted,
-        proposed_per_position=tuple(a.proposed_per_position),
-        verified_per_position=tuple(a.verified_per_position),
-        accepted_per_position=tuple(a.accepted_per_position),
+        proposed_per_position=tuple(lists.proposed_per_position),
+        verified_per_position=tuple(lists.verified_per_position),
+        accepted_per_position=tuple(lists.accepted_per_position),
         tokens_emitted=a.tokens_emitted,
         draft_seconds=a.draft_seconds,
-        verify_seconds=a.verify_seconds,
+        verify_seconds=verify_seconds,
         batch_size=a.batch_size,
         temperature=a.temperature,
         prompt_tokens=a.prompt_tokens,
         self_repetition=a.self_repetition,
         by_drafted=by_drafted,
-        counterfactual=a.counterfactual,
+        counterfactual=counterfactual,
         expected_speedup=a.expected_speedup,
         calibration=a.calibration,
         request_tokens_emitted=a.request_tokens_emitted,

@@ -15,7 +15,8 @@ from specd_api.checks import MAX_REPORT_BYTES
 def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     out = tmp_path / "scale.json"
     tiny = ["--segments", "60", "--streams", "4", "--seconds", "0.5", "--rate", "40", "--half-open", "20",
-            "--health-streams", "20", "--flood-threads", "1", "--json", str(out), "--root", str(tmp_path)]  # fmt: skip
+            "--health-streams", "20", "--flood-threads", "1", "--bucket-seconds", "2", "--json", str(out),
+            "--root", str(tmp_path)]  # fmt: skip
     assert main(tiny) == 0
     printed = capsys.readouterr().out
     figures = json.loads(out.read_text())
@@ -27,6 +28,7 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     streams = scale["streams"]
     assert streams["opened"] == 4 and streams["refused"] == {} and streams["full_segments"] == 60
     assert scale["idle_cpu_share"] == scale["points"][-1]["idle_cpu_share"]
+    assert scale["decay_step"]["decide_calls"] > 0 and math.isfinite(scale["decay_step"]["decide_p99_ms"])
 
     attacks = figures["attacks"]
     assert list(attacks) == list(ATTACKS)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from controller.config import ControllerConfig
-from controller.table_publisher import PROBE_DRAWS, segment_table
+from controller.table_publisher import HEARTBEAT_PERIODS, PROBE_DRAWS, segment_table
 from specd_api.plan import BATCH_RULE_REASON, Plan, off
 from specd_api.table_rule import BucketEntry, SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
@@ -196,9 +196,9 @@ def test_tables_go_quiet_when_the_controller_stops_and_come_back_with_it(embedde
         with running(daemon_config(embedded_redis_url, tmp_path, prefix, port=port)):
             wait_for(lambda: client.decide(segment="tab-restart", **decide_args(1)).source == "table", "the tables")
             learned = client.decide(segment="tab-restart", **decide_args(1))
-        # the controller is gone: within 3 refresh periods the tables are no longer used, and decisions fall back to
-        # the segment's last plan (which the tables gave)
-        time.sleep(0.5)
+        # the controller is gone: within 3 heartbeat periods (HEARTBEAT_PERIODS refreshes each) the tables are no
+        # longer used, and decisions fall back to the segment's last plan (which the tables gave)
+        time.sleep(3 * HEARTBEAT_PERIODS * 0.1 + 0.2)
         fallback = client.decide(segment="tab-restart", **decide_args(1))
         assert fallback.source == "last_decision" and fallback.drafter == learned.drafter
         with running(daemon_config(embedded_redis_url, tmp_path, prefix, port=port)):

@@ -76,3 +76,18 @@ def test_a_refused_call_runs_nothing_behind_the_token_check_once_its_method_is_k
     assert refused_stream.response_streaming  # a streaming method's refusal is a stream too
     assert intercept(check, None, "/made/Up") == (None, 1)  # no such method: UNIMPLEMENTED, nothing kept
     assert intercept(check, None, "/made/Up") == (None, 1)
+
+
+def test_the_daemon_puts_what_start_up_made_out_of_the_collectors_reach(embedded_redis_url, tmp_path) -> None:
+    """A full collection walked everything the process had (50-60 ms every few reports at the size bound, every
+    Decide stalled as long): start-up's objects are frozen, so a full collection walks only what came since."""
+    import gc
+
+    from tests.daemons import running_daemon
+
+    gc.unfreeze()
+    try:
+        with running_daemon(embedded_redis_url, tmp_path):
+            assert gc.get_freeze_count() > 10_000  # modules, the policy, the prior, the first snapshot
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,162 @@
+"""The controller's idle cost at scale (issue 22: 1,000 segments and 256 streams under 5 % of a core): a refresh reads
+only what a report may have changed, and a decision table is recomputed, and sent, only when what it is made of
+moved. Against real servers (the store's tests' fixtures) and a running daemon (the decision tables' ones)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from controller.store import Snapshot, TelemetryStore
+from controller.table_publisher import HEARTBEAT_PERIODS
+from tests.controller.test_client import started
+from tests.controller.test_decision_tables import FIXED_NOW, client_config, daemon_config, learned, stream_of, teach
+from tests.controller.test_store import T0, FakeClock, make_store, small
+from tests.daemons import running
+
+BUCKET = 10.0  # the stores here: 10 s buckets, one decay step each (the controller's setting), a 6-bucket window
+
+
+def spied(store: TelemetryStore) -> list[str]:
+    """The keys each ``_read_buckets`` call asks Redis for, as they are asked."""
+    asked: list[str] = []
+    read = store._read_buckets
+
+    def spy(keys: list[str], *args: object, **kwargs: object) -> dict[str, dict[str, float]]:
+        asked.extend(keys)
+        return read(keys, *args, **kwargs)  # type: ignore[arg-type]
+
+    store._read_buckets = spy  # type: ignore[method-assign]
+    return asked
+
+
+def refresh(store: TelemetryStore, previous: Snapshot | None) -> Snapshot:
+    """What the learner's refresh does: the active segments (with their last report times), then the snapshot."""
+    return store.read_snapshot(store.active_segments(), previous=previous)
+
+
+def a_store(client: redis.Redis, prefix: str, clock: Callable[[], float]) -> TelemetryStore:
+    return make_store(client, prefix, clock, bucket_seconds=BUCKET, decay_step_seconds=BUCKET, window_buckets=6)
+
+
+def segment_keys(store: TelemetryStore, asked: list[str], segment: str) -> list[str]:
+    return [k for k in asked if k.startswith(store.keys.segment_bucket(segment, 0).rsplit(":", 1)[0] + ":")]
+
+
+def test_a_segment_no_report_reached_is_neither_read_nor_recounted(redis_client: redis.Redis, prefix: str) -> None:
+    """Was: every refresh built every segment's key for every bucket of the window and read its current bucket, for
+    1,000 segments 15-22 % of a core with nothing reported."""
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    store.ingest("r1", [small("a"), small("b")])
+    clock.now = T0 + 12  # a new decay step: read whole
+    first = refresh(store, None)
+    asked = spied(store)
+    clock.now = T0 + 15  # the same step; the last report (T0 + 1) is a whole margin before the previous read
+    again = refresh(store, first)
+    assert segment_keys(store, asked, "a") == [] and segment_keys(store, asked, "b") == [], "no segment key read"
+    assert again.segments["a"] is first.segments["a"] and again.segments["b"] is first.segments["b"]
+    assert again.series["a"] is first.series["a"]
+
+
+def test_a_reported_segment_reads_only_the_buckets_a_write_may_have_reached(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    store.ingest("r1", [small("a"), small("b")])
+    clock.now = T0 + 12
+    first = refresh(store, None)
+    clock.now = T0 + 14
+    store.ingest("r2", [small("b", rounds=3)])
+    asked = spied(store)
+    clock.now = T0 + 15
+    after = refresh(store, first)
+    bucket = store.bucket(T0)
+    assert segment_keys(store, asked, "a") == [], "a: no report since"
+    assert segment_keys(store, asked, "b") == [store.keys.segment_bucket("b", b) for b in (bucket, bucket + 1)], (
+        "from one margin (a bucket period) before the previous read: buckets 0 and 1, not the window's 6"
+    )
+    assert after.segments["a"] is first.segments["a"]
+    assert after.segments["b"].rounds == first.segments["b"].rounds + 3
+
+
+def test_a_late_write_of_a_replica_whose_clock_is_behind_is_seen_at_the_next_refresh(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """Another replica, 7 s behind (within the margin), writes into a bucket already closed here. Was: a closed bucket
+    was read again only once a bucket period, so the write showed up to 10 s late."""
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    store.ingest("r1", [small("a")])
+    clock.now = T0 + 12
+    first = refresh(store, None)
+    behind = a_store(redis_client, prefix, FakeClock(T0 + 6))  # its bucket: the one closed here at T0 + 10
+    behind.ingest("late", [small("a", rounds=5)])
+    clock.now = T0 + 13
+    after = refresh(store, first)
+    assert after.segments["a"].rounds == first.segments["a"].rounds + 5
+
+
+def test_counts_read_in_part_equal_a_whole_read_across_decay_steps(redis_client: redis.Redis, prefix: str) -> None:
+    """The incremental reads (kept, read in part, a decay step re-weighing the kept fields, the window moving on)
+    give the counts a store reading everything afresh gives, refresh after refresh."""
+    clock = FakeClock(T0 + 1)
+    store = make_store(redis_client, prefix, clock, bucket_seconds=BUCKET, decay_step_seconds=BUCKET,
+                       window_buckets=3, half_life_seconds=BUCKET)  # fmt: skip
+    fresh = make_store(redis_client, prefix, clock, bucket_seconds=BUCKET, decay_step_seconds=BUCKET,
+                       window_buckets=3, half_life_seconds=BUCKET)  # fmt: skip
+    snapshot = None
+    for t in range(1, 60, 3):  # 20 refreshes over 6 buckets: each bucket leaves the 3-bucket window in turn
+        clock.now = T0 + t
+        if t % 9 == 1:
+            store.ingest(f"r{t}", [small("a", rounds=t), small("b", k=3)])
+        if t % 12 == 4:
+            store.ingest(f"q{t}", [small("b", rounds=2)])
+        snapshot = refresh(store, snapshot)
+        whole = fresh.read_snapshot(sorted(snapshot.segments))
+        assert snapshot.segments == whole.segments, t
+        assert snapshot.series == whole.series, t
+        assert snapshot.costs == whole.costs, t
+
+
+def test_an_idle_refresh_wakes_no_stream_and_computes_no_table_key(embedded_redis_url, prefix, tmp_path) -> None:
+    """Was: every refresh sent every stream a message (256 threads woken each second to say nothing), and computed
+    every segment's table key, priors included (PriorModel.predict, three drafters, for 1,000 segments a second)."""
+    refresh_s = 0.1
+    with running(daemon_config(embedded_redis_url, tmp_path, prefix), clock=lambda: FIXED_NOW) as daemon:
+        segments = ["idle-a", "idle-b"]
+        with started(client_config(daemon.address, watch=())) as reporter:
+            for segment in segments:
+                teach(reporter, segment)
+            learned(daemon, reporter, segments, 32)
+        stream = stream_of(daemon.address)
+        first = next(stream)
+        assert sorted(t.segment for t in first.segments) == segments
+        assert first.refresh_seconds == HEARTBEAT_PERIODS * refresh_s, "what the worker's quiet-stream check reads"
+        publisher, controller = daemon.publisher, daemon.controller
+        assert publisher is not None and controller is not None
+        publisher.rebuild()  # settled: what the first build remembered (each segment's batch-1 plan) is in the keys
+        estimated: list[object] = []
+        original = controller.estimate_inputs
+
+        def counted(*args: Any) -> Any:
+            estimated.append(args)
+            return original(*args)
+
+        controller.estimate_inputs = counted  # type: ignore[method-assign]
+        try:
+            publisher.rebuild()
+            publisher.rebuild()
+        finally:
+            controller.estimate_inputs = original  # type: ignore[method-assign]
+        assert estimated == [], "nothing moved: no table key (no prior) computed"
+        start = time.monotonic()
+        second = next(stream)
+        waited = time.monotonic() - start
+        stream.cancel()
+        assert not second.segments and not second.removed, "a heartbeat"
+        assert waited > 2 * refresh_s, f"the next message came after {waited:.2f} s: a refresh without news woke it"
