@@ -474,6 +474,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "start-up's objects stay in the collector's reach: every full collection walks them (50-60 ms stalls)",
     ),
     Mutation(
+        "table-build-unpaced",
+        "controller/table_publisher.py",
+        "        for segment in self.controller.learner.segments():\n            pace()\n",
+        "        for segment in self.controller.learner.segments():\n",
+        ("tests/controller/test_scale_reads.py",),
+        "a decay step's rebuild of every table holds the interpreter: Decide's p99 across it 28 ms, not 5",
+    ),
+    Mutation(
         "refresh-keeps-a-reported-segment",
         "controller/store.py",
         "                and self._reported.get(s, math.inf) < quiet_before",

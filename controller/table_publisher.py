@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from controller.decide import Request
+from controller.pacing import Pacer
 from controller.policy import DRAFTERS, Settings
 from specd_api.v1 import controller_pb2 as pb
 
@@ -261,7 +262,9 @@ class DecisionPublisher:
         moved (the same object), else a new one."""
         tables = {}
         self.stats.builds += 1
+        pace = Pacer()  # a decay step rebuilds every table (seconds at 1,000 segments): Decide gets the interpreter
         for segment in self.controller.learner.segments():
+            pace()
             old, quick = previous.get(segment), quick_key(self.controller, segment, drafters)
             if old is not None and old.quick == quick:
                 tables[segment] = old

@@ -160,3 +160,30 @@ def test_an_idle_refresh_wakes_no_stream_and_computes_no_table_key(embedded_redi
         stream.cancel()
         assert not second.segments and not second.removed, "a heartbeat"
         assert waited > 2 * refresh_s, f"the next message came after {waited:.2f} s: a refresh without news woke it"
+
+
+def test_a_table_build_gives_the_interpreter_back_between_segments(
+    embedded_redis_url, prefix, tmp_path, monkeypatch
+) -> None:
+    """A decay step rebuilds every segment's table (seconds of CPU at 1,000 segments, on one thread): Decide's p99
+    across the step was 28 ms at 300 segments, 4.5-5.6 ms with the build paced (a pause between segments)."""
+    import controller.table_publisher as table_publisher
+
+    paced: list[int] = []
+
+    class CountingPacer:
+        def __call__(self) -> None:
+            paced.append(1)
+
+    monkeypatch.setattr(table_publisher, "Pacer", CountingPacer)
+    with running(daemon_config(embedded_redis_url, tmp_path, prefix), clock=lambda: FIXED_NOW) as daemon:
+        segments = ["paced-a", "paced-b", "paced-c"]
+        with started(client_config(daemon.address, watch=())) as reporter:
+            for segment in segments:
+                teach(reporter, segment)
+            learned(daemon, reporter, segments, 32)
+        paced.clear()
+        stream = stream_of(daemon.address)  # a drafter set no build has seen: every segment's table is built
+        assert len(next(stream).segments) == len(segments)
+        stream.cancel()
+        assert len(paced) >= len(segments)
