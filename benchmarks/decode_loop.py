@@ -25,7 +25,7 @@ this run: benchmarks/roofline.py). With ``--alphas 0.5,0.7,0.9 --ks 1,2,4,8`` it
 over α and K with a drafter of set acceptance (benchmarks/speedup_curve.py) on real draft and target passes.
 
 On a GPU (warm-up over every prompt first, so no first visit of a KV length is timed; fewer prompts and variants
-keep it inside a few minutes; benchmarks/gpu_suite.sh runs it so):
+keep it inside a few minutes; benchmarks/gpu_suite.py runs it so):
 
     python -m benchmarks.decode_loop --target T --draft D --device cuda --dtype bfloat16 --prompts 3 --repeats 2 \
         --variants hf-plain,ours-none,ours-draft --alphas 0.5,0.7,0.9 --ks 1,2,4,8 --json F
@@ -319,7 +319,11 @@ def main() -> None:
           f"c(draft) = {costs.c_draft:.3f}, v(K) = " + ", ".join(f"{x:.2f}" for x in costs.v))  # fmt: skip
     print("v(K) alone, K = 0.." + str(len(costs_to_8.v) - 1) + ": " + ", ".join(f"{x:.2f}" for x in costs_to_8.v))
     loop_prompts = prompts[: args.engine_costs_prompts] if args.engine_costs_prompts is not None else prompts
-    loop = engine_costs(BatchEngine(target, draft), loop_prompts, n) if loop_prompts else None  # as a worker reports
+    loop = None
+    if loop_prompts:  # as a worker reports them; its pools captured first, as a worker's are (no capture is timed)
+        engine = BatchEngine(target, draft)
+        engine.capture_graphs()
+        loop = engine_costs(engine, loop_prompts, n)
     if loop is not None:
         print(f"costs, in the engine's loop (as a worker reports them): target step {loop.step_seconds * 1e3:.2f} "
               f"ms, c(draft) = {loop.c_draft:.3f}, v(n) = " + ", ".join(f"{x:.2f}" for x in loop.v))  # fmt: skip

@@ -1,9 +1,10 @@
 """KV slots kept from one request to the next, as a worker keeps its pools, for benchmarks that run the engine's
 single-sequence loop (``DecodeSession.step``).
 
-``SpeculativeDecoder.decode`` opens a fresh pool per request. That costs nothing on a CPU, but a pass that captures
-per pool (the graphs pass captures each bucket's CUDA graph the first time its store runs it) would pay its captures
-inside every request it times. The benchmarks time requests through these slots instead: the same loop, the same
+A pass that captures per pool (the graphs pass captures each bucket's CUDA graph the first time its store runs it)
+would pay its captures inside every request a benchmark times if each request had a pool of its own.
+``SpeculativeDecoder.decode`` keeps its pools too (``decoder.kv_cache.SparePools``); the benchmarks time requests
+through these slots, with a drafter they make themselves (the set-acceptance drafter, say): the same loop, the same
 tokens, steady-state costs.
 """
 

@@ -122,6 +122,12 @@ class BatchEngine(SpeculativeDecoder):
                 del self._stalls[s]
                 time.sleep(due[1])
 
+    def capture_graphs(self) -> int:
+        """Capture every step shape of the target's and the draft's pools, before serving: with the graphs pass on a
+        GPU, one CUDA graph per bucket (decoder/runners/buckets.py), so that no step of a served request stalls on a
+        capture. The number captured: 0 on a CPU (and for the eager passes), where this costs nothing."""
+        return sum(pool.capture_all() for pool in (self.target_pool, self.draft_pool) if pool is not None)
+
     def warm_up(self, max_k: int = WARM_UP_MAX_K, batch_sizes: Sequence[int] = WARM_UP_BATCH_SIZES) -> int:
         """Decode a few rounds of every drafter at every K up to ``max_k`` and at each batch size, before serving.
         The first pass of each shape pays one-off costs (kernel selection, buffers): served, those rounds ran up to

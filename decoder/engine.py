@@ -32,7 +32,7 @@ from decoder.drafters import (
     SuffixConfig,
     SuffixDrafter,
 )
-from decoder.kv_cache import ModelSequence, open_sequence
+from decoder.kv_cache import ModelSequence, SparePools, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.request_stop import StopConditions, cut_round, draft_budget, trim_stop_string
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
@@ -216,7 +216,11 @@ class SpeculativeDecoder:
     """A loaded target, optionally a draft model, and the drafters they make possible. ``suffix_cache`` holds the
     outputs suffix decoding proposes from (one per worker: whoever serves requests fills it); by default an empty
     one, so suffix decoding reads the request's own text until something is added. ``fallback_max_batch_size``:
-    the batch threshold of a plan that carries none (the worker's own setting); None: no batch rule."""
+    the batch threshold of a plan that carries none (the worker's own setting); None: no batch rule.
+
+    One sequence at a time (``session``, ``decode``) decodes in KV pools kept from one request to the next
+    (``SparePools``): a request pays for no pool of its own (on a GPU, the graphs pass would capture its CUDA graphs
+    per pool). ``decode`` gives its slots back; a ``session`` run by hand keeps its own."""
 
     def __init__(
         self,
@@ -233,6 +237,8 @@ class SpeculativeDecoder:
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
         self.fallback_max_batch_size = fallback_max_batch_size
+        self.spare_target = SparePools(target)  # one-sequence decoding's slots (no pool is made before one is asked)
+        self.spare_draft = SparePools(draft) if draft is not None else None
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -246,20 +252,40 @@ class SpeculativeDecoder:
     def session(
         self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan
     ) -> DecodeSession:
-        """A sequence decoded as ``plan`` says (its drafter, K ceiling, stop rule and per-round rule)."""
+        """A sequence decoded as ``plan`` says (its drafter, K ceiling, stop rule and per-round rule), in slots of
+        the spare pools."""
         generator = make_generator(params.seed, self.target.device)
-        policy = self._open_policy(plan, params, generator)
-        return DecodeSession(self.target, policy, prompt_ids, params, rules, generator)
+        target_seq = self.spare_target.open()
+        draft_seq = self.spare_draft.open() if self.spare_draft is not None and runs_draft_model(plan.drafter) else None
+        try:
+            policy = self._open_policy(plan, params, generator, draft_seq)
+            return DecodeSession(self.target, policy, prompt_ids, params, rules, generator, target_seq)
+        except BaseException:
+            self.spare_target.release(target_seq)
+            if draft_seq is not None and self.spare_draft is not None:
+                self.spare_draft.release(draft_seq)
+            raise
 
     def decode(
         self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan
     ) -> GenerationResult:
-        """Decode one request as ``plan`` says (use ``session`` to run it round by round)."""
+        """Decode one request as ``plan`` says (use ``session`` to run it round by round); its slots go back to the
+        spare pools, finished or not."""
         session = self.session(prompt_ids, params, rules, plan)
-        session.prefill()
-        while session.finish_reason is None:
-            session.step()
-        return session.result()
+        try:
+            session.prefill()
+            while session.finish_reason is None:
+                session.step()
+            return session.result()
+        finally:
+            self._give_back(session)
+
+    def _give_back(self, session: DecodeSession) -> None:
+        """``session``'s slots back to the spare pools (it came from ``session``)."""
+        self.spare_target.release(session.target)
+        model = session.drafter.draft_model
+        if model is not None and self.spare_draft is not None:
+            self.spare_draft.release(model.seq)
 
     def generate(
         self, prompt_ids: list[int], drafter: str, k: int, params: SamplingParams, rules: StopConditions

@@ -75,3 +75,8 @@ class ForwardPass(Protocol):
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         """Append each row's tokens to its slot of ``store``; return each row's logits, [kept_i, vocab]."""
         ...
+
+    def capture_all(self, store: KVStore) -> int:
+        """Capture every step shape ``store``'s pool can run, before serving (the graphs pass's CUDA graphs on a GPU);
+        the number captured now: 0 for a pass that captures nothing, and on a CPU."""
+        ...

@@ -191,15 +191,17 @@ class GraphPass(LlamaTensorPass):
         context = getattr(self.model.config, "max_position_embeddings", None) or 0
         return GraphStore(self, num_slots, max(capacity, int(context)))
 
-    def capture_all(self, store: GraphStore) -> int:
-        """Capture every bucket ``store``'s pool can use (start-up, before serving); the number captured (none on a
-        CPU, where the eager stand-in runs)."""
+    @torch.inference_mode()
+    def capture_all(self, store: KVStore) -> int:
+        """Capture every bucket ``store``'s pool can use not captured yet (start-up, before serving: a capture while
+        serving stalls its step); the number captured now (none on a CPU, where the eager stand-in runs)."""
+        assert isinstance(store, GraphStore)
         if not store.graphs.capturing:
             return 0
-        buckets = all_buckets(self.settings.k_max, store.num_slots - 1)
-        for bucket in reversed(buckets):  # the largest first, as vLLM does: later ones fit in its memory
+        missing = [b for b in all_buckets(self.settings.k_max, store.num_slots - 1) if b not in store.graphs.captured]
+        for bucket in reversed(missing):  # the largest first, as vLLM does: later ones fit in its memory
             store.graphs.ready(bucket)
-        return len(buckets)
+        return len(missing)
 
     @torch.inference_mode()
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:

@@ -62,6 +62,9 @@ class TransformersPass:
     def new_store(self, num_slots: int, capacity: int) -> SlotCaches:
         return SlotCaches(num_slots)
 
+    def capture_all(self, store: KVStore) -> int:
+        return 0  # eager, any shape: nothing to capture
+
     @torch.inference_mode()
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotCaches)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from decoder.runners.base import PassNotApplicable
+from decoder.runners.base import KVStore, PassNotApplicable
 
 INITIAL_CAPACITY = 256  # tokens; a store doubles its capacity when a forward needs more
 
@@ -119,3 +119,6 @@ class LlamaTensorPass:
 
     def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
         return SlotTensors(self.model, num_slots, capacity)
+
+    def capture_all(self, store: KVStore) -> int:
+        return 0  # eager: nothing to capture (the graphs pass overrides it)

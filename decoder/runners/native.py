@@ -43,6 +43,9 @@ class NativePass:
     def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
         return SlotTensors(self.model, num_slots, capacity)
 
+    def capture_all(self, store: KVStore) -> int:
+        return 0  # one call into the kernel per pass: nothing to capture
+
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         """Every row's tokens in one native pass."""
         assert isinstance(store, SlotTensors)

@@ -80,6 +80,11 @@ class KVPool:
         """Per layer: the keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
         return self.store.cached_keys(slot, self.lengths[slot])
 
+    def capture_all(self) -> int:
+        """Capture every step shape this pool can run (the graphs pass on a GPU: one CUDA graph per bucket), so that
+        no step captures while serving; the number captured now (0 on a CPU, and for a pass that captures nothing)."""
+        return self.forward_pass.capture_all(self.store)
+
 
 class PooledSequence:
     """One sequence's view of a pool: the decoder.kv_cache.ModelSequence interface."""

@@ -192,8 +192,9 @@ class WorkerConfig(Strict):
     threads: int | None = Field(None, ge=1, description="torch threads; null: torch's default")
     max_batch: int = Field(16, ge=1, le=256, description="sequences decoded together")
     warm_up: bool = Field(
-        True, description="before serving, decode a few rounds of every drafter, K and batch size 1/2/4 (not "
-        "reported): first passes run slower, and the controller would learn that as cost",
+        True, description="before serving, capture the graphs pass's CUDA graphs (on a GPU) and decode a few rounds of "
+        "every drafter, K and batch size 1/2/4 (not reported): first passes run slower, and the controller would learn "
+        "that as cost",
     )  # fmt: skip
     speculation_max_batch: int = Field(
         8,

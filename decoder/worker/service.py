@@ -194,6 +194,11 @@ class WorkerService:
                              fallback_max_batch_size=cfg.speculation_max_batch)  # fmt: skip
         if cfg.warm_up:
             started = time.perf_counter()
+            captured = engine.capture_graphs()  # before any round: the warm-up's rounds then replay them
+            if captured:
+                log.info("CUDA graphs: %d captured (target and draft pools, every bucket) in %.1fs", captured,
+                         time.perf_counter() - started)  # fmt: skip
+            started = time.perf_counter()
             rounds = engine.warm_up()
             log.info("warm-up: %d rounds of %s in %.1fs", rounds, "/".join(engine.drafters),
                      time.perf_counter() - started)  # fmt: skip

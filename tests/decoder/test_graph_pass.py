@@ -372,3 +372,29 @@ def test_replayed_graphs_give_the_eager_stand_ins_bits(dtype, monkeypatch):
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w), (g - w).abs().max()
     assert store_of(graphed).graphs.captured == tuple(sorted(store_of(graphed).graphs.captured))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="captured graphs need CUDA")
+def test_on_a_gpu_the_engine_captures_before_serving_and_serving_only_replays(tokenizer):
+    """The worker's start-up (``BatchEngine.capture_graphs``) captures every bucket of both pools outside any forward;
+    batched and single-sequence decoding then capture nothing more in them and stay exact; one-sequence decoding
+    (``SpeculativeDecoder``) captures its spare pools' buckets once, not per request. (On the CPU:
+    tests/decoder/test_graph_capture.py runs the same against a recording stand-in.)"""
+    target, draft = bf16_pair(tokenizer, seed=8)
+    engine = BatchEngine(target, draft, max_batch=4)  # assert_batched_equals_single decodes 4 together
+    assert engine.draft_pool is not None
+    assert engine.capture_graphs() == 2 * 3 * 9  # two pools x batch 1, 2, 4 x width 1..9
+    pools = (store_of(engine.target_pool), store_of(engine.draft_pool))
+    assert not any(store.keys.requires_grad or store.logits.requires_grad for store in pools)
+    before = [store.graphs.captured for store in pools]
+    assert_batched_equals_single(engine, StopConditions(max_new_tokens=12), len(tokenizer))
+    assert [store.graphs.captured for store in pools] == before
+
+    def request() -> list[int]:
+        return engine.generate([5, 6, 7, 8], "draft", 4, SamplingParams(), StopConditions(max_new_tokens=12)).token_ids
+
+    first = request()
+    spare = engine.spare_target.open()  # the pool the requests decoded in
+    engine.spare_target.release(spare)
+    captured = store_of(spare.pool).graphs.captured
+    assert request() == first and store_of(spare.pool).graphs.captured == captured, "a request captured again"

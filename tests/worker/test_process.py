@@ -88,10 +88,12 @@ def test_a_port_in_use_is_one_line():
 
 
 def slow_worker_args(launcher: WorkerLauncher, name: str, grace: float) -> list[str]:
-    """One sequence at a time, tiny-pair's own draft at K=3 (almost never accepted): ~2 ms a token."""
+    """One sequence at a time, tiny-pair's own draft at K=3 (almost never accepted), through transformers' own
+    forward: several ms a token, so a request that fills the tiny pair's 512-token context decodes for seconds (with
+    the native pass it took under a second on a quiet machine, and finished inside a 0.5 s grace)."""
     path = launcher.config(
         name, draft=str(launcher.pair.draft), max_batch=1, max_tokens_limit=5000, shutdown_grace_seconds=grace,
-        controller={"default_drafter": "draft", "default_k": 3},
+        controller={"default_drafter": "draft", "default_k": 3}, runner="transformers",
     )  # fmt: skip
     return ["worker", "--config", str(path), "--log-level", "INFO"]
 
@@ -126,7 +128,7 @@ def test_a_drain_that_finishes_the_request_in_flight_says_so(launcher: WorkerLau
 
 
 def test_a_grace_under_a_second_cuts_the_request_short_and_the_log_names_it(launcher: WorkerLauncher):
-    took, log = sigterm_while_decoding(launcher, "drain-short", grace=0.5, max_tokens=4800)  # ~10 s of decoding
+    took, log = sigterm_while_decoding(launcher, "drain-short", grace=0.5, max_tokens=4800)  # to the context: seconds of decoding
     assert took < 5, f"the worker took {took:.1f}s to stop with a 0.5 s grace\n{log}"
     assert "; cut short: 1 requests cancelled" in log and "(nothing in flight)" not in log, log
     assert "Traceback" not in log

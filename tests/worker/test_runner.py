@@ -80,6 +80,28 @@ def test_the_worker_loads_the_pass_its_runner_names(tiny_pair: TinyPair, runner:
     assert engine.target_pool.forward_pass.name == engine.draft_pool.forward_pass.name == expected
 
 
+def test_the_worker_captures_its_graphs_before_its_warm_up_and_says_so(tiny_pair: TinyPair, monkeypatch, caplog):
+    """On a GPU the graphs pass captures one CUDA graph per bucket (a capture while serving stalls the step that
+    meets it): the worker's start-up captures both pools' graphs first, logs how many and how long, then warms up.
+    (What a capture does: tests/decoder/test_graph_capture.py.)"""
+    import logging
+
+    from decoder.batch_engine import BatchEngine
+    from decoder.worker import service
+    from decoder.worker.config import WorkerConfig
+
+    calls: list[str] = []
+    monkeypatch.setattr(BatchEngine, "capture_graphs", lambda engine: calls.append("capture") or 90)
+    monkeypatch.setattr(BatchEngine, "warm_up", lambda engine: calls.append("warm_up") or 0)
+    monkeypatch.setattr(service, "measure_costs", lambda engine: [])
+    config = WorkerConfig(target=tiny_pair.target, draft=tiny_pair.near_draft, device="cpu", dtype="float32",
+                          runner="lean", warm_up=True)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="specd.worker"):
+        service.WorkerService(config)._load_engine()
+    assert calls == ["capture", "warm_up"]
+    assert "CUDA graphs: 90 captured" in caplog.text
+
+
 def test_a_transformers_worker_runs_transformers_pass_and_serves_its_greedy_text(
     launcher: WorkerLauncher, reference: Reference
 ):
