@@ -11,7 +11,6 @@ compares replays with the eager stand-in bit for bit)."""
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -36,7 +35,13 @@ from decoder.runners.buckets import (
 from decoder.runners.graphed import TILE, GraphPass, GraphSettings, GraphStore
 from decoder.runners.select import select_pass
 from decoder.sampling import SamplingParams
-from tests.decoder.test_native import VOCAB, assert_batched_equals_single, llama, perturbed
+from tests.decoder.test_native import (
+    VOCAB,
+    assert_batched_equals_single,
+    assert_speculative_equals_target_only,
+    llama,
+    perturbed,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
@@ -322,24 +327,8 @@ def bf16_pair(tokenizer, seed: int) -> tuple:
 
 
 def test_speculative_greedy_equals_target_only_exactly_in_bfloat16(tokenizer):
-    rules = StopConditions(max_new_tokens=24)
     target, draft = bf16_pair(tokenizer, seed=4)
-    decoder = SpeculativeDecoder(target, draft)
-    rng = random.Random(5)
-    prompts = [[rng.randrange(1, len(tokenizer)) for _ in range(rng.randint(2, 20))] for _ in range(3)]
-    # a prompt that holds its own continuation: prompt lookup proposes it
-    echo = prompts[0] + decoder.generate(prompts[0], "none", 0, SamplingParams(), rules).token_ids + prompts[0]
-    prompts.append(echo)
-    accepted, drafted = dict.fromkeys(("draft", "prompt_lookup"), 0), dict.fromkeys(("draft", "prompt_lookup"), 0)
-    for prompt in prompts:
-        expected = decoder.generate(prompt, "none", 0, SamplingParams(), rules).token_ids
-        for drafter in accepted:
-            for k in (1, 4, 8):
-                got = decoder.generate(prompt, drafter, k, SamplingParams(), rules)
-                assert got.token_ids == expected, f"{drafter} K={k} prompt={prompt}"
-                accepted[drafter] += got.stats.num_accepted
-                drafted[drafter] += got.stats.num_drafted
-    assert accepted["draft"] > 0 and drafted["prompt_lookup"] > 0, (accepted, drafted)
+    assert_speculative_equals_target_only(SpeculativeDecoder(target, draft), len(tokenizer))
 
 
 def test_batched_greedy_equals_single_exactly_in_bfloat16(tokenizer):

@@ -237,6 +237,28 @@ def assert_batched_equals_single(engine: BatchEngine, rules: StopConditions, voc
         engine.close(s)
 
 
+def assert_speculative_equals_target_only(decoder: SpeculativeDecoder, vocab: int) -> None:
+    """Greedy output with the draft and with prompt lookup, K 1, 4 and 8, is target-only output token for token, on
+    three random prompts and one that holds its own continuation (prompt lookup proposes it); some drafts were
+    accepted (multi-row verifications decided outputs: accepted drafts, and rejected ones whose row 0 gave the
+    token)."""
+    rules = StopConditions(max_new_tokens=24)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(2, 20))] for _ in range(3)]
+    echo = prompts[0] + decoder.generate(prompts[0], "none", 0, SamplingParams(), rules).token_ids + prompts[0]
+    prompts.append(echo)
+    accepted, drafted = dict.fromkeys(("draft", "prompt_lookup"), 0), dict.fromkeys(("draft", "prompt_lookup"), 0)
+    for prompt in prompts:
+        expected = decoder.generate(prompt, "none", 0, SamplingParams(), rules).token_ids
+        for drafter in accepted:
+            for k in (1, 4, 8):
+                got = decoder.generate(prompt, drafter, k, SamplingParams(), rules)
+                assert got.token_ids == expected, f"{drafter} K={k} prompt={prompt}"
+                accepted[drafter] += got.stats.num_accepted
+                drafted[drafter] += got.stats.num_drafted
+    assert accepted["draft"] > 0 and drafted["prompt_lookup"] > 0, (accepted, drafted)
+
+
 def test_pair_panels_hold_the_weights_in_the_dot_product_order():
     weight = torch.arange(20 * 4, dtype=torch.float32).reshape(20, 4)  # 20 outputs, 4 inputs: 2 panels of 2 pairs
     panels = pack_pair_panels(weight)

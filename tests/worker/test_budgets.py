@@ -23,7 +23,7 @@ from decoder.worker.process import WorkerProcess
 from decoder.worker.service import WorkerService
 from specd_api.lifecycle import serve
 from tests.waiting import free_port
-from tests.worker.conftest import write_config
+from tests.worker.conftest import in_process, write_config
 
 MAX_K = 4
 
@@ -39,12 +39,8 @@ def config(tiny_pair, tmp_path_factory) -> WorkerConfig:
 
 @pytest.fixture(scope="module")
 def service(config) -> Iterator[WorkerService]:
-    service = WorkerService(config)
-    service.startup()
-    try:
+    with in_process(config) as service:
         yield service
-    finally:
-        service.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,8 @@ def test_a_drain_that_finishes_the_request_in_flight_says_so(launcher: WorkerLau
 
 
 def test_a_grace_under_a_second_cuts_the_request_short_and_the_log_names_it(launcher: WorkerLauncher):
-    took, log = sigterm_while_decoding(launcher, "drain-short", grace=0.5, max_tokens=4800)  # to the context: seconds of decoding
+    # as many tokens as the context holds: seconds of decoding
+    took, log = sigterm_while_decoding(launcher, "drain-short", grace=0.5, max_tokens=4800)
     assert took < 5, f"the worker took {took:.1f}s to stop with a 0.5 s grace\n{log}"
     assert "; cut short: 1 requests cancelled" in log and "(nothing in flight)" not in log, log
     assert "Traceback" not in log
