@@ -31,6 +31,9 @@ from typing import Any
 
 import grpc
 
+if __package__ in (None, ""):  # run as a file: the repository root is not on the path, benchmarks/ is
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from benchmarks.controller_latency import SEGMENTS, aggregate, percentile
 from benchmarks.faults import Controller
 from specd_api.v1 import controller_pb2 as pb
