@@ -482,6 +482,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a decay step's rebuild of every table holds the interpreter: Decide's p99 across it 28 ms, not 5",
     ),
     Mutation(
+        "refresh-read-unpaced",
+        "controller/store.py",
+        "            pace()  # between round trips: the interpreter to whoever waits for it\n",
+        "",
+        ("tests/controller/test_scale_reads.py",),
+        "a refresh's bucket reads hold the interpreter from one round trip to the next (~100 ms at 1,000 segments "
+        "reported in the last minute): Decide's p99 21-27 ms",
+    ),
+    Mutation(
+        "table-rebuild-wakes-every-stream",
+        "controller/table_publisher.py",
+        "                if moved:\n",
+        "                if True:\n",
+        ("tests/controller/test_scale_reads.py",),
+        "every refresh wakes every stream's thread to find nothing moved: 256 threads take the interpreter in turn",
+    ),
+    Mutation(
         "refresh-keeps-a-reported-segment",
         "controller/store.py",
         "                and self._reported.get(s, math.inf) < quiet_before",

@@ -164,20 +164,27 @@ class DecisionPublisher:
             with self._cond:
                 news = header != self._header
                 self._header = header
+                moved = False  # a version a stream waits on: only then are the streams woken
                 for drafters, tables in built.items():
                     before = self._tables.get(drafters)
                     if before is None:
                         self._tables[drafters] = Tables(0, tables)
+                        moved = True
                         continue
                     changed = tuple(s for s, t in tables.items() if _differs(before.tables.get(s), t))
                     removed = tuple(s for s in before.tables if s not in tables)
                     if changed or removed or news:
                         self._tables[drafters] = Tables(before.version + 1, tables, changed, removed)
                         self._built_unix = self.clock()
+                        moved = True
                 for drafters in [d for d in self._tables if self._watchers[d] <= 0]:
                     del self._tables[drafters]
                     self._deltas.pop(drafters, None)
-                self._cond.notify_all()
+                # Waking every stream's thread at every refresh to find nothing moved was 256 threads taking the
+                # interpreter and the condition's lock in turn, once a second (issue 22): a stream whose predicate
+                # cannot have turned true sleeps on to its heartbeat.
+                if moved:
+                    self._cond.notify_all()
 
     def close(self) -> None:
         """End every stream (at shutdown: a stream must not hold the server's grace period)."""
