@@ -16,6 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts
+from controller.report_increments import cost_increments, segment_increments
 from controller.store import Snapshot
 
 
@@ -72,11 +73,12 @@ class JournaledView:
 
 
 def add_to(snapshot: Snapshot, aggregates: Sequence[Aggregate], weight: float = 1.0) -> None:
-    """Add (weight 1) or take off (weight -1) a report's counts."""
-    for agg in aggregates:
-        if not agg.calibration:  # the worker's start-up timings: costs only, in no segment
-            snapshot.segments.setdefault(agg.segment, SegmentCounts()).add_fields(agg.segment_fields(), weight)
-        snapshot.costs.add_fields(agg.cost_fields(), weight)
+    """Add (weight 1) or take off (weight -1) a report's counts: the increments the store would write to Redis
+    (report_increments.py), so that the journaled view counts what the snapshot will once the report is replayed."""
+    served = [a for a in aggregates if not a.calibration]  # the worker's start-up timings: costs only, in no segment
+    for segment, increments in segment_increments(served).items():
+        snapshot.segments.setdefault(segment, SegmentCounts()).add_fields(increments, weight)
+    snapshot.costs.add_fields(cost_increments(aggregates), weight)
 
 
 def clamp(snapshot: Snapshot) -> None:

@@ -377,7 +377,7 @@ class TelemetryStore:
         }
 
         def read(key: Callable[[int], str], start: int) -> BucketFields:
-            """The non-empty buckets read, from ``start`` to the current one, and ``previous``'s before ``start``."""
+            """The non-empty buckets read, from ``start`` to the current one."""
             return tuple((b, f) for b in range(start, current + 1) if (f := fields[key(b)]))
 
         def kept_from(earlier: BucketFields) -> BucketFields:
