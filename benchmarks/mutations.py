@@ -403,7 +403,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "graph-tiles",
         "decoder/runners/graphed.py",
-        "    return torch.cat([step(slice(first, first + TILE)) for first in range(0, rows, TILE)])",
+        "    return by_tiles(step, rows, TILE)",
         "    return step(slice(0, rows))",
         ("tests/decoder/test_graph_pass.py",),
         "the graphs pass runs its row-wise steps on all of a bucket's rows in one call: a GPU picks the product's "

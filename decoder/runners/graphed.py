@@ -58,7 +58,7 @@ from decoder.runners.buckets import (
 )
 from decoder.runners.capacity_attention import attend_sequences, visible_positions
 from decoder.runners.graph_manager import BucketGraphs
-from decoder.runners.invariant import output_and_mlp, project_qkv
+from decoder.runners.invariant import by_tiles, output_and_mlp, project_qkv
 from decoder.runners.kv import LlamaTensorPass, SlotTensors, why_not_plain_llama
 
 TILE = 16  # rows per call of every row-wise step
@@ -89,8 +89,7 @@ class GraphSettings:
 
 def tiles(step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
     """``step`` on each ``TILE``-row slice of ``rows`` (a multiple of TILE), concatenated. # -> [rows, ...]"""
-    assert rows % TILE == 0, rows
-    return torch.cat([step(slice(first, first + TILE)) for first in range(0, rows, TILE)])
+    return by_tiles(step, rows, TILE)
 
 
 class GraphStore(SlotTensors):

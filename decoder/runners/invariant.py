@@ -50,10 +50,10 @@ def padded_rows(rows: int) -> int:
     return -(-rows // TILE) * TILE
 
 
-def by_tiles(step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
-    """``step`` on each ``TILE``-row slice of ``rows`` (a multiple of TILE), concatenated. # -> [rows, ...]"""
-    assert rows % TILE == 0, rows
-    return torch.cat([step(slice(first, first + TILE)) for first in range(0, rows, TILE)])
+def by_tiles(step: Callable[[slice], torch.Tensor], rows: int, tile: int = TILE) -> torch.Tensor:
+    """``step`` on each ``tile``-row slice of ``rows`` (a multiple of ``tile``), concatenated. # -> [rows, ...]"""
+    assert rows % tile == 0, rows
+    return torch.cat([step(slice(first, first + tile)) for first in range(0, rows, tile)])
 
 
 def project_qkv(
