@@ -14,6 +14,10 @@ scripts touches keys of one slot only and runs unchanged on one server or on a c
                                            retry writes its segment parts where the first delivery decided
     P:v1:segments:{#global}         zset   segment -> last report time (the cap on distinct active segments;
                                            segments silent for a whole window are dropped from it)
+    P:v1:changes:{#global}          zset   segment -> the number of the last change mark of its counts (the newest
+                                           2 x (max segments + 1) kept)
+    P:v1:change_state:{#global}     hash   the marks' epoch (made by the first mark: a new one says the marks
+                                           were lost), seq (the last mark's number), trimmed (the newest one dropped)
     P:v1:cost:{#global}:<bucket>    hash   measured costs over all segments (cost fields below)
     P:v1:samples:{#global}          list   recent per-aggregate feature rows for the prior model (capped; sample rows)
     P:v1:prior                      string the prior model's coefficients as JSON (never pickle)
@@ -78,6 +82,12 @@ class Keys:
 
     def segments(self) -> str:
         return self._global("segments")
+
+    def changes(self) -> str:
+        return self._global("changes")
+
+    def change_state(self) -> str:
+        return self._global("change_state")
 
     def cost_bucket(self, bucket: int | str) -> str:
         return self._global("cost", bucket)

@@ -14,6 +14,11 @@ Concurrent reporters and controller replicas never lose or double an increment. 
 on one slot, so it is exact: two new segments racing for the last place are serialized there. What is no longer
 atomic is the report as a whole: between parts, a reader may see a segment admitted whose counts have not landed.
 
+3. the change marks (``MARK_LUA``, slot of ``{#global}``), after the segment parts: each segment counted gets the
+   next number of a counter Redis keeps, so that a refresh asks which segments changed since its last read by that
+   number, not by anyone's clock (``read_changes``), and keeps every other segment's counts without reading them.
+   A mark comes after its parts, so a mark a refresh has not seen yet is for a write it may not have read.
+
 Keys of the layout before hash tags (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``, ``P:v1:cost:b``,
 ``P:v1:samples``) are moved to their tagged names at start-up (``upgrade_untagged_keys``), merged with what is there.
 """
@@ -24,6 +29,7 @@ import functools
 import json
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +106,38 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
+MARK_LUA = """
+-- KEYS[1] the change marks (zset: segment -> the mark's number), KEYS[2] their state (hash: epoch, seq, trimmed)
+-- ARGV: the most marks kept, an epoch for a new state, then the segments a report changed (their parts applied)
+-- Returns the mark's number.
+redis.call('HSETNX', KEYS[2], 'epoch', ARGV[2])
+local seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
+for i = 3, #ARGV do
+  redis.call('ZADD', KEYS[1], seq, ARGV[i])
+end
+local excess = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1])
+if excess > 0 then
+  -- the oldest marks go; a reader that had not seen the newest of them reads everything (``trimmed``)
+  local gone = redis.call('ZRANGE', KEYS[1], excess - 1, excess - 1, 'WITHSCORES')
+  if tonumber(gone[2]) > (tonumber(redis.call('HGET', KEYS[2], 'trimmed')) or 0) then
+    redis.call('HSET', KEYS[2], 'trimmed', gone[2])
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1)
+end
+return seq
+"""
+
+CHANGES_LUA = """
+-- KEYS[1] the change marks, KEYS[2] their state, KEYS[3] the segments zset; ARGV[1] the last mark the reader saw
+-- ('+inf': none), ARGV[2] the oldest report time in the window
+-- Returns {epoch, seq, trimmed, the segments marked after ARGV[1], how many segments are in the window}, read
+-- together (the count: a segments zset changed by other means than a report, or of the wrong type, is read again).
+local state = redis.call('HMGET', KEYS[2], 'epoch', 'seq', 'trimmed')
+local marked = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf')
+local active = redis.call('ZCOUNT', KEYS[3], ARGV[2], '+inf')
+return {state[1] or '', state[2] or '0', state[3] or '0', marked, active}
+"""
+
 UPGRADE_LUA = """
 -- KEYS[1] a key of the layout before hash tags, KEYS[2] its name now; ARGV[1] samples max.
 -- Merges KEYS[1] into KEYS[2] (counts added, the later 'updated' kept, zset scores maxed, older sample rows after the
@@ -166,6 +204,14 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class Marks:
+    """Where a read of the change marks ended: the marks' epoch and the last mark's number."""
+
+    epoch: str
+    seq: int
+
+
+@dataclass(frozen=True)
 class IngestResult:
     rounds: int
     duplicate: bool
@@ -187,6 +233,7 @@ class Snapshot:
     sources: dict[str, tuple[float, int | None, BucketFields]] = field(default_factory=dict)
     cost_sources: tuple[float, BucketFields] | None = None  # the same for the costs
     current_bucket: int | None = None  # the bucket at ``taken_at`` (None: nothing read yet)
+    marks: Marks | None = None  # the change marks read before it (``TelemetryStore.read_changes``)
 
 
 class TelemetryStore:
@@ -200,10 +247,19 @@ class TelemetryStore:
         self._head = client.register_script(HEAD_LUA)
         self._segment = client.register_script(SEGMENT_LUA)
         self._upgrade = client.register_script(UPGRADE_LUA)
+        self._mark = client.register_script(MARK_LUA)
+        self._changes = client.register_script(CHANGES_LUA)
+        self._epoch = os.urandom(8).hex()  # the marks' epoch this store writes where none is (a new or flushed Redis)
         self.skipped = SkippedEntries()  # stored entries no read could use (counted, each key logged once)
         # each active segment's last report time (the segments sorted set's scores) and when they were read
         self._reported: dict[str, float] = {}
         self._reported_read_at = -math.inf
+        self._scores: list[float] = []  # every member's score in that read (names no read uses too)
+        # the change marks: where the read before the last one ended, where the last one ended, and the segments
+        # marked in between (None: not known, any may have changed)
+        self._marks_from: Marks | None = None
+        self._marks_to: Marks | None = None
+        self._changed: frozenset[str] | None = None
 
     def bucket(self, now: float) -> int:
         return int(now // self.config.bucket_seconds)
@@ -229,15 +285,15 @@ class TelemetryStore:
                 part = parts.setdefault(counted_as[segment], {})
                 for name, value in fields.items():
                     part[name] = part.get(name, 0.0) + value
-        self._ingest_segments(
-            [
-                (
-                    [self.keys.report(report_id, segment), self.keys.segment_bucket(segment, self.bucket(now))],
-                    [c.report_ttl_seconds, now, c.bucket_ttl_seconds, *chain.from_iterable(fields.items())],
-                )
-                for segment, fields in parts.items()
-            ]
-        )
+        calls = [
+            (
+                [self.keys.report(report_id, segment), self.keys.segment_bucket(segment, self.bucket(now))],
+                [c.report_ttl_seconds, now, c.bucket_ttl_seconds, *chain.from_iterable(fields.items())],
+            )
+            for segment, fields in parts.items()
+        ]
+        self._ingest_segments(calls)
+        self._mark_changed(list(parts))  # after the parts: a refresh that saw the mark reads what it marks
         return IngestResult(rounds=0 if duplicate else sum(a.rounds for a in aggregates), duplicate=duplicate)
 
     def _ingest_head(
@@ -304,6 +360,18 @@ class TelemetryStore:
                     raise
                 self.client.script_load(SEGMENT_LUA)
 
+    def _mark_changed(self, segments: list[str]) -> None:
+        """Mark ``segments`` changed (``MARK_LUA``), after their parts. Marks that cannot be written (a key of the
+        wrong type at their names) are skipped and counted: the report is in, and readers that cannot read the
+        marks either read every segment's recent buckets."""
+        if not segments:
+            return
+        keep = 2 * (self.config.max_segments + 1)
+        try:
+            self._mark(keys=[self.keys.changes(), self.keys.change_state()], args=[keep, self._epoch, *segments])
+        except redis.ResponseError as e:
+            self.skipped.add(self.keys.changes(), f"change marks not written ({e})")
+
     def save_prior(self, document: dict[str, Any]) -> None:
         self.client.set(self.keys.prior(), json.dumps(document))
 
@@ -322,21 +390,52 @@ class TelemetryStore:
 
     # --- reads --------------------------------------------------------------------------------------
 
+    def read_changes(self, window_from: float) -> tuple[frozenset[str] | None, int | None]:
+        """Read the change marks since the last read: (the segments a report changed in between, or None when that
+        is not known: the first read, marks lost or trimmed past the last one seen, keys of the wrong type; how many
+        segments have a report since ``window_from``, None when unreadable). The next ``read_snapshot`` keeps the
+        counts of every other segment (``_plan_reads``)."""
+        since = "+inf" if self._marks_to is None else str(self._marks_to.seq)
+        keys = [self.keys.changes(), self.keys.change_state(), self.keys.segments()]
+        changed: frozenset[str] | None = None
+        now: Marks | None = None
+        active: int | None = None
+        try:
+            epoch, seq, trimmed, marked, count = self._changes(keys=keys, args=[since, window_from])
+            now, active = Marks(_text(epoch) or "", int(seq)), int(count)
+            before = self._marks_to
+            if before is not None and before.epoch == now.epoch and int(trimmed) <= before.seq <= now.seq:
+                changed = frozenset(t for m in marked if (t := _text(m)) is not None)
+        except (redis.ResponseError, ValueError) as e:  # WRONGTYPE, a value that is not a number: skipped, counted
+            self.skipped.add(self.keys.change_state(), f"change marks unreadable ({e})")
+        self._marks_from, self._marks_to, self._changed = self._marks_to, now, changed
+        return changed, active
+
     def active_segments(self) -> list[str]:
-        """The segments with a report in the window; their last report times (the scores every replica's ingest
-        writes) tell the next ``read_snapshot`` which segments no report reached since the snapshot before. A key of
-        the wrong type there (hand-edited data) is skipped and counted: no segment is then tracked until reports
-        rebuild it, but decisions go on."""
+        """The segments with a report in the window, after reading which changed since the last call
+        (``read_changes``). Their last report times (the scores every replica's ingest writes) are read again only
+        when the marks are not known, the bucket moved on, or the count in the window is not the list's (a new
+        segment, one whose time here is older than its time there); else it is the list read before, less those now
+        out of the window. A key of the wrong type there
+        (hand-edited data) is skipped and counted: no segment is then tracked until reports rebuild it, but
+        decisions go on."""
         now = self.clock()
         since = now - self.config.bucket_seconds * self.config.window_buckets
+        changed, active = self.read_changes(since)
+        if changed is not None and self._reported_read_at > -math.inf:
+            in_window = sum(t >= since for t in self._scores)  # the members read, names no read uses too
+            if active == in_window and self.bucket(now) == self.bucket(self._reported_read_at):
+                self._reported = {s: t for s, t in self._reported.items() if t >= since}
+                return list(self._reported)
         key = self.keys.segments()
         try:
             members = self.client.zrangebyscore(key, since, "+inf", withscores=True)
         except redis.ResponseError as e:  # WRONGTYPE: not a connection problem, nothing a retry would fix
             self.skipped.add(key, f"not a sorted set ({e})")
-            self._reported, self._reported_read_at = {}, now
+            self._reported, self._reported_read_at, self._scores = {}, now, []
             return []
         reported = {}
+        self._scores = [float(score) for _, score in cast(list[tuple[bytes, float]], members)]
         for member, score in cast(list[tuple[bytes, float]], members):
             segment = _text(member)
             if segment is not None and valid_segment(segment):
@@ -352,8 +451,8 @@ class TelemetryStore:
         traffic no longer describes it).
 
         With ``previous`` (the snapshot before), only what may have changed since is read (``_plan_reads``): a
-        segment no report reached (its last report time, from ``active_segments``, one ``late_write_seconds`` before
-        ``previous`` was taken) in the same decay step and window keeps ``previous``'s counts, the same object, with
+        segment no change mark named since the marks read before ``previous`` (``read_changes``, called by
+        ``active_segments``), in the same decay step and window, keeps ``previous``'s counts, the same object, with
         no key built and nothing read; any other reads only its buckets from one ``late_write_seconds`` before
         ``previous``, the older ones being ``previous``'s fields, and keeps ``previous``'s counts when the fields it
         is made of are the same. A write dated earlier than that margin (a replica whose clock is further off) is
@@ -364,7 +463,7 @@ class TelemetryStore:
         step = self.config.decay_step_seconds
         decay_at = math.floor(now / step) * step if step > 0 else now
         since = since or {}
-        snapshot = Snapshot(taken_at=now, current_bucket=current)
+        snapshot = Snapshot(taken_at=now, current_bucket=current, marks=self._marks_to)
         fresh_from, kept, partial, whole = self._plan_reads(segments, since, previous, current, decay_at)
         keys = [self.keys.segment_bucket(s, b) for s in whole for b in range(first, current + 1)]
         keys += [self.keys.segment_bucket(s, b) for s in partial for b in range(fresh_from, current + 1)]
@@ -421,9 +520,9 @@ class TelemetryStore:
             return first, [], [], list(segments)  # nothing to start from (or a clock that went back)
         fresh_from = max(first, self.bucket(min(previous.taken_at, self.clock()) - margin))
         same_window = previous.current_bucket == current
-        # a segment whose last report is older than this was read whole by ``previous`` (when the report times were
-        # read after it: a report then bumped them)
-        quiet_before = previous.taken_at - margin if self._reported_read_at >= previous.taken_at else -math.inf
+        # the segments a report may have changed since ``previous`` read them: those marked since the marks read
+        # before it (None: any)
+        changed = self._changed if previous.marks is not None and previous.marks == self._marks_from else None
         kept, partial, whole = [], [], []
         for s in segments:
             source = previous.sources.get(s)
@@ -433,7 +532,8 @@ class TelemetryStore:
                 same_window
                 and source[0] == decay_at
                 and source[1] == since.get(s)
-                and self._reported.get(s, math.inf) < quiet_before
+                and changed is not None
+                and s not in changed
             ):
                 kept.append(s)
             else:

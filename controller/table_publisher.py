@@ -208,9 +208,13 @@ class DecisionPublisher:
         try:
             seen = self._first_tables(drafters)
             yield self._message(True, (t.table for t in seen.tables.values()), ())
+            # heartbeats on a grid of the stream's own phase: streams opened together (a fleet's restart) would
+            # otherwise all time out together, a burst of every stream's thread every period (issue 22)
+            phase = random.uniform(0.0, self.heartbeat_seconds)
             while True:
+                until_beat = heartbeat_wait(time.monotonic(), phase, self.heartbeat_seconds)
                 with self._cond:
-                    self._cond.wait_for(self._moved_since(drafters, seen.version), self.heartbeat_seconds)
+                    self._cond.wait_for(self._moved_since(drafters, seen.version), until_beat)
                     if self._closed:
                         return
                     now = self._tables.get(drafters, seen)
@@ -305,3 +309,10 @@ class DecisionPublisher:
 def _differs(old: BuiltTable | None, new: BuiltTable) -> bool:
     """Would a stream that sent ``old`` send ``new``? (A kept table is the same object, or the same bytes.)"""
     return old is not new and (old is None or old.data != new.data)
+
+
+def heartbeat_wait(now: float, phase: float, period: float) -> float:
+    """Seconds from ``now`` to the next heartbeat of a stream whose heartbeats fall at ``phase`` + n x ``period``;
+    a beat due within a twentieth of a period (a wait that woke a little early) is skipped for the one after."""
+    wait = period - (now - phase) % period
+    return wait + period if wait < period / 20 else wait

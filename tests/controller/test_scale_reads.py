@@ -4,6 +4,7 @@ moved. Against real servers (the store's tests' fixtures) and a running daemon (
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -11,10 +12,12 @@ from itertools import pairwise
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
+import pytest
 import redis
 
 from controller.store import Snapshot, TelemetryStore
-from controller.table_publisher import HEARTBEAT_PERIODS, DecisionPublisher
+from controller.table_publisher import HEARTBEAT_PERIODS, DecisionPublisher, heartbeat_wait
 from tests.controller.test_client import started
 from tests.controller.test_decision_tables import FIXED_NOW, client_config, daemon_config, learned, stream_of, teach
 from tests.controller.test_store import T0, FakeClock, make_store, small
@@ -102,6 +105,101 @@ def test_a_late_write_of_a_replica_whose_clock_is_behind_is_seen_at_the_next_ref
     clock.now = T0 + 13
     after = refresh(store, first)
     assert after.segments["a"].rounds == first.segments["a"].rounds + 5
+
+
+def test_a_reported_segment_is_read_once_not_for_a_bucket_period_after(redis_client: redis.Redis, prefix: str) -> None:
+    """Was: a segment's last report time said whether to read it, with a bucket period's margin for other replicas'
+    clocks, so every reported segment was read again at every refresh for a minute after its report (1,000 segments:
+    2,000 bucket reads a second, ~5 % of a core with nothing new). Now the change marks say it: once read, it is kept
+    until the next report, whoever's clock dated it. And with nothing changed, the segments set is not read either."""
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    store.ingest("r1", [small("a"), small("b")])
+    clock.now = T0 + 12
+    first = refresh(store, None)
+    clock.now = T0 + 13
+    store.ingest("r2", [small("b", rounds=3)])
+    clock.now = T0 + 14
+    second = refresh(store, first)
+    assert second.segments["b"].rounds == first.segments["b"].rounds + 3
+    asked = spied(store)
+    zrange = store.client.zrangebyscore
+    set_reads: list[object] = []
+    store.client.zrangebyscore = lambda *a, **k: set_reads.append(a) or zrange(*a, **k)  # type: ignore[method-assign]
+    for t in (15, 16, 18):  # within a bucket period of b's report, the same decay step
+        clock.now = T0 + t
+        again = refresh(store, second)
+        assert segment_keys(store, asked, "b") == [], f"b read again at T0 + {t} with no report since"
+        assert again.segments["b"] is second.segments["b"] and again.segments["a"] is first.segments["a"]
+        second = again
+    assert set_reads == [], "the segments set read with no segment changed"
+
+
+def test_a_segment_first_reported_between_refreshes_is_learned_at_the_next(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """The segments set is read again only when its count in the window is not the list's: a new segment is."""
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    store.ingest("r1", [small("a")])
+    clock.now = T0 + 12
+    first = refresh(store, None)
+    clock.now = T0 + 13
+    refresh(store, first)
+    store.ingest("r2", [small("c", rounds=2)])
+    clock.now = T0 + 14
+    after = refresh(store, first)
+    assert sorted(after.segments) == ["a", "c"] and after.segments["c"].rounds == 2
+
+
+def test_a_write_landing_while_a_refresh_reads_is_seen_by_the_next_one(redis_client: redis.Redis, prefix: str) -> None:
+    """A report's segment parts land while a refresh is between its read of the change marks and its bucket reads:
+    that refresh may miss them, the next must not (the mark is written after the parts, so the next finds it)."""
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    reader = a_store(redis_client, prefix, clock)  # another replica's refresh, running beside the ingest
+    store.ingest("r1", [small("a")])
+    clock.now = T0 + 12
+    first = refresh(reader, None)
+    write_parts = store._ingest_segments
+    during: list[Snapshot] = []
+
+    def parts_while_a_refresh_reads(calls: Any) -> None:
+        during.append(refresh(reader, first))  # the refresh's marks and buckets, before the parts land
+        write_parts(calls)
+
+    store._ingest_segments = parts_while_a_refresh_reads  # type: ignore[method-assign]
+    clock.now = T0 + 13
+    store.ingest("r2", [small("a", rounds=4)])
+    clock.now = T0 + 14
+    after = refresh(reader, during[0])
+    assert after.segments["a"].rounds == first.segments["a"].rounds + 4
+
+
+def test_change_marks_lost_or_unreadable_mean_reading_every_recent_bucket(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """Marks flushed (a new epoch), or a key of the wrong type at their name (hand-edited data): a report still
+    lands (the marks skipped and counted), and a refresh that cannot trust the marks reads every segment's recent
+    buckets rather than keep counts a report may have changed."""
+    clock = FakeClock(T0 + 1)
+    store = a_store(redis_client, prefix, clock)
+    store.ingest("r1", [small("a"), small("b")])
+    clock.now = T0 + 12
+    first = refresh(store, None)
+    redis_client.delete(store.keys.changes(), store.keys.change_state())  # lost: the next mark starts a new epoch
+    other = a_store(redis_client, prefix, clock)
+    other.ingest("r2", [small("b", rounds=2)])
+    clock.now = T0 + 13
+    second = refresh(store, first)
+    assert second.segments["b"].rounds == first.segments["b"].rounds + 2
+    redis_client.delete(store.keys.change_state())
+    redis_client.rpush(store.keys.change_state(), "x")  # a list where a hash belongs
+    assert store.ingest("r3", [small("a", rounds=5)]).rounds == 5 and store.skipped.count >= 1
+    clock.now = T0 + 14
+    third = refresh(store, second)
+    assert third.segments["a"].rounds == second.segments["a"].rounds + 5
+    assert third.segments["b"].rounds == second.segments["b"].rounds
 
 
 def test_counts_read_in_part_equal_a_whole_read_across_decay_steps(redis_client: redis.Redis, prefix: str) -> None:
@@ -205,12 +303,19 @@ def test_an_idle_refresh_wakes_no_stream_and_computes_no_table_key(embedded_redi
         finally:
             controller.estimate_inputs = original  # type: ignore[method-assign]
         assert estimated == [], "nothing moved: no table key (no prior) computed"
-        start = time.monotonic()
-        second = next(stream)
-        waited = time.monotonic() - start
+        later: list[Any] = []  # the messages of the next 1.2 s: heartbeats only, on the stream's grid (0.5 s apart)
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled below
+                later.extend(stream)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        time.sleep(1.2)
         stream.cancel()
-        assert not second.segments and not second.removed, "a heartbeat"
-        assert waited > 2 * refresh_s, f"the next message came after {waited:.2f} s: a refresh without news woke it"
+        reader.join(10)
+        assert later and all(not m.segments and not m.removed for m in later), "heartbeats"
+        assert len(later) <= 3, f"{len(later)} messages in 1.2 s: refreshes without news (every 0.1 s) woke it"
 
 
 def test_a_rebuild_that_moved_nothing_wakes_no_stream_thread() -> None:
@@ -283,3 +388,45 @@ def test_a_table_build_gives_the_interpreter_back_between_segments(
         assert len(next(stream).segments) == len(segments)
         stream.cancel()
         assert len(paced) >= len(segments)
+
+
+def test_streams_opened_together_send_their_heartbeats_apart() -> None:
+    """Was: each stream waited a heartbeat period after its last message, so streams opened together (a fleet's
+    restart, the benchmark's 256) all woke together, every period: a burst of 256 threads, Decide's p99 behind it. Now
+    each beats on a grid of its own random phase, a period apart."""
+    period = 0.5
+    learner = SimpleNamespace(segments=lambda: [], stale=False)
+    controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
+    publisher = DecisionPublisher(controller, refresh_seconds=period / HEARTBEAT_PERIODS, max_watchers=8)  # type: ignore[arg-type]
+    streams = [publisher.watch(("draft",), lambda: True) for _ in range(8)]
+    for stream in streams:
+        assert next(stream).full
+    beats: list[list[float]] = [[] for _ in streams]
+
+    def listen(i: int) -> None:
+        for _ in range(2):
+            assert not next(streams[i]).full
+            beats[i].append(time.monotonic())
+
+    threads = [threading.Thread(target=listen, args=(i,), daemon=True) for i in range(len(streams))]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join(10)
+    finally:
+        publisher.close()
+    firsts = sorted(b[0] - start for b in beats)
+    assert firsts[-1] <= 1.1 * period and all(b[1] - b[0] == pytest.approx(period, abs=0.15) for b in beats)
+    assert firsts[-1] - firsts[0] > period / 4, f"8 streams' first heartbeats within {firsts[-1] - firsts[0]:.3f} s"
+
+
+def test_a_heartbeat_is_never_more_than_a_period_and_a_twentieth_away() -> None:
+    for now in (0.0, 0.01, 2.49, 2.5, 2.51, 7.3, 1e6 + 0.2):
+        for phase in (0.0, 0.3, 2.4):
+            wait = heartbeat_wait(now, phase, 2.5)
+            assert 2.5 / 20 <= wait <= 2.5 * 1.05, (now, phase, wait)
+            assert (now + wait - phase) % 2.5 == pytest.approx(0.0, abs=1e-6) or (
+                now + wait - phase
+            ) % 2.5 == pytest.approx(2.5)

@@ -38,6 +38,8 @@ def test_untagged_keys_move_and_merge(redis_client: redis.Redis, prefix: str) ->
         [
             store.keys.segment_bucket("chat:eu", bucket),
             store.keys.segments(),
+            store.keys.changes(),
+            store.keys.change_state(),
             store.keys.cost_bucket(bucket),
             store.keys.samples(),
             store.keys.report("old-1"),
