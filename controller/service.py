@@ -20,6 +20,7 @@ from controller.decide import DrafterEstimate, Request, calibration_factor, deci
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
 from controller.learner import Learner
+from controller.pacing import URGENT
 from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
@@ -229,7 +230,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     def Decide(self, request: pb.DecideRequest, context: grpc.ServicerContext) -> pb.Decision:
-        with self._span("Decide", context) as span:
+        with URGENT.serving(), self._span("Decide", context) as span:  # reports, refreshes and builds wait for it
             try:
                 req = validation.request_from_proto(request)
             except ValueError as e:
