@@ -145,6 +145,7 @@ class DecisionPublisher:
         self._tables: dict[Drafters, Tables] = {}
         self._header: tuple[str, bool] | None = None  # (policy version, stale) of the last build
         self._deltas: dict[Drafters, tuple[Tables, pb.DecisionTables]] = {}  # each drafter set's latest change message
+        self._delta_lock = threading.Lock()  # one stream makes a change message; the others wait and share it
         self._built_unix = 0.0
 
     @property
@@ -240,15 +241,18 @@ class DecisionPublisher:
     def _delta(self, drafters: Drafters, tables: Tables) -> pb.DecisionTables:
         """The message from ``tables.version - 1`` to ``tables``, made once for every stream that sends it (at a
         decay step every table changes: 256 streams each copying 1,000 tables into a message of their own cost
-        seconds). Read-only once made: streams only serialize it."""
-        with self._cond:
-            made = self._deltas.get(drafters)
-        if made is not None and made[0] is tables:
-            return made[1]
-        message = self._message(False, (tables.tables[s].table for s in tables.changed), tables.removed)
-        with self._cond:
-            self._deltas[drafters] = (tables, message)
-        return message
+        seconds). Read-only once made: streams only serialize it. Made under ``_delta_lock``: the streams woken
+        together by a change all ask at once, and without it each made the message itself before any had kept it
+        (the decay step's largest cost at 1,000 segments and 256 streams: 256 copies of 700 tables)."""
+        with self._delta_lock:
+            with self._cond:
+                made = self._deltas.get(drafters)
+            if made is not None and made[0] is tables:
+                return made[1]
+            message = self._message(False, (tables.tables[s].table for s in tables.changed), tables.removed)
+            with self._cond:
+                self._deltas[drafters] = (tables, message)
+            return message
 
     def _moved_since(self, drafters: Drafters, version: int) -> Callable[[], bool]:
         return lambda: self._closed or (drafters in self._tables and self._tables[drafters].version != version)

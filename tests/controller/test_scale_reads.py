@@ -430,3 +430,40 @@ def test_a_heartbeat_is_never_more_than_a_period_and_a_twentieth_away() -> None:
             assert (now + wait - phase) % 2.5 == pytest.approx(0.0, abs=1e-6) or (
                 now + wait - phase
             ) % 2.5 == pytest.approx(2.5)
+
+
+def test_streams_woken_together_share_one_change_message() -> None:
+    """Was: every stream woken by a change checked for the shared message, found none yet and made its own: at a
+    decay step 256 streams each copied ~700 tables, the step's largest cost."""
+    learner = SimpleNamespace(segments=lambda: [], stale=False)
+    controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
+    publisher = DecisionPublisher(controller, refresh_seconds=60.0, max_watchers=8)  # type: ignore[arg-type]
+    streams = [publisher.watch(("draft",), lambda: True) for _ in range(8)]
+    for stream in streams:
+        assert next(stream).full
+    publisher.rebuild()  # the first build with a header
+    for stream in streams:
+        assert not next(stream).full
+    made: list[bool] = []
+    message = publisher._message
+
+    def slow_message(*args: Any) -> Any:
+        made.append(args[0])
+        time.sleep(0.05)  # as long as 700 tables take: every woken stream gets to ask meanwhile
+        return message(*args)
+
+    publisher._message = slow_message  # type: ignore[method-assign]
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda s=s: got.append(next(s)), daemon=True) for s in streams]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.1)  # every stream waits
+    learner.stale = True
+    publisher.rebuild()  # the staleness moved: one change for every stream
+    try:
+        for thread in threads:
+            thread.join(10)
+    finally:
+        publisher.close()
+    assert len(got) == 8 and all(m.stale for m in got) and all(m is got[0] for m in got)
+    assert made == [False], f"the change message made {len(made)} times"
