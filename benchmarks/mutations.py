@@ -509,8 +509,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "decide-not-urgent",
         "controller/service.py",
-        "        with URGENT.serving(), self._span(\"Decide\", context) as span:",
-        "        with self._span(\"Decide\", context) as span:",
+        '        with URGENT.serving(), self._span("Decide", context) as span:',
+        '        with self._span("Decide", context) as span:',
         ("tests/controller/test_pacing.py",),
         "bulk work takes the interpreter back while a Decide is served: a reporter doubles another client's p50",
     ),
@@ -525,7 +525,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "pacer-waits-on-its-own-call",
         "controller/pacing.py",
-        "        return self._count > getattr(self._here, \"serving\", 0)",
+        '        return self._count > getattr(self._here, "serving", 0)',
         "        return self._count > 0",
         ("tests/controller/test_pacing.py",),
         "a paced loop inside an urgent call waits for itself: 20 ms at every pace",

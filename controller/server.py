@@ -33,6 +33,7 @@ from controller.learner import Learner
 from controller.metrics_endpoint import MetricsServer, serve_metrics
 from controller.policy import PolicyStore, load_policy
 from controller.redis_conn import RedisHandle, connect, redact
+from controller.request_wait import RequestWait, WaitLimits
 from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore, upgrade_keys
 from controller.systemd import Notifier, WatchdogPinger
@@ -152,12 +153,18 @@ class ControllerDaemon:
     def _serve(self, servicer: ControllerServicer) -> None:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
         listen, tls = self.config.listen, self.config.tls
+        try:
+            request_wait = RequestWait(WaitLimits.from_environment())
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         server = GrpcServer(
             # threads for handlers only: a call waiting for its request holds none. Every WatchDecisions stream holds
             # one while it waits for the next refresh: max_watchers more, so that they cannot starve Decide
             self.config.max_workers + self.config.max_watchers,
-            # refused calls are never counted in flight; bytes that do not parse are INVALID_ARGUMENT, not INTERNAL
-            [*self._token_check(), self._in_flight, RefuseUndecodable()],
+            # refused calls are never counted in flight and never wait for their request; a call's request has a
+            # deadline, and the calls waiting for theirs a cap (controller/request_wait.py); bytes that do not parse
+            # are INVALID_ARGUMENT, not INTERNAL
+            [*self._token_check(), request_wait, self._in_flight, RefuseUndecodable()],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
             # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
             [
@@ -167,6 +174,7 @@ class ControllerDaemon:
                 ("grpc.max_receive_message_length", MAX_REPORT_BYTES),
             ],
         )
+        request_wait.serve_in(server.pool)  # synchronous handlers run in the server's pool, as grpc.aio runs them
         health_servicer = health.aio.HealthServicer()  # a Watch stream waits on the loop, never in a thread
 
         def register(aio_server: grpc.aio.Server) -> None:

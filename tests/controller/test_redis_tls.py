@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -210,6 +210,12 @@ def test_the_acl_covers_every_command_of_the_store_and_nothing_else(server: TlsR
         server.admin.script_flush()  # as after a restart or a failover
         store.ingest("a2", [aggregate])
         assert stored_rounds(server.admin) == 4
+        assert store.active_segments() == [SEGMENT] and store.active_segments() == [SEGMENT]  # the change marks read
+        wide = TelemetryStore(client, StoreConfig(max_segments=10), lambda: T0)
+        wide.ingest("a3", [replace(aggregate, segment=f"{SEGMENT}-{i}") for i in range(5)])  # 6 segments marked
+        trimming = TelemetryStore(client, StoreConfig(max_segments=1), lambda: T0)  # keeps 4 change marks
+        trimming.ingest("a4", [aggregate])
+        assert int(server.admin.hget("specd:v1:change_state:{#global}", "trimmed") or 0) > 0, "marks trimmed"
         store.save_prior({"coefficients": [1.0]})
         assert store.read_prior() == {"coefficients": [1.0]}
         server.admin.zadd("specd:v1:segments", {"old": T0})  # the layout before hash tags

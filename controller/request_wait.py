@@ -1,0 +1,193 @@
+"""A call's request message has ``REQUEST_WAIT_SECONDS`` to arrive, and at most ``MAX_WAITING_CALLS`` calls wait for
+theirs at once (issue 22).
+
+grpc.aio waits for a call's request message on the event loop, holding no thread, but with no deadline: a call that
+sends its headers and never its message (a valid token, or no token configured) held its coroutine and its HTTP/2
+stream, about 22 KiB, until its client went away, and nothing but the number of connections bounded how many did.
+``RequestWait`` serves each method that takes one request (unary and response-streaming: Decide, ReportRounds,
+WatchDecisions, health Check and Watch) as a request-streaming one, which carries the same frames on the wire (every
+gRPC call is an HTTP/2 stream; only the server's way of reading it changes), so that its own coroutine reads the
+request, under a deadline:
+
+- a call whose request (its message, then the end of its request stream) is not in within ``wait_seconds`` ends with
+  DEADLINE_EXCEEDED, naming the bound, and its memory is freed;
+- with ``max_waiting`` calls already waiting, a new one is not counted and waits ``OVER_CAP_WAIT_SECONDS`` (0.1 s)
+  at most: a real client's request is in by then and is served (so a flood of waiting calls cannot refuse Decide),
+  a silent call is refused with RESOURCE_EXHAUSTED. Memory is bounded by the cap, plus the calls that arrive in
+  0.1 s, whatever the number of connections;
+- a call that ends its request stream with no message, or sends a second one, is refused with INVALID_ARGUMENT (a
+  unary method takes exactly one message), not with the INTERNAL or UNKNOWN a server error would be.
+
+Then the method runs as grpc.aio would run it: a synchronous handler in the pool (one hop to a thread, as before;
+``InFlight`` counts it there), a coroutine or an async generator (health, WatchDecisions as ``ThreadedStreams``
+serves it) on the loop. The interceptor goes after the token check (a refused call never reaches it, and costs what
+it did) and before every interceptor that wraps a unary handler (they see the handler they know).
+
+The counter of waiting calls is only touched by coroutines on the server's one event loop: no lock.
+``SPECD_REQUEST_WAIT_SECONDS`` and ``SPECD_MAX_WAITING_CALLS`` in the environment change the bounds (read once, at
+start-up; the tests use short ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import math
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from controller.auth import RefusalLog
+from controller.grpc_server import PerMethod, ThreadContext, is_async
+
+# A client sends its request with its headers: on a loopback or a LAN it is in within a millisecond, and the largest
+# one the port accepts (MAX_REPORT_BYTES, 1 MiB) crosses a 1 Mbit/s link in 8 s. 10 s keeps every real caller and
+# bounds what a stuck or hostile one holds to 10 s.
+REQUEST_WAIT_SECONDS = 10.0
+# About 22 KiB each: 1,000 waiting calls hold about 22 MiB. Real calls wait a millisecond, so even 100,000 calls a
+# second keep about 100 of them waiting at once; past 1,000 the waiting ones are a flood, not traffic.
+MAX_WAITING_CALLS = 1000
+# Past the cap a new call is not refused before it reads: whether its request is already in (a real client sends it
+# with the headers) shows only once a read returns, and refusing it unread would let a flood of waiting calls refuse
+# every Decide. It gets this long instead (well past a Decide's own deadline of a few ms), then RESOURCE_EXHAUSTED.
+OVER_CAP_WAIT_SECONDS = 0.1
+NO_MESSAGE = "the call ended its request stream without a message: this method takes one"
+SECOND_MESSAGE = "a second request message came: this method takes one"
+WAIT_ENV, MAX_WAITING_ENV = "SPECD_REQUEST_WAIT_SECONDS", "SPECD_MAX_WAITING_CALLS"
+
+
+@dataclass(frozen=True)
+class WaitLimits:
+    wait_seconds: float = REQUEST_WAIT_SECONDS  # for the request message and the end of the request stream
+    max_waiting: int = MAX_WAITING_CALLS  # calls waiting for their request at once, every method together
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.wait_seconds) and self.wait_seconds > 0):
+            raise ValueError(f"{WAIT_ENV} must be a positive number of seconds, not {self.wait_seconds!r}")
+        if self.max_waiting < 1:
+            raise ValueError(f"{MAX_WAITING_ENV} must be at least 1, not {self.max_waiting!r}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> WaitLimits:
+        """The defaults, or what ``SPECD_REQUEST_WAIT_SECONDS`` and ``SPECD_MAX_WAITING_CALLS`` say. Raises
+        ValueError for a value that is not a number, or out of range."""
+        env = os.environ if environ is None else environ
+        try:
+            wait = float(env.get(WAIT_ENV) or REQUEST_WAIT_SECONDS)
+        except ValueError:
+            raise ValueError(f"{WAIT_ENV} must be a number of seconds, not {env[WAIT_ENV]!r}") from None
+        try:
+            waiting = int(env.get(MAX_WAITING_ENV) or MAX_WAITING_CALLS)
+        except ValueError:
+            raise ValueError(f"{MAX_WAITING_ENV} must be a whole number, not {env[MAX_WAITING_ENV]!r}") from None
+        return cls(wait, waiting)
+
+
+class RequestWait(grpc.aio.ServerInterceptor):
+    """Reads the request of every method that takes one, within ``limits`` (see the module). ``serve_in`` names the
+    pool synchronous handlers run in (the server's, built with it) before the server starts."""
+
+    def __init__(self, limits: WaitLimits, refusals: RefusalLog | None = None) -> None:
+        self.limits = limits
+        self.refusals = refusals or RefusalLog()
+        self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
+        self._pool: futures.Executor | None = None
+        self._wrapped = PerMethod(self._wrap)
+
+    def serve_in(self, pool: futures.Executor) -> None:
+        self._pool = pool
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        return self._wrapped(details.method, await continuation(details))
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.request_streaming:
+            return handler  # the method reads its requests itself (reflection)
+        if handler.unary_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if is_async(handler.unary_stream):  # a synchronous one would hold a thread for its stream: none is served
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _unary(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        if is_async(behavior):
+
+            async def unary_on_loop(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await behavior(await self._request(context, method), context)
+
+            return unary_on_loop
+        pool = self._pool
+        assert pool is not None, "RequestWait.serve_in(pool) comes before the server starts"
+
+        async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            request = await self._request(context, method)
+            loop = asyncio.get_running_loop()
+            threaded = ThreadContext(context, loop)
+            try:  # what grpc.aio does for a synchronous unary handler: one hop to the pool, then its callbacks
+                return await loop.run_in_executor(pool, behavior, request, threaded)
+            finally:
+                threaded.end()
+
+        return unary
+
+    def _stream(self, behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(behavior):  # it writes its responses itself (health Watch)
+
+            async def writing(requests: Any, context: grpc.aio.ServicerContext) -> None:
+                await behavior(await self._request(context, method), context)
+
+            return writing
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            request = await self._request(context, method)
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+
+        return stream
+
+    async def _request(self, context: grpc.aio.ServicerContext, method: str) -> Any:
+        """The call's one request message, once its request stream has ended; the call is ended instead (an
+        AbortError raised) when its request is late (RESOURCE_EXHAUSTED past the cap, else DEADLINE_EXCEEDED), or
+        when there is not exactly one message."""
+        limits = self.limits
+        counted = self.waiting < limits.max_waiting
+        self.waiting += counted
+        try:
+            async with asyncio.timeout(limits.wait_seconds if counted else OVER_CAP_WAIT_SECONDS):
+                request = await context.read()  # one deadline for both reads, and no task of its own
+                extra = grpc.aio.EOF if request is grpc.aio.EOF else await context.read()
+        except TimeoutError:
+            if counted:
+                late = f"the request did not arrive within {limits.wait_seconds:g} s (REQUEST_WAIT_SECONDS)"
+                await self._refuse(context, method, grpc.StatusCode.DEADLINE_EXCEEDED, late)
+            busy = f"{limits.max_waiting} calls are waiting for their request (MAX_WAITING_CALLS): send yours with it"
+            await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
+        finally:
+            self.waiting -= counted
+        if request is grpc.aio.EOF:
+            await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, NO_MESSAGE)
+        if extra is not grpc.aio.EOF:
+            await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, SECOND_MESSAGE)
+        return request
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, why: str
+    ) -> NoReturn:
+        """Ends the call with ``code`` (grpc.aio's abort raises its AbortError, which ends the handler too)."""
+        self.refusals.note(method, context.peer(), code, why)
+        await context.abort(code, f"{method}: {why}")
+        raise AssertionError("abort returned")

@@ -1,0 +1,186 @@
+"""A call's request has a deadline, and the calls waiting for theirs a cap (controller/request_wait.py, issue 22).
+
+One `specd controller` process with tokens, a request deadline of ``WAIT_S`` and a cap of ``CAP`` waiting calls (the
+environment sets both; the defaults are 10 s and 1,000): calls that send their headers and never a message (over raw
+HTTP/2, and from grpc.aio's client, which shows the status) are ended by the server once the deadline passes; past
+the cap a new one is refused with RESOURCE_EXHAUSTED within 0.1 s (OVER_CAP_WAIT_SECONDS) while Decide and
+ReportRounds answer; a call with no message or two is INVALID_ARGUMENT; streams past their request are not cut short
+by the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from subprocess import Popen
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controller.request_wait import MAX_WAITING_CALLS, REQUEST_WAIT_SECONDS, RequestWait, WaitLimits
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.controller.half_open import HalfOpenCalls
+from tests.controller.test_daemon import start, write_config
+from tests.controller.test_interceptors import intercept, unary
+from tests.controller.test_service import draft_aggregate
+from tests.daemons import DEFAULT_POLICY
+from tests.waiting import free_port, wait_until
+
+WAIT_S = 1.5
+CAP = 40
+DECIDE = "/specd.v1.Controller/Decide"
+HEALTH_CHECK, HEALTH_WATCH = "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"
+REQUEST = pb.DecideRequest(segment="request-wait", batch_size=1, drafters=["draft"], max_new_tokens=64)
+
+
+@dataclass(frozen=True)
+class Controller:
+    address: str
+    read: str  # the read token
+    write: str
+    process: Popen[str]
+
+    def metadata(self, token: str | None = None) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {token or self.read}"),)
+
+
+@pytest.fixture(scope="module")
+def controller(embedded_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
+    folder = tmp_path_factory.mktemp("request-wait")
+    read, write = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    policy = folder / "policy.yaml"
+    policy.write_text(DEFAULT_POLICY.read_text())
+    port = free_port()
+    config = write_config(folder, embedded_redis_url, policy, port)
+    config.write_text(config.read_text() + "shutdown_grace_seconds: 1\n"
+                      "auth: {read_token: {env: T_READ}, write_token: {env: T_WRITE}}\n")  # fmt: skip
+    env = {"T_READ": read, "T_WRITE": write, "SPECD_REQUEST_WAIT_SECONDS": str(WAIT_S),
+           "SPECD_MAX_WAITING_CALLS": str(CAP)}  # fmt: skip
+    process = start(config, env)
+    running = Controller(f"127.0.0.1:{port}", read, write, process)
+    try:
+        with grpc.insecure_channel(running.address) as channel:
+            decide = pb_grpc.ControllerStub(channel).Decide
+            wait_until(lambda: _answers(decide, running), timeout=60, what="the controller answering")
+        yield running
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=30)
+        output = process.communicate()[0]
+    assert "Traceback" not in output and "Unexpected" not in output, output
+
+
+def test_calls_whose_request_never_comes_end_at_the_deadline_and_streams_do_not(controller: Controller) -> None:
+    """Half-open calls with the read token (Decide) and without one (health Watch, open to all) wait, threadless,
+    then the server ends every one of them soon after ``WAIT_S``; grpc.aio's client sees DEADLINE_EXCEEDED naming
+    the bound. A WatchDecisions and a health Watch stream whose request came stay open past the deadline."""
+    with grpc.insecure_channel(controller.address) as channel:
+        watch = pb_grpc.ControllerStub(channel).WatchDecisions(
+            pb.WatchDecisionsRequest(worker_id="w", drafters=["draft"]), metadata=controller.metadata(), timeout=30
+        )
+        health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).full and next(health).status == health_pb2.HealthCheckResponse.SERVING
+        started = time.monotonic()
+        with HalfOpenCalls(controller.address, DECIDE, 10, token=controller.read) as decides, \
+                HalfOpenCalls(controller.address, HEALTH_WATCH, 10) as watches:  # fmt: skip
+            time.sleep(WAIT_S / 2)
+            assert decides.ended_by_server == 0 and watches.ended_by_server == 0  # they wait
+            silent = asyncio.run(_call_status(controller, DECIDE, messages=None))
+            wait_until(lambda: decides.ended_by_server == watches.ended_by_server == 10, timeout=WAIT_S + 5,
+                       what="the server ending every half-open call")  # fmt: skip
+        code, details, seconds = silent
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "REQUEST_WAIT_SECONDS" in details, details
+        assert WAIT_S - 0.2 < seconds < WAIT_S + 3
+        assert time.monotonic() - started > WAIT_S
+        assert watch.is_active() and health.is_active(), "a stream past its request was ended"
+        assert _answers(pb_grpc.ControllerStub(channel).Decide, controller)
+        watch.cancel()
+        health.cancel()
+
+
+def test_past_the_cap_a_new_waiting_call_is_refused_at_once_and_decide_answers(controller: Controller) -> None:
+    """``CAP`` half-open calls take every place; a further one is refused with RESOURCE_EXHAUSTED after
+    OVER_CAP_WAIT_SECONDS, well before the deadline, while Decide and ReportRounds from a normal client answer (their
+    request comes with the headers). Once the server has ended the waiting calls, a new one waits again."""
+    with HalfOpenCalls(controller.address, DECIDE, CAP, token=controller.read) as waiting:
+        time.sleep(0.3)  # every call has reached the server and waits
+        code, details, seconds = asyncio.run(_call_status(controller, DECIDE, messages=None))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "MAX_WAITING_CALLS" in details, details
+        assert seconds < WAIT_S / 2
+        with grpc.insecure_channel(controller.address) as channel:
+            stub = pb_grpc.ControllerStub(channel)
+            for _ in range(5):
+                assert stub.Decide(REQUEST, metadata=controller.metadata(), timeout=2).policy_version
+            report = pb.ReportRoundsRequest(report_id=secrets.token_hex(8), worker_id="w",
+                                            aggregates=[draft_aggregate("request-wait")])  # fmt: skip
+            assert stub.ReportRounds(report, metadata=controller.metadata(controller.write), timeout=2).rounds_accepted
+        assert waiting.ended_by_server == 0
+        wait_until(lambda: waiting.ended_by_server == CAP, timeout=WAIT_S + 5, what="the waiting calls ended")
+    code, _, seconds = asyncio.run(_call_status(controller, DECIDE, messages=None, timeout=0.5))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 0.45  # the client's own deadline: it waited
+
+
+@pytest.mark.parametrize("method", [DECIDE, HEALTH_CHECK])
+def test_a_unary_call_takes_exactly_one_message(controller: Controller, method: str) -> None:
+    """No message before the end of the request stream, or two: INVALID_ARGUMENT at once, never INTERNAL or
+    UNKNOWN; exactly one is answered."""
+    for messages in (0, 2):
+        code, details, seconds = asyncio.run(_call_status(controller, method, messages))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "takes one" in details, (messages, details)
+        assert seconds < WAIT_S / 2
+    assert asyncio.run(_call_status(controller, method, 1))[0] == grpc.StatusCode.OK
+
+
+def test_the_bounds_come_from_the_environment_once_and_are_checked() -> None:
+    assert WaitLimits.from_environment({}) == WaitLimits(REQUEST_WAIT_SECONDS, MAX_WAITING_CALLS)
+    assert WaitLimits.from_environment({"SPECD_REQUEST_WAIT_SECONDS": "2.5", "SPECD_MAX_WAITING_CALLS": "7"}) == \
+        WaitLimits(2.5, 7)  # fmt: skip
+    for bad in ({"SPECD_REQUEST_WAIT_SECONDS": "0"}, {"SPECD_REQUEST_WAIT_SECONDS": "nan"},
+                {"SPECD_REQUEST_WAIT_SECONDS": "soon"}, {"SPECD_MAX_WAITING_CALLS": "0"},
+                {"SPECD_MAX_WAITING_CALLS": "1.5"}):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            WaitLimits.from_environment(bad)
+
+
+def test_the_interceptor_wraps_a_method_once() -> None:
+    wait = RequestWait(WaitLimits())
+    with futures.ThreadPoolExecutor(1) as pool:
+        wait.serve_in(pool)
+        handler = unary()
+        first, _ = intercept(wait, handler, DECIDE)
+        assert first.request_streaming and not first.response_streaming  # read by its own coroutine
+        assert intercept(wait, handler, DECIDE)[0] is first
+        assert intercept(wait, None, "/made/Up")[0] is None
+
+
+async def _call_status(
+    controller: Controller, method: str, messages: int | None, timeout: float = 10.0
+) -> tuple[grpc.StatusCode, str, float]:
+    """A call to ``method`` as a request stream: ``messages`` requests then the end of the stream, or (None) the
+    headers alone. Returns its status, details and seconds."""
+    request = REQUEST.SerializeToString() if method == DECIDE else health_pb2.HealthCheckRequest().SerializeToString()
+    async with grpc.aio.insecure_channel(controller.address) as channel:
+        call = channel.stream_unary(method)(metadata=controller.metadata(), timeout=timeout)
+        started = time.monotonic()
+        try:
+            for _ in range(messages or 0):
+                await call.write(request)
+            if messages is not None:
+                await call.done_writing()
+            await call
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or "", time.monotonic() - started
+        return grpc.StatusCode.OK, "", time.monotonic() - started
+
+
+def _answers(decide: grpc.UnaryUnaryMultiCallable, controller: Controller) -> bool:
+    try:
+        return bool(decide(REQUEST, metadata=controller.metadata(), timeout=2.0).policy_version)
+    except grpc.RpcError:
+        return False
