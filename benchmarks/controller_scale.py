@@ -16,6 +16,11 @@ failures are cut into windows by wall clock.
   half-open      (the attacks run on a second controller, with a read and a write token, taught 50 segments)
                  --half-open calls that send HTTP/2 headers and never a message without a token, as many with a
                  wrong token (raw HTTP/2: benchmarks/half_open.py): refused on the event loop, at once
+  half-open-mtls (on a third controller, with the same tokens and mutual TLS: tls.client_ca_file; the steady client
+                 has a certificate the CA signed) the half-open attack's calls, as many on as many connections, over
+                 TLS without a client certificate: refused in gRPC's C core during the handshake
+  half-open-mtls-flood  the same, sustained: --flood-threads threads each opening a connection without a client
+                 certificate, sending 50 calls' headers, waiting for the refusal and opening the next, back to back
   half-open-read --half-open such calls with the read token: let through, each waiting for its message, no deadline
   health-watch   --health-streams grpc.health.v1.Health/Watch streams, no token (health is open)
   big-reports    ReportRounds at the bounds, back to back from one client: 1,000 aggregates at K 32 (32,000 draft
@@ -25,15 +30,18 @@ failures are cut into windows by wall clock.
   decide-flood   Decide back to back from --flood-threads threads for the learned segments: the control for ...
   segment-flood  ... the same with a made-up segment each call (the segment caps and caches filling)
 
-Each attack: the steady client's p50/p99 and failures for --seconds before it and for --seconds from its first
-byte (the opening burst included), the ratio of the p99s, the controller's CPU, threads and RSS in each window,
-and how long the controller stayed busy once the attacker stopped (the next attack waits for it, up to 120 s).
+Each attack: the steady client's p50/p99/slowest call, calls and failures for --seconds before it and for --seconds
+from its first byte (the opening burst included), the ratio of the p99s (a stall holds the one call in flight and
+the paced client skips the calls it would have made meanwhile: fewer calls and a slow maximum, not a higher p99),
+the controller's CPU, threads and RSS in each window, and how long the controller stayed busy once the attacker
+stopped (the next attack waits for it, up to 120 s).
 The issue's goal: no client makes another's request fail or slows it by more than 2x (ratio <= 2, no failure).
 A missed goal is printed as MISSED; the exit status is 1 only on a crash.
 
     python -m benchmarks.controller_scale [--segments 1000] [--streams 256] [--seconds 5] [--rate 100]
         [--bucket-seconds 60]
-        [--only scale,half-open,half-open-read,health-watch,big-reports,watch-streams,decide-flood,segment-flood]
+        [--only scale,half-open,half-open-mtls,half-open-mtls-flood,half-open-read,health-watch,big-reports,
+                watch-streams,decide-flood,segment-flood]
         [--json FILE]
 """
 
@@ -47,6 +55,7 @@ import multiprocessing
 import os
 import random
 import secrets
+import ssl
 import sys
 import tempfile
 import threading
@@ -66,11 +75,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.controller_latency import aggregate, decide_request, percentile
 from benchmarks.decision_stream import DRAFTERS, cpu_seconds
 from benchmarks.faults import DEADLINE_MS, Controller, _usage, wait_until
-from benchmarks.half_open import HalfOpenCalls
+from benchmarks.half_open import HalfOpenCalls, ReconnectingCalls, attacker_tls
 from specd_api.checks import MAX_AGGREGATES, MAX_REPORT_BYTES, MAX_REPORT_POSITIONS
 from specd_api.segments import MAX_SEGMENT_LENGTH
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.tls_certs import Pki, make_pki
 
 BASELINE_SEGMENTS = 50
 DECIDE_TIMEOUT_S = 1.0  # the steady client's: a failure is an error or an answer later than this
@@ -83,8 +93,10 @@ OPEN_TIMEOUT_S = 300.0  # for the scale phase's streams to have their first mess
 SETTLE_LIMIT_S = 120.0  # after an attack, for the controller's CPU to come back to the steady client's alone
 DECIDE = "/specd.v1.Controller/Decide"
 REPORT = "/specd.v1.Controller/ReportRounds"
+HANDSHAKE_FAILED = b"Handshake failed"  # gRPC core's log line for a refused TLS handshake
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)  # a channel per simulated worker: a connection each
 Sample = tuple[float, float, str]  # (wall clock at the call's start, seconds, "" or the failure's status code)
+ClientTls = tuple[bytes, bytes, bytes]  # PEM: the CA, the client's key, its certificate (picklable, for a process)
 
 
 def segment(i: int) -> str:
@@ -93,6 +105,15 @@ def segment(i: int) -> str:
 
 def bearer(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("authorization", f"Bearer {token}"),)
+
+
+def open_channel(address: str, tls: ClientTls | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """Plaintext, or (``tls``) TLS trusting the CA and presenting the client certificate."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    ca, key, cert = tls
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 @dataclass(frozen=True)
@@ -112,13 +133,23 @@ class Settings:
 
 @dataclass
 class Target:
-    """A running `specd controller`, its tokens (None: none configured) and the segments it has learned
-    (``segment(0)`` .. ``segment(learned - 1)``)."""
+    """A running `specd controller`, its tokens (None: none configured), the segments it has learned
+    (``segment(0)`` .. ``segment(learned - 1)``) and, with mutual TLS, what a client it lets in presents."""
 
     controller: Controller
     read_token: str | None = None
     write_token: str | None = None
     learned: int = 0
+    client_tls: ClientTls | None = None
+
+    def channel(self, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        return open_channel(self.address, self.client_tls, options)
+
+    def handshakes_failed(self) -> int:
+        """The TLS handshakes gRPC's C core has logged as failed (one line each, to the controller's log)."""
+        log = self.controller.folder / "controller.log"
+        with log.open("rb") as file:
+            return sum(HANDSHAKE_FAILED in line for line in file)
 
     @property
     def address(self) -> str:
@@ -136,10 +167,12 @@ class Target:
 
 
 def start_target(
-    folder: Path, tokens: bool, max_segments: int = 1000, max_watchers: int = 256, bucket_seconds: float = 60.0
-) -> Target:
+    folder: Path, tokens: bool, max_segments: int = 1000, max_watchers: int = 256, bucket_seconds: float = 60.0,
+    pki: Pki | None = None,
+) -> Target:  # fmt: skip
     """`specd controller` on its embedded Redis, the default pool, refreshing every second; with ``tokens``, a read
-    and a write token (from files)."""
+    and a write token (from files); with ``pki``, mutual TLS: its server certificate, client certificates its CA
+    signed required."""
     folder.mkdir(parents=True, exist_ok=True)
     read = write = None
     settings = f"max_watchers: {max_watchers}\n" if max_watchers != 256 else ""
@@ -151,13 +184,18 @@ def start_target(
                 file.write(token + "\n")
         settings += (f"auth: {{read_token: {{file: {folder / 'read.token'}}}, "
                      f"write_token: {{file: {folder / 'write.token'}}}}}\n")  # fmt: skip
+    client_tls = None
+    if pki is not None:
+        settings += (f"tls: {{cert_file: {pki.server.cert}, key_file: {pki.server.key}, "
+                     f"client_ca_file: {pki.ca}}}\n")  # fmt: skip
+        client_tls = (pki.ca.read_bytes(), pki.client.key.read_bytes(), pki.client.cert.read_bytes())
     learning = f", max_segments: {max_segments}" if max_segments != 1000 else ""
     learning += f", bucket_seconds: {bucket_seconds:g}" if bucket_seconds != 60.0 else ""
     controller = Controller(folder, "null", refresh_seconds=REFRESH_S, settings=settings, learning=learning)
-    target = Target(controller, read, write)
+    target = Target(controller, read, write, client_tls=client_tls)
     controller.start(wait=False)
     try:
-        with grpc.insecure_channel(target.address) as channel:
+        with target.channel() as channel:
             pb_grpc.ControllerStub(channel).GetPolicy(
                 pb.GetPolicyRequest(), metadata=bearer(read), timeout=60, wait_for_ready=True
             )
@@ -172,7 +210,7 @@ def teach(target: Target, count: int) -> None:
     the segments from ``target.learned`` to ``count``, in reports of 500; returns once Decide sees the last one."""
     rng = random.Random(count)
     aggregates = [aggregate(segment(i), rng) for i in range(target.learned, count) for _ in range(2)]
-    with grpc.insecure_channel(target.address) as channel:
+    with target.channel() as channel:
         stub = pb_grpc.ControllerStub(channel)
         for n in range(0, len(aggregates), 500):
             request = pb.ReportRoundsRequest(report_id=f"teach-{count}-{n}", aggregates=aggregates[n : n + 500])
@@ -218,6 +256,7 @@ class Latency:
     failures: int
     p50_ms: float
     p99_ms: float
+    max_ms: float  # the slowest answered call: a stall holds one call of the paced client, which the p99 can miss
     over_deadline: int  # answered later than the worker's decide deadline (5 ms): a fallback in a worker
     codes: dict[str, int]  # the failures, by status code
 
@@ -229,21 +268,24 @@ class Latency:
             calls=len(mine), failures=len(mine) - len(answered),
             p50_ms=1000 * percentile(answered, 0.5) if answered else math.nan,
             p99_ms=1000 * percentile(answered, 0.99) if answered else math.nan,
+            max_ms=1000 * max(answered) if answered else math.nan,
             over_deadline=sum(seconds > DEADLINE_MS / 1000 for _, seconds, _ in mine),
             codes=dict(Counter(code for _, _, code in mine if code)),
         )  # fmt: skip
 
 
 def probe(
-    address: str, token: str | None, rate: float, segments: Any, go: Any, ready: Any, stop: Any, out: Any
-) -> None:
+    address: str, token: str | None, rate: float, segments: Any, go: Any, ready: Any, stop: Any, out: Any,
+    tls: ClientTls | None = None,
+) -> None:  # fmt: skip
     """The steady client (a process of its own): Decide at ``rate`` a second while ``go`` is set, for a segment
-    drawn from the first ``segments.value`` learned, until ``stop``; puts its samples on ``out``."""
+    drawn from the first ``segments.value`` learned, until ``stop``; puts its samples on ``out``. With ``tls``, over
+    mutual TLS."""
     rng = random.Random(7)
     requests = [decide_request(rng) for _ in range(16)]
     metadata = bearer(token)
     samples: list[Sample] = []
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         decide = pb_grpc.ControllerStub(channel).Decide
         decide(requests[0], metadata=metadata, timeout=60, wait_for_ready=True)  # connected before the clock
         ready.set()
@@ -279,7 +321,7 @@ class Prober:
         self._process = context.Process(
             target=probe, name="steady-client", daemon=True,
             args=(target.address, target.read_token, rate, self._segments, self._go, self._ready, self._stop,
-                  self._out),
+                  self._out, target.client_tls),
         )  # fmt: skip
         self.samples: list[Sample] = []
 
@@ -528,21 +570,69 @@ class Attack:
 
 
 class HalfOpen(Attack):
-    """Calls that send their headers and never a message: ``kinds`` as (method, token or None)."""
+    """Calls that send their headers and never a message: ``kinds`` as (method, token or None); over TLS with
+    ``tls`` (then also the connections refused in the handshake, by reason)."""
 
-    def __init__(self, target: Target, count: int, kinds: Sequence[tuple[str, str | None]], what: str) -> None:
-        self.target, self.count, self.kinds, self.what = target, count, kinds, what
+    def __init__(
+        self, target: Target, count: int, kinds: Sequence[tuple[str, str | None]], what: str,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        self.target, self.count, self.kinds, self.what, self.tls = target, count, kinds, what, tls
         self._calls: list[HalfOpenCalls] = []
+        self._logged = 0
 
     def start(self) -> None:
+        if self.tls is not None:
+            self._logged = self.target.handshakes_failed()
         for method, token in self.kinds:
-            self._calls.append(HalfOpenCalls(self.target.address, method, self.count, token=token).open())
+            calls = HalfOpenCalls(self.target.address, method, self.count, token=token, tls=self.tls)
+            self._calls.append(calls.open())
 
     def stop(self) -> dict[str, Any]:
         ended = sum(calls.ended_by_server for calls in self._calls)
+        refused: Counter[str] = Counter()
         for calls in self._calls:
+            refused.update(calls.refused)
             calls.close()
-        return {"calls": self.count * len(self.kinds), "ended_by_server": ended}
+        did = {"calls": self.count * len(self.kinds), "ended_by_server": ended}
+        if self.tls is not None:
+            did |= {"connections": sum(calls.connections for calls in self._calls),
+                    "refused_in_handshake": sum(refused.values()), "refusals": dict(refused),
+                    "server_logged_handshake_failed": self.target.handshakes_failed() - self._logged}  # fmt: skip
+        return did
+
+
+class HandshakeFlood(Attack):
+    """``threads`` threads opening connections back to back (TLS without a client certificate), each sending 50
+    calls' headers and waiting for the server to break it off: half of them call Decide with no token, half
+    ReportRounds with a wrong one."""
+
+    what = "connections back to back over TLS without a client certificate, 50 calls' headers each"
+
+    def __init__(self, target: Target, threads: int) -> None:
+        self.target, self.threads = target, threads
+        self._floods: list[ReconnectingCalls] = []
+        self._logged = 0
+
+    def start(self) -> None:
+        self._logged = self.target.handshakes_failed()
+        kinds = [(DECIDE, None), (REPORT, "wrong-token")]
+        for i in range(self.threads):
+            method, token = kinds[i % 2]
+            self._floods.append(ReconnectingCalls(self.target.address, method, 1, token=token,
+                                                  tls=attacker_tls()).open())  # fmt: skip
+
+    def stop(self) -> dict[str, Any]:
+        done = [flood.close() for flood in self._floods]
+        refused: Counter[str] = Counter()
+        for d in done:
+            refused.update(d["refused"])
+        connections = sum(d["connections"] for d in done)
+        return {"threads": self.threads, "connections": connections, "calls": 50 * connections,
+                "connections_per_second": sum(d["connections_per_second"] for d in done),
+                "refused_in_handshake": sum(refused.values()), "refusals": dict(refused),
+                "let_through": sum(d["let_through"] for d in done),
+                "server_logged_handshake_failed": self.target.handshakes_failed() - self._logged}  # fmt: skip
 
 
 class HealthWatch(Attack):
@@ -730,6 +820,12 @@ def refused_half_open(target: Target, settings: Settings) -> Attack:
     return HalfOpen(target, settings.half_open, kinds, "calls with headers and no message: no token, a wrong token")
 
 
+def refused_in_the_handshake(target: Target, settings: Settings) -> Attack:
+    kinds = [(DECIDE, None), (REPORT, "wrong-token")]
+    return HalfOpen(target, settings.half_open, kinds, "the same calls over TLS without a client certificate, to a "
+                    "mutual-TLS port", tls=attacker_tls())  # fmt: skip
+
+
 def waiting_half_open(target: Target, settings: Settings) -> Attack:
     kinds = [(DECIDE, target.read_token)]
     return HalfOpen(target, settings.half_open, kinds, "calls with headers and no message, with the read token")
@@ -737,6 +833,8 @@ def waiting_half_open(target: Target, settings: Settings) -> Attack:
 
 ATTACKS: dict[str, Callable[[Target, Settings], Attack]] = {
     "half-open": refused_half_open,
+    "half-open-mtls": refused_in_the_handshake,
+    "half-open-mtls-flood": lambda t, s: HandshakeFlood(t, s.flood_threads),
     "half-open-read": waiting_half_open,
     "health-watch": lambda t, s: HealthWatch(t, s.health_streams),
     "big-reports": lambda t, s: BigReports(t, threads=1),
@@ -744,6 +842,7 @@ ATTACKS: dict[str, Callable[[Target, Settings], Attack]] = {
     "decide-flood": lambda t, s: DecideFlood(t, s.flood_threads, made_up=False),
     "segment-flood": lambda t, s: DecideFlood(t, s.flood_threads, made_up=True),
 }
+MUTUAL_TLS = frozenset({"half-open-mtls", "half-open-mtls-flood"})  # the attacks on the mutual-TLS controller
 
 
 @dataclass
@@ -760,6 +859,7 @@ class Run:
         ratio = during.p99_ms / before.p99_ms if before.p99_ms > 0 else math.nan
         return {"what": self.what, "p50_before_ms": before.p50_ms, "p99_before_ms": before.p99_ms,
                 "p50_during_ms": during.p50_ms, "p99_during_ms": during.p99_ms, "ratio": ratio,
+                "max_before_ms": before.max_ms, "max_during_ms": during.max_ms,
                 "calls_before": before.calls, "calls_during": during.calls, "failures_before": before.failures,
                 "failures_during": during.failures, "failure_codes_during": during.codes,
                 "over_deadline_before": before.over_deadline, "over_deadline_during": during.over_deadline,
@@ -794,7 +894,20 @@ def settle(target: Target, quiet: float) -> float:
 
 
 def attacks(root: Path, names: Sequence[str], settings: Settings) -> dict[str, dict[str, Any]]:
-    target = start_target(root / "attacks", tokens=True)
+    """The attacks in ``names`` on a controller with tokens, those in MUTUAL_TLS on one that also has mutual TLS
+    (started once the first is stopped); the results in the order of ``names``."""
+    results: dict[str, dict[str, Any]] = {}
+    plain = [name for name in names if name not in MUTUAL_TLS]
+    mutual = [name for name in names if name in MUTUAL_TLS]
+    if plain:
+        results |= attacks_on(start_target(root / "attacks", tokens=True), plain, settings)
+    if mutual:
+        pki = make_pki(root / "attacks-mtls" / "pki")
+        results |= attacks_on(start_target(root / "attacks-mtls", tokens=True, pki=pki), mutual, settings)
+    return {name: results[name] for name in names}
+
+
+def attacks_on(target: Target, names: Sequence[str], settings: Settings) -> dict[str, dict[str, Any]]:
     try:
         teach(target, min(BASELINE_SEGMENTS, settings.segments))
         with Prober(target, settings.rate) as prober:
@@ -865,16 +978,18 @@ def print_scale(s: dict[str, Any]) -> None:
 def print_attacks(a: dict[str, dict[str, Any]], settings: Settings) -> None:
     print(f"\nattacks: a steady client's Decide ({settings.rate:g}/s) for {settings.seconds:g} s before and "
           f"{settings.seconds:g} s during each; goal: p99 during <= {RATIO_GOAL:g}x before, no failure")  # fmt: skip
-    print(f"  {'attack':<15} {'p50 before/during':>19}  {'p99 before/during':>19}  {'ratio':>5}  {'failed':>6} "
+    print(f"  {'attack':<20} {'p50 before/during':>19}  {'p99 before/during':>19}  {'ratio':>5}  {'failed':>6} "
           f"{'>5ms':>9}  {'CPU':>11}  {'threads':>9}  {'RSS MiB':>9}")  # fmt: skip
     for name, r in a.items():
         ok = r["ratio"] <= RATIO_GOAL and not r["failures_during"]
-        print(f"  {name:<15} {r['p50_before_ms']:>7.2f} / {r['p50_during_ms']:>5.2f} ms  {r['p99_before_ms']:>7.2f} "
+        print(f"  {name:<20} {r['p50_before_ms']:>7.2f} / {r['p50_during_ms']:>5.2f} ms  {r['p99_before_ms']:>7.2f} "
               f"/ {r['p99_during_ms']:>5.2f} ms  {r['ratio']:>4.1f}x  {r['failures_during']:>6} "
               f"{r['over_deadline_before']:>4}/{r['over_deadline_during']:<4}  {r['cpu_share_before']:>4.0%} / "
               f"{r['cpu_share_during']:<4.0%}  {r['threads_before']:>4}/{r['threads_during']:<4}  "
               f"{r['rss_mib_before']:>4.0f}/{r['rss_mib_during']:<4.0f}{'' if ok else '  MISSED'}")  # fmt: skip
-        print(f"  {'':<15} {r['what']}: {json.dumps(r['attacker'])}")
+        print(f"  {'':<20} slowest {r['max_before_ms']:.1f} / {r['max_during_ms']:.1f} ms, calls {r['calls_before']} / "
+              f"{r['calls_during']} (a paced client held by a stall makes fewer)")  # fmt: skip
+        print(f"  {'':<20} {r['what']}: {json.dumps(r['attacker'])}")
 
 
 def parse(argv: Sequence[str] | None) -> tuple[Settings, list[str], Path | None, Path]:

@@ -1,7 +1,8 @@
-"""benchmarks/controller_scale.py at a tiny scale over the real path (two `specd controller` processes, the steady
-client's process, the WatchDecisions streams' process and every attack), so that the benchmark cannot rot: each phase
-runs and reports its figures. Whether the goals are met (idle CPU, p99 ratios) is the benchmark's to say on a quiet
-machine at full scale, not this test's: here only what the attackers did is checked, which the load cannot change."""
+"""benchmarks/controller_scale.py at a tiny scale over the real path (three `specd controller` processes: the
+scale phase's, the attacks', the mutual-TLS attacks'; the steady client's process, the WatchDecisions streams' process
+and every attack), so that the benchmark cannot rot: each phase runs and reports its figures. Whether the goals are
+met (idle CPU, p99 ratios) is the benchmark's to say on a quiet machine at full scale, not this test's: here only what
+the attackers did is checked, which the load cannot change."""
 
 from __future__ import annotations
 
@@ -35,8 +36,16 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     for name, a in attacks.items():
         assert a["calls_before"] > 0 and a["calls_during"] > 0, name
         assert math.isfinite(a["ratio"]) and a["ratio"] > 0, name
+        assert a["max_before_ms"] >= a["p99_before_ms"] and a["max_during_ms"] >= a["p99_during_ms"], name
         assert (a["ratio"] <= 2 and not a["failures_during"]) or name in " ".join(figures["missed"]), name
     assert attacks["half-open"]["attacker"]["calls"] == 40
+    # mutual TLS: every connection without a client certificate is refused in the handshake (and gRPC's core logs it)
+    mtls = attacks["half-open-mtls"]["attacker"]
+    assert mtls["calls"] == 40 and mtls["connections"] == 2 and mtls["refused_in_handshake"] == 2, mtls
+    assert mtls["server_logged_handshake_failed"] >= 1, mtls
+    flood = attacks["half-open-mtls-flood"]["attacker"]
+    assert flood["connections"] >= 1 and flood["let_through"] == 0, flood
+    assert flood["refused_in_handshake"] == flood["connections"], flood
     assert attacks["half-open-read"]["attacker"]["ended_by_server"] == 0  # let through: waiting for their message
     assert attacks["health-watch"]["attacker"]["answered"] == 20
     reports = attacks["big-reports"]["attacker"]
