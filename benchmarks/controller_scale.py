@@ -193,7 +193,16 @@ def start_target(
     learning += f", bucket_seconds: {bucket_seconds:g}" if bucket_seconds != 60.0 else ""
     controller = Controller(folder, "null", refresh_seconds=REFRESH_S, settings=settings, learning=learning)
     target = Target(controller, read, write, client_tls=client_tls)
-    controller.start(wait=False)
+    # the refused handshakes are counted from gRPC core's INFO lines, which `specd` turns off unless asked
+    verbosity = os.environ.get("GRPC_VERBOSITY")
+    os.environ["GRPC_VERBOSITY"] = "INFO" if pki is not None else (verbosity or "ERROR")
+    try:
+        controller.start(wait=False)
+    finally:
+        if verbosity is None:
+            del os.environ["GRPC_VERBOSITY"]
+        else:
+            os.environ["GRPC_VERBOSITY"] = verbosity
     try:
         with target.channel() as channel:
             pb_grpc.ControllerStub(channel).GetPolicy(

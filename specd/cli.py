@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from specd_api.errors import SpecdError, UsageError
+
+# gRPC's core logs one INFO line per refused TLS handshake, with no rate limit: a client reconnecting without a
+# certificate to a mutual-TLS port wrote ~1 GB of log an hour (issue 22). Errors only, unless the environment says.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 class OneLineParser(argparse.ArgumentParser):
