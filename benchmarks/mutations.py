@@ -539,6 +539,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         "streams woken together each make the change message: 256 copies of ~700 tables at a decay step",
     ),
     Mutation(
+        "change-message-serialized-per-stream",
+        "controller/table_publisher.py",
+        "        return wire[1] if wire is not None and wire[0] is message else message",
+        "        return message",
+        ("tests/controller/test_scale_reads.py",),
+        "every stream serializes the shared change message itself: 256 encodings of ~700 tables at a decay step",
+    ),
+    Mutation(
+        "stream-bytes-serialized-again",
+        "controller/grpc_server.py",
+        "        return response if type(response) is bytes else encode(response)",
+        "        return encode(response)",
+        ("tests/controller/test_decision_tables.py",),
+        "a stream message sent as bytes is handed to the message serializer: every change message fails the stream",
+    ),
+    Mutation(
+        "report-budget-no-hold",
+        "controller/request_wait.py",
+        "                if hold is not None and (seconds := hold(peer_host(context.peer()))) > 0:",
+        "                if False and hold is not None and (seconds := hold(peer_host(context.peer()))) > 0:",
+        ("tests/controller/test_report_budget.py",),
+        "a client over its report budget is read and parsed at once, then refused: it sends 130 reports a second",
+    ),
+    Mutation(
+        "posteriors-per-bucket",
+        "controller/service.py",
+        "        kept = self._posteriors.get(key)",
+        "        kept = None",
+        ("tests/controller/test_scale_reads.py",),
+        "a decision table computes each drafter's posteriors once per batch bucket: five times at every decay step",
+    ),
+    Mutation(
         "heartbeat-phase-shared",
         "controller/table_publisher.py",
         "            phase = random.uniform(0.0, self.heartbeat_seconds)",
@@ -630,6 +662,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        counted = True",
         ("tests/controller/test_request_wait.py",),
         "any number of calls wait for their request message: only the connections bound their memory (issue 22)",
+    ),
+    Mutation(
+        "report-budget-no-refill",
+        "controller/report_budget.py",
+        "                bucket.tokens = min(self.burst, bucket.tokens + max(now - bucket.updated, 0.0) * self.rate)",
+        "                bucket.tokens = min(self.burst, bucket.tokens)",
+        ("tests/controller/test_report_budget.py",),
+        "a peer's report budget never refills: once spent, its worker's reports are refused for good (issue 22)",
+    ),
+    Mutation(
+        "report-budget-charged-before-size-check",
+        "controller/service.py",
+        "        if self.budget is None or cost > MAX_AGGREGATES:",
+        "        if self.budget is None:",
+        ("tests/controller/test_report_budget.py",),
+        "a report past the size bound is charged to the budget: RESOURCE_EXHAUSTED (retried forever) instead of "
+        "INVALID_ARGUMENT (issue 22)",
     ),
 )
 

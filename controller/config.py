@@ -5,6 +5,8 @@ folder. ``SPECD_REDIS_URL`` in the environment overrides ``redis_url`` (so a pas
 EnvironmentFile); ``redis_tls`` holds the CA (and client certificate) for a ``rediss://`` URL. ``tls:`` and ``auth:``
 lock the gRPC port down (controller/auth.py). Every certificate and token file is checked, and the tokens read, when
 the file is loaded. ``metrics.listen`` opens the Prometheus endpoint (controller/metrics_endpoint.py); off by default.
+``learning.report_aggregates_per_second_per_peer`` is each client host's budget of report work
+(controller/report_budget.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from controller.redis_conn import RedisTls, uses_tls
+from controller.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, ReportBudget
 from controller.store import StoreConfig
+from specd_api.checks import MAX_AGGREGATES
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.security import Secret, ServerTls
 from specd_api.yaml_config import load_yaml_model
@@ -38,6 +42,26 @@ class LearningConfig(Strict):
     journal_max_bytes: int = Field(
         16 * 2**20, ge=4096, description="the journal's size bound; a report past it gets RESOURCE_EXHAUSTED"
     )
+    report_aggregates_per_second_per_peer: float = Field(
+        4000.0, ge=0, allow_inf_nan=False,
+        description="the report budget: aggregates a second each client host (IP) may report; a report over it gets "
+        "RESOURCE_EXHAUSTED before any work (the worker retries it). 0: no budget",
+    )  # fmt: skip
+    report_aggregates_burst_per_peer: int = Field(
+        2 * MAX_AGGREGATES, ge=MAX_AGGREGATES,
+        description="the most aggregates a client host may report at once (its bucket's size): at least one report "
+        "at the size bound, so that one always passes when the bucket is full",
+    )  # fmt: skip
+    report_budget_hold_seconds: float = Field(
+        1.0, ge=0, le=MAX_HOLD_SECONDS, allow_inf_nan=False,
+        description="the longest a client host's report is held before it is read, until its budget holds what its "
+        "last report cost: a client sending back to back is paced, not refused after its report was parsed. 0: "
+        "never held",
+    )  # fmt: skip
+    report_budget_max_peers: int = Field(
+        DEFAULT_MAX_PEERS, ge=1, le=1_000_000, description="client hosts whose budget is kept (least recently seen "
+        "out first; one that comes back starts with a full bucket)",
+    )  # fmt: skip
 
     def store_config(self) -> StoreConfig:
         return StoreConfig(
@@ -50,6 +74,14 @@ class LearningConfig(Strict):
             samples_max=self.samples_max,
             decay_step_seconds=self.bucket_seconds,  # decay moves with the window, once a bucket
         )
+
+    def report_budget(self) -> ReportBudget | None:
+        """The per-peer budget of report work (controller/report_budget.py); None when it is off."""
+        rate = self.report_aggregates_per_second_per_peer
+        if rate == 0:
+            return None
+        return ReportBudget(rate, self.report_aggregates_burst_per_peer, self.report_budget_max_peers,
+                            max_hold_seconds=self.report_budget_hold_seconds)  # fmt: skip
 
 
 class TokenAuth(Strict):

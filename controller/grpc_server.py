@@ -134,8 +134,21 @@ class ThreadedStreams(grpc.aio.ServerInterceptor):
         return grpc.unary_stream_rpc_method_handler(
             stream_in_pool(handler.unary_stream, self.pool),
             request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+            response_serializer=passing_bytes(handler.response_serializer),
         )
+
+
+def passing_bytes(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """``serializer``, but a response that is bytes already goes as it is: a stream handler may send one message,
+    serialized once, to many streams (a decision-table change to every WatchDecisions stream)."""
+    if serializer is None:
+        return None
+    encode = serializer
+
+    def serialize(response: Any) -> bytes:
+        return response if type(response) is bytes else encode(response)
+
+    return serialize
 
 
 class PerMethod:

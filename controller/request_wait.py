@@ -44,6 +44,7 @@ import grpc
 
 from controller.auth import RefusalLog
 from controller.grpc_server import PerMethod, ThreadContext, is_async
+from controller.report_budget import MAX_HOLD_SECONDS, peer_host
 
 # A client sends its request with its headers: on a loopback or a LAN it is in within a millisecond, and the largest
 # one the port accepts (MAX_REPORT_BYTES, 1 MiB) crosses a 1 Mbit/s link in 8 s. 10 s keeps every real caller and
@@ -59,6 +60,7 @@ OVER_CAP_WAIT_SECONDS = 0.1
 NO_MESSAGE = "the call ended its request stream without a message: this method takes one"
 SECOND_MESSAGE = "a second request message came: this method takes one"
 WAIT_ENV, MAX_WAITING_ENV = "SPECD_REQUEST_WAIT_SECONDS", "SPECD_MAX_WAITING_CALLS"
+Hold = Callable[[str], float]  # a client host -> seconds to hold its call before reading the request
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,12 @@ class RequestWait(grpc.aio.ServerInterceptor):
     """Reads the request of every method that takes one, within ``limits`` (see the module). ``serve_in`` names the
     pool synchronous handlers run in (the server's, built with it) before the server starts."""
 
-    def __init__(self, limits: WaitLimits, refusals: RefusalLog | None = None) -> None:
+    def __init__(
+        self, limits: WaitLimits, refusals: RefusalLog | None = None, holds: Mapping[str, Hold] | None = None
+    ) -> None:
         self.limits = limits
         self.refusals = refusals or RefusalLog()
+        self.holds = dict(holds or {})  # method -> how long to hold a peer's call before reading its request
         self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
         self._pool: futures.Executor | None = None
         self._wrapped = PerMethod(self._wrap)
@@ -166,8 +171,11 @@ class RequestWait(grpc.aio.ServerInterceptor):
         limits = self.limits
         counted = self.waiting < limits.max_waiting
         self.waiting += counted
+        hold = self.holds.get(method)
         try:
             async with asyncio.timeout(limits.wait_seconds if counted else OVER_CAP_WAIT_SECONDS):
+                if hold is not None and (seconds := hold(peer_host(context.peer()))) > 0:
+                    await asyncio.sleep(min(seconds, MAX_HOLD_SECONDS))  # on the loop: no thread, nothing read
                 request = await context.read()  # one deadline for both reads, and no task of its own
                 extra = grpc.aio.EOF if request is grpc.aio.EOF else await context.read()
         except TimeoutError:

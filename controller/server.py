@@ -46,6 +46,7 @@ from specd_api.v1 import controller_pb2, controller_pb2_grpc
 from specd_api.yaml_config import ConfigError
 
 log = logging.getLogger("specd.controller")
+REPORT_ROUNDS = "/specd.v1.Controller/ReportRounds"
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name
 # Health of the telemetry store alone: NOT_SERVING while Redis does not answer. "" and SERVICE_NAME stay SERVING
 # then, since Decide keeps answering from memory (contract 3): a probe on them must not take every replica out of
@@ -99,7 +100,8 @@ class ControllerDaemon:
         gc.collect()
         gc.freeze()
         self._serve_metrics()
-        self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher))
+        budget = self.config.learning.report_budget()  # each client host's report work (controller/report_budget.py)
+        self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher, budget))
         self._start_loop("refresh", refresh, self._refresh, first_wait=0.0)
         self._start_loop("decision-tables", refresh, self.publisher.rebuild)
         self._start_loop("prior", self.config.learning.refresh_seconds, learner.refit_prior)
@@ -154,7 +156,9 @@ class ControllerDaemon:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
         listen, tls = self.config.listen, self.config.tls
         try:
-            request_wait = RequestWait(WaitLimits.from_environment())
+            budget = servicer.budget  # a client host over its budget of report work is held before being read
+            holds = {} if budget is None else {REPORT_ROUNDS: budget.hold_seconds}
+            request_wait = RequestWait(WaitLimits.from_environment(), holds=holds)
         except ValueError as e:
             raise StartupError(str(e)) from None
         server = GrpcServer(

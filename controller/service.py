@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections import Counter
@@ -13,18 +14,22 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter as PrometheusCounter
 
 from controller import validation
 from controller.cost_model import BucketCosts
+from controller.counts import SegmentCounts
 from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
 from controller.learner import Learner
 from controller.pacing import URGENT
 from controller.policy import DRAFTERS, PolicyStore, Settings
+from controller.report_budget import ReportBudget, peer_host
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
 from controller.views import SegmentView, cost_model, segment_stats
+from specd_api.checks import MAX_AGGREGATES
 from specd_api.lru import LruMemory
 from specd_api.plan import Plan
 from specd_api.spans import plan_attributes
@@ -33,6 +38,8 @@ from specd_api.tracing import context_from_metadata
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError
+
+log = logging.getLogger(__name__)
 
 TYPICAL_MAX_NEW_TOKENS = 128  # the request that GetSegmentStats's "decision now" is made for
 # Plans made from the statistics (not from a rule): the ones hysteresis remembers.
@@ -50,6 +57,7 @@ class Controller:
         self._max_remembered = max_remembered
         self._rng = threading.local()
         self._estimates: dict[tuple[object, ...], dict[str, DrafterEstimate]] = {}
+        self._posteriors: dict[tuple[object, ...], DrafterEstimate] = {}  # _posteriors_of's
         self._inputs: dict[tuple[object, ...], tuple[tuple[str, float, float, float], ...]] = {}
         self._inputs_version: object = None  # the learner's version the kept inputs were made at
         self._drift_announced: LruMemory[bool] = LruMemory(max_remembered)  # alarms already put on a Decide span
@@ -75,9 +83,11 @@ class Controller:
         cached = self._estimates.get(key)
         if cached is not None:
             return cached
+        n0 = settings.prior_strength
         estimates: dict[str, DrafterEstimate] = {
             d: replace(
-                estimate_drafter(counts, d, k_max, alpha, proposal, settings.prior_strength, c),
+                self._posteriors_of(request.segment, version, counts, d, k_max, alpha, proposal, n0),
+                cost_ratio=c,
                 calibration=calibration_factor(median(counts.calibration.get(d, {})),
                                                total(counts.calibration.get(d, {})), toward=fleet),
             )
@@ -89,6 +99,23 @@ class Controller:
                     self._estimates.clear()  # mostly dead keys: versions moved on
                 self._estimates[key] = estimates
         return estimates
+
+    def _posteriors_of(
+        self, segment: str, version: int, counts: SegmentCounts, drafter: str, k_max: int, alpha: float,
+        proposal: float, strength: float,
+    ) -> DrafterEstimate:  # fmt: skip
+        """The drafter's per-position posteriors in the segment (``estimate_drafter``), which the batch size does not
+        move (only the cost ratio, set by the caller, does): kept per version of the segment's counts, so that a
+        decision table's buckets (5 a segment, 1,000 segments at a decay step) compute them once, not once each."""
+        key = (segment, version, drafter, k_max, alpha, proposal, strength)
+        kept = self._posteriors.get(key)
+        if kept is None:
+            kept = estimate_drafter(counts, drafter, k_max, alpha, proposal, strength, 0.0)
+            with self._cache_lock:
+                if len(self._posteriors) >= 4 * self._max_remembered:
+                    self._posteriors.clear()  # mostly dead keys: versions moved on
+                self._posteriors[key] = kept
+        return kept
 
     def estimate_inputs(self, settings: Settings, request: Request) -> tuple[tuple[str, float, float, float], ...]:
         """Each drafter's prior acceptance and proposal rate for this request, and the fleet's calibration factor its
@@ -211,11 +238,27 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     """gRPC glue: validation errors become INVALID_ARGUMENT; every RPC is a span joined to the caller's trace."""
 
     def __init__(
-        self, controller: Controller, tracer: trace.Tracer, publisher: DecisionPublisher | None = None
+        self,
+        controller: Controller,
+        tracer: trace.Tracer,
+        publisher: DecisionPublisher | None = None,
+        budget: ReportBudget | None = None,
     ) -> None:
         self.controller = controller
         self.tracer = tracer
         self.publisher = publisher  # None: WatchDecisions is not served (UNIMPLEMENTED)
+        self.budget = budget  # each client host's budget of report work; None: none
+        if budget is not None:
+            registry = controller.learner.registry
+            self._over_budget = PrometheusCounter(
+                "specd_controller_reports_over_budget", "ReportRounds refused with RESOURCE_EXHAUSTED because the "
+                "client host's report budget (learning.report_aggregates_per_second_per_peer) was spent",
+                registry=registry,
+            )  # fmt: skip
+            self._aggregates_over_budget = PrometheusCounter(
+                "specd_controller_report_aggregates_over_budget", "aggregates in the reports refused over budget",
+                registry=registry,
+            )  # fmt: skip
 
     @contextmanager
     def _span(self, name: str, context: grpc.ServicerContext) -> Iterator[trace.Span]:
@@ -250,7 +293,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
 
     def WatchDecisions(
         self, request: pb.WatchDecisionsRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.DecisionTables]:
+    ) -> Iterator[pb.DecisionTables | bytes]:
         with self._span("WatchDecisions", context) as span:
             try:
                 drafters = validation.watched_drafters(request)
@@ -263,12 +306,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 return
             context.add_callback(publisher.wake)  # a stream the worker closed ends now, not at the next refresh
         try:
-            yield from publisher.watch(drafters, context.is_active)
+            for message in publisher.watch(drafters, context.is_active):
+                yield publisher.wire(message)  # bytes as they are: grpc_server.passing_bytes
         except TooManyWatchers as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     def ReportRounds(self, request: pb.ReportRoundsRequest, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
         with self._span("ReportRounds", context) as span:
+            self._charge_budget(request, span, context)
             try:
                 report_id, aggregates = validation.report(request)
             except ValueError as e:
@@ -290,6 +335,28 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             return pb.ReportRoundsResponse(
                 rounds_accepted=outcome.rounds, duplicate=outcome.duplicate, journaled=outcome.journaled
             )
+
+    def _charge_budget(self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext) -> None:
+        """Spend the report's aggregates from its client host's budget, or refuse it with RESOURCE_EXHAUSTED before
+        any of its work (controller/report_budget.py). A report past the size bound is not charged: validation
+        refuses it with INVALID_ARGUMENT."""
+        cost = len(request.aggregates)
+        if self.budget is None or cost > MAX_AGGREGATES:
+            return
+        over = self.budget.charge(peer_host(context.peer()), cost)
+        if over is None:
+            return
+        self._over_budget.inc()
+        self._aggregates_over_budget.inc(cost)
+        message = (
+            f"report budget spent: client host {over.peer} may report {self.budget.rate:g} aggregates a second "
+            f"(bursts of {self.budget.burst:g}); this report's {cost} fit in {over.retry_after_seconds:.2f} s: retry "
+            "it then (nothing of it was stored)"
+        )
+        if over.log:
+            log.warning("%s (logged at most once a minute per client host)", message)
+        span.set_status(Status(StatusCode.ERROR, message))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
     def GetSegmentStats(self, request: pb.GetSegmentStatsRequest, context: grpc.ServicerContext) -> pb.SegmentStats:
         with self._span("GetSegmentStats", context) as span:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from itertools import pairwise
 from types import SimpleNamespace
@@ -17,9 +18,18 @@ import pytest
 import redis
 
 from controller.store import Snapshot, TelemetryStore
-from controller.table_publisher import HEARTBEAT_PERIODS, DecisionPublisher, heartbeat_wait
+from controller.table_publisher import HEARTBEAT_PERIODS, DecisionPublisher, heartbeat_wait, segment_table
+from specd_api.v1 import controller_pb2 as pb
 from tests.controller.test_client import started
-from tests.controller.test_decision_tables import FIXED_NOW, client_config, daemon_config, learned, stream_of, teach
+from tests.controller.test_decision_tables import (
+    DRAFTERS,
+    FIXED_NOW,
+    client_config,
+    daemon_config,
+    learned,
+    stream_of,
+    teach,
+)
 from tests.controller.test_store import T0, FakeClock, make_store, small
 from tests.daemons import running
 
@@ -467,3 +477,32 @@ def test_streams_woken_together_share_one_change_message() -> None:
         publisher.close()
     assert len(got) == 8 and all(m.stale for m in got) and all(m is got[0] for m in got)
     assert made == [False], f"the change message made {len(made)} times"
+    wire = publisher.wire(got[0])
+    assert wire == got[0].SerializeToString() and all(publisher.wire(m) is wire for m in got), "serialized once"
+    assert publisher.wire(pb.DecisionTables()) == pb.DecisionTables(), "any other message goes as it is"
+
+
+def test_a_table_computes_each_drafters_posteriors_once_not_once_per_batch_bucket(
+    embedded_redis_url, prefix, tmp_path, monkeypatch
+) -> None:
+    """The posteriors do not depend on the batch size (the cost ratio does, set per bucket): a segment's table (five
+    buckets: 1, 2, 4, 8 and above) computed them five times over, at a decay step for every segment."""
+    import controller.service as service_module
+
+    with running(daemon_config(embedded_redis_url, tmp_path, prefix), clock=lambda: FIXED_NOW) as daemon:
+        with started(client_config(daemon.address, watch=())) as reporter:
+            teach(reporter, "posteriors")
+            learned(daemon, reporter, ["posteriors"], 32)
+        controller = daemon.controller
+        assert controller is not None
+        calls: list[str] = []
+        estimate = service_module.estimate_drafter
+
+        def counted(counts: Any, drafter: str, *args: Any) -> Any:
+            calls.append(drafter)
+            return estimate(counts, drafter, *args)
+
+        monkeypatch.setattr(service_module, "estimate_drafter", counted)
+        table = segment_table(controller, "posteriors", DRAFTERS)
+        assert table is not None and len(table.buckets) >= 3
+        assert set(DRAFTERS) <= set(calls) and len(calls) == len(set(calls)), f"per drafter: {Counter(calls)}"
