@@ -571,6 +571,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a decision table computes each drafter's posteriors once per batch bucket: five times at every decay step",
     ),
     Mutation(
+        "daemon-keeps-the-switch-interval",
+        "controller/server.py",
+        "        sys.setswitchinterval(SWITCH_INTERVAL_S)\n",
+        "        pass\n",
+        ("tests/controller/test_interceptors.py",),
+        "a Decide waits up to 5 ms at each thread crossing behind a report's unpaced stretches",
+    ),
+    Mutation(
         "heartbeat-phase-shared",
         "controller/table_publisher.py",
         "            phase = random.uniform(0.0, self.heartbeat_seconds)",

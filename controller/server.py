@@ -14,6 +14,7 @@ import contextlib
 import gc
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from specd_api.yaml_config import ConfigError
 
 log = logging.getLogger("specd.controller")
 REPORT_ROUNDS = "/specd.v1.Controller/ReportRounds"
+SWITCH_INTERVAL_S = 0.001  # the interpreter's switch interval in the daemon (Python's default: 5 ms)
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name
 # Health of the telemetry store alone: NOT_SERVING while Redis does not answer. "" and SERVICE_NAME stay SERVING
 # then, since Decide keeps answering from memory (contract 3): a probe on them must not take every replica out of
@@ -99,6 +101,10 @@ class ControllerDaemon:
         # reports at the size bound, and stalled every Decide for as long: issue 22)
         gc.collect()
         gc.freeze()
+        # A thread that wants the interpreter waits for the running one to give it up, or for the switch interval:
+        # beside a report's unpaced stretches (its Redis command built, its samples encoded: milliseconds each) a
+        # Decide waited up to 5 ms at each of its thread crossings. 1 ms bounds each wait (issue 22).
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._serve_metrics()
         budget = self.config.learning.report_budget()  # each client host's report work (controller/report_budget.py)
         self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher, budget))

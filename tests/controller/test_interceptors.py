@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import grpc
+import pytest
 
 from controller.auth import TokenCheck, Tokens
 from controller.decoding import RefuseUndecodable
@@ -82,12 +83,17 @@ def test_the_daemon_puts_what_start_up_made_out_of_the_collectors_reach(embedded
     """A full collection walked everything the process had (50-60 ms every few reports at the size bound, every
     Decide stalled as long): start-up's objects are frozen, so a full collection walks only what came since."""
     import gc
+    import sys
 
     from tests.daemons import running_daemon
 
     gc.unfreeze()
+    interval = sys.getswitchinterval()
     try:
         with running_daemon(embedded_redis_url, tmp_path):
             assert gc.get_freeze_count() > 10_000  # modules, the policy, the prior, the first snapshot
+            # and a thread waiting for the interpreter waits 1 ms at most, not 5, behind one that does not give it up
+            assert sys.getswitchinterval() == pytest.approx(0.001)
     finally:
         gc.unfreeze()
+        sys.setswitchinterval(interval)
