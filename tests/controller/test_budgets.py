@@ -5,7 +5,6 @@ loopback sockets: in this process, and a `specd controller` process with the def
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import time
 from contextlib import ExitStack
@@ -17,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.half_open import HalfOpenCalls
-from tests.controller.test_daemon import start, write_config
+from tests.controller.test_daemon import start, write_tokened_config
 from tests.daemons import DEFAULT_POLICY, connected, running_daemon
-from tests.waiting import free_port, wait_until
+from tests.waiting import wait_until
 
 STREAMS = 120  # well past the daemon's pool (max_workers 4 + max_watchers)
 HALF_OPEN = 300  # per kind of caller: past the default pool (max_workers 16 + max_watchers 256) the issue filled
@@ -111,14 +110,9 @@ def test_calls_that_never_send_a_message_hold_no_thread(tmp_path: Path, embedded
     process's thread count does not grow with them (the synchronous server gave each a pool thread, and about 270
     timed every Decide out), the unauthenticated ones are refused at once, and SIGTERM still drains within the
     grace."""
-    read, write = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(DEFAULT_POLICY.read_text())
-    port = free_port()
-    config = write_config(tmp_path, embedded_redis_url, policy, port)
-    config.write_text(config.read_text() + "shutdown_grace_seconds: 1\n"
-                      "auth: {read_token: {env: T_READ}, write_token: {env: T_WRITE}}\n")  # fmt: skip
-    process = start(config, {"T_READ": read, "T_WRITE": write})
+    config, port, tokens = write_tokened_config(tmp_path, embedded_redis_url)
+    read = tokens["T_READ"]
+    process = start(config, tokens)
     address = f"127.0.0.1:{port}"
     try:
         with ExitStack() as stack:

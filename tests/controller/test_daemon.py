@@ -4,6 +4,7 @@ graceful SIGTERM, file-watch reload, and a clear refusal to start with a bad pol
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import DEFAULT_POLICY
 from tests.waiting import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +30,18 @@ def write_config(tmp: Path, redis_url: str, policy: Path, port: int) -> Path:
         f"policy_watch_seconds: 0.2\nlearning: {{prefix: d{port}}}\n"
     )
     return config
+
+
+def write_tokened_config(tmp: Path, redis_url: str) -> tuple[Path, int, dict[str, str]]:
+    """A controller's config on a free port with the shipped policy, a grace of 1 s, and a read and a write token
+    read from ``T_READ`` and ``T_WRITE``: (the config, its port, the environment holding the tokens)."""
+    policy = tmp / "policy.yaml"
+    policy.write_text(DEFAULT_POLICY.read_text())
+    port = free_port()
+    config = write_config(tmp, redis_url, policy, port)
+    config.write_text(config.read_text() + "shutdown_grace_seconds: 1\n"
+                      "auth: {read_token: {env: T_READ}, write_token: {env: T_WRITE}}\n")  # fmt: skip
+    return config, port, {"T_READ": secrets.token_urlsafe(24), "T_WRITE": secrets.token_urlsafe(24)}
 
 
 class NotifySocket:

@@ -25,11 +25,10 @@ from controller.request_wait import MAX_WAITING_CALLS, REQUEST_WAIT_SECONDS, Req
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.half_open import HalfOpenCalls
-from tests.controller.test_daemon import start, write_config
+from tests.controller.test_daemon import start, write_tokened_config
 from tests.controller.test_interceptors import intercept, unary
 from tests.controller.test_service import draft_aggregate
-from tests.daemons import DEFAULT_POLICY
-from tests.waiting import free_port, wait_until
+from tests.waiting import wait_until
 
 WAIT_S = 1.5
 CAP = 40
@@ -52,15 +51,9 @@ class Controller:
 @pytest.fixture(scope="module")
 def controller(embedded_redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Controller]:
     folder = tmp_path_factory.mktemp("request-wait")
-    read, write = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    policy = folder / "policy.yaml"
-    policy.write_text(DEFAULT_POLICY.read_text())
-    port = free_port()
-    config = write_config(folder, embedded_redis_url, policy, port)
-    config.write_text(config.read_text() + "shutdown_grace_seconds: 1\n"
-                      "auth: {read_token: {env: T_READ}, write_token: {env: T_WRITE}}\n")  # fmt: skip
-    env = {"T_READ": read, "T_WRITE": write, "SPECD_REQUEST_WAIT_SECONDS": str(WAIT_S),
-           "SPECD_MAX_WAITING_CALLS": str(CAP)}  # fmt: skip
+    config, port, tokens = write_tokened_config(folder, embedded_redis_url)
+    read, write = tokens["T_READ"], tokens["T_WRITE"]
+    env = {**tokens, "SPECD_REQUEST_WAIT_SECONDS": str(WAIT_S), "SPECD_MAX_WAITING_CALLS": str(CAP)}
     process = start(config, env)
     running = Controller(f"127.0.0.1:{port}", read, write, process)
     try:
