@@ -541,8 +541,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "change-message-serialized-per-stream",
         "controller/table_publisher.py",
-        "        return wire[1] if wire is not None and wire[0] is message else message",
-        "        return message",
+        "            return next((data for _, made, data in self._deltas.values() if made is message), message)",
+        "            return message",
         ("tests/controller/test_scale_reads.py",),
         "every stream serializes the shared change message itself: 256 encodings of ~700 tables at a decay step",
     ),

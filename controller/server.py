@@ -161,11 +161,11 @@ class ControllerDaemon:
     def _serve(self, servicer: ControllerServicer) -> None:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
         listen, tls = self.config.listen, self.config.tls
+        budget = servicer.budget  # a client host over its budget of report work is held before being read
+        holds = {} if budget is None else {REPORT_ROUNDS: budget.hold_seconds}
         try:
-            budget = servicer.budget  # a client host over its budget of report work is held before being read
-            holds = {} if budget is None else {REPORT_ROUNDS: budget.hold_seconds}
             request_wait = RequestWait(WaitLimits.from_environment(), holds=holds)
-        except ValueError as e:
+        except ValueError as e:  # a bound in the environment that is not one
             raise StartupError(str(e)) from None
         server = GrpcServer(
             # threads for handlers only: a call waiting for its request holds none. Every WatchDecisions stream holds

@@ -416,9 +416,8 @@ class TelemetryStore:
         (``read_changes``). Their last report times (the scores every replica's ingest writes) are read again only
         when the marks are not known, the bucket moved on, or the count in the window is not the list's (a new
         segment, one whose time here is older than its time there); else it is the list read before, less those now
-        out of the window. A key of the wrong type there
-        (hand-edited data) is skipped and counted: no segment is then tracked until reports rebuild it, but
-        decisions go on."""
+        out of the window. A key of the wrong type there (hand-edited data) is skipped and counted: no segment is then
+        tracked until reports rebuild it, but decisions go on."""
         now = self.clock()
         since = now - self.config.bucket_seconds * self.config.window_buckets
         changed, active = self.read_changes(since)

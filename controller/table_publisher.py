@@ -144,9 +144,9 @@ class DecisionPublisher:
         self._watchers: Counter[Drafters] = Counter()
         self._tables: dict[Drafters, Tables] = {}
         self._header: tuple[str, bool] | None = None  # (policy version, stale) of the last build
-        self._deltas: dict[Drafters, tuple[Tables, pb.DecisionTables]] = {}  # each drafter set's latest change message
+        # each drafter set's latest change message, and its bytes (serialized once for every stream that sends it)
+        self._deltas: dict[Drafters, tuple[Tables, pb.DecisionTables, bytes]] = {}
         self._delta_lock = threading.Lock()  # one stream makes a change message; the others wait and share it
-        self._wire: tuple[pb.DecisionTables, bytes] | None = None  # the latest change message and its bytes
         self._built_unix = 0.0
 
     @property
@@ -251,17 +251,16 @@ class DecisionPublisher:
             if made is not None and made[0] is tables:
                 return made[1]
             message = self._message(False, (tables.tables[s].table for s in tables.changed), tables.removed)
+            data = message.SerializeToString()
             with self._cond:
-                self._deltas[drafters] = (tables, message)
-                self._wire = (message, message.SerializeToString())
+                self._deltas[drafters] = (tables, message, data)
             return message
 
     def wire(self, message: pb.DecisionTables) -> pb.DecisionTables | bytes:
         """What a stream sends for ``message``: the bytes serialized once when it is the change message every stream
         shares (256 streams serialized 256 copies of ~700 tables at a decay step), else the message itself."""
         with self._cond:
-            wire = self._wire
-        return wire[1] if wire is not None and wire[0] is message else message
+            return next((data for _, made, data in self._deltas.values() if made is message), message)
 
     def _moved_since(self, drafters: Drafters, version: int) -> Callable[[], bool]:
         return lambda: self._closed or (drafters in self._tables and self._tables[drafters].version != version)
