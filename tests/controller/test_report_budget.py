@@ -32,6 +32,9 @@ from tests.waiting import wait_until
 
 RATE = 1000.0  # the test daemon's budget: aggregates a second per peer host
 BURST = MAX_AGGREGATES
+# Every filler report's segment: one name, so that fillers never fill the controller's cap on active segments (1,000;
+# past it new segments count as _overflow, and a later test's segment was lost there when each filler had its own)
+FILLER = "filler"
 
 
 class FakeClock:
@@ -236,7 +239,7 @@ def empty(stub: pb_grpc.ControllerStub) -> None:
     """Spend the peer's bucket: it waits a full second for the next report at the size bound, ~1 ms per aggregate."""
     for _ in range(5):  # a full bucket holds one of them, and a second only after a second of refill
         try:
-            stub.ReportRounds(report(f"filler-{uuid.uuid4().hex[:8]}", MAX_AGGREGATES), timeout=RPC_TIMEOUT)
+            stub.ReportRounds(report(FILLER, MAX_AGGREGATES), timeout=RPC_TIMEOUT)
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
             return
@@ -250,7 +253,7 @@ def spending(stub: pb_grpc.ControllerStub, until: Callable[[], bool]) -> Iterato
     def spend() -> None:
         while not until():
             with contextlib.suppress(grpc.RpcError):
-                stub.ReportRounds(report(f"filler-{uuid.uuid4().hex[:8]}", 50), timeout=RPC_TIMEOUT)
+                stub.ReportRounds(report(FILLER, 50), timeout=RPC_TIMEOUT)
 
     thread = threading.Thread(target=spend, daemon=True)
     thread.start()
