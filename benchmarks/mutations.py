@@ -59,6 +59,7 @@ COSTS = ("tests/controller/test_simulation.py", "tests/controller/test_decide.py
 ROBUST = ("tests/controller/test_robust_costs.py",)
 NATIVE = ("tests/decoder/test_native.py",)
 TABLES = "tests/controller/test_decision_tables.py"
+EPOCHS = "tests/controller/test_table_epochs.py"
 BF16_DOT = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})  # the avx512bf16 build's tests skip without these
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -577,6 +578,78 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        pass\n",
         ("tests/controller/test_interceptors.py",),
         "a Decide waits up to 5 ms at each thread crossing behind a report's unpaced stretches",
+    ),
+    Mutation(
+        "table-decay-epochs-in-phase",
+        "controller/table_publisher.py",
+        "    phase = zlib.crc32(segment.encode()) % TABLE_DECAY_STEPS",
+        "    phase = 0",
+        (EPOCHS,),
+        "every segment's decay epoch turns at the same step: every TABLE_DECAY_STEPS steps, every table at once",
+    ),
+    Mutation(
+        "table-follows-decay-at-once",
+        "controller/table_publisher.py",
+        "(old.key == key or (old.key.hard == key.hard and old.epoch == epoch))",
+        "(old.key == key)",
+        (EPOCHS,),
+        "a decay step (or prior refit) recomputes every table: 1-2 s of CPU a step at 1,000 segments",
+    ),
+    Mutation(
+        "table-never-follows-decay",
+        "controller/table_publisher.py",
+        "    return (controller.learner.decay_steps + phase) // TABLE_DECAY_STEPS",
+        "    return 0",
+        (EPOCHS,),
+        "a table whose segment gets no report never follows its counts' decay (nor the prior's refits)",
+    ),
+    Mutation(
+        "table-sent-whatever-the-change",
+        "controller/table_publisher.py",
+        "            if old is not None and not material_change(old.table, table):",
+        "            if False:",
+        (EPOCHS,),
+        "a table recomputed by decimals is sent to every stream again (~70 % of 1,000 tables at a decay step)",
+    ),
+    Mutation(
+        "table-tolerance-against-the-last-computed",
+        "controller/table_publisher.py",
+        "                tables[segment] = BuiltTable(old.table, old.data, key, quick, epoch)",
+        "                tables[segment] = BuiltTable(table, old.data, key, quick, epoch)",
+        (EPOCHS,),
+        "moves below the tolerance never add up: a table drifting by decimals is never sent",
+    ),
+    Mutation(
+        "table-change-ignores-plan-fields",
+        "controller/table_change.py",
+        "            if _plain(a, field) != _plain(b, field):",
+        "            if False:",
+        ("tests/controller/test_table_change.py",),
+        "a plan whose drafter or K changed counts as within the tolerances: workers keep the old plan",
+    ),
+    Mutation(
+        "table-change-probe-shares-ignored",
+        "controller/table_change.py",
+        "        if abs(share_a - share_b) > PROBE_SHARE_TOLERANCE:",
+        "        if False:",
+        ("tests/controller/test_table_change.py",),
+        "a probe's share moved by 0.1 (or a probe appeared) is never sent: workers explore at the old rate",
+    ),
+    Mutation(
+        "decay-moves-the-data-version",
+        "controller/learner.py",
+        "        decayed = {s for s in moved if _decayed_only(self._snapshot, snapshot, s)}",
+        "        decayed: set[str] = set()",
+        (EPOCHS,),
+        "a decay step counts as new data: every table is recomputed at every step",
+    ),
+    Mutation(
+        "report-counts-as-decay-only",
+        "controller/learner.py",
+        "    return before is not None and after is not None and before[1:] == after[1:]",
+        "    return before is not None and after is not None",
+        (EPOCHS,),
+        "a report on a segment counts as its decay only: its table waits for its epoch (minutes) to show it",
     ),
     Mutation(
         "heartbeat-phase-shared",

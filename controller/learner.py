@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -71,6 +72,11 @@ class Learner:
         self.version = 0
         self.costs_version = 0
         self._segment_versions: dict[str, int] = {}
+        # Each segment's counts by what they are made of, not by when they are decayed to: moves with a report (or a
+        # bucket leaving the window, a new drift regime), not at a decay step. Decision tables follow a decay-only
+        # move a few steps late (table_publisher.TABLE_DECAY_STEPS), and never all at once.
+        self._data_versions: dict[str, int] = {}
+        self.decay_steps = 0  # decay steps this learner's snapshots have crossed
         self._prior_document: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         self.drift_watch = DriftWatch(self.registry, store.config.bucket_seconds, store.config.window_buckets)
@@ -158,13 +164,16 @@ class Learner:
         except redis.RedisError as e:
             return self._unreachable(e)
         moved = _changed_segments(self._snapshot, snapshot)  # outside the lock: only a refresh replaces the snapshot
+        decayed = {s for s in moved if _decayed_only(self._snapshot, snapshot, s)}
+        stepped = snapshot.decay_at != self._snapshot.decay_at and self._snapshot.decay_at is not None
         with self._lock:  # report() journals under this lock too: the journal and the view change together
             self._snapshot = snapshot
+            self.decay_steps += stepped
             # The replayed reports are in this snapshot now: they leave the journaled view; what is still journaled
             # (reports that arrived during the replay) stays on top.
-            moved |= self._journaled.snapshot_installed(journal_empty=not len(self.journal))
+            journaled = self._journaled.snapshot_installed(journal_empty=not len(self.journal))
             self._stale = False
-            self._moved(moved)
+            self._moved(moved | journaled, decayed - journaled)
         changed = bool(moved) | self._install_cost_model()
         if stored_prior is not None and stored_prior != self._prior_document:
             try:
@@ -177,10 +186,12 @@ class Learner:
             self.version += 1
         return True
 
-    def _moved(self, segments: set[str]) -> None:
-        """Count a change of these segments' counts (under ``_lock``)."""
+    def _moved(self, segments: AbstractSet[str], decayed: AbstractSet[str] = frozenset()) -> None:
+        """Count a change of these segments' counts (under ``_lock``); of ``decayed``, only their decay moved."""
         for segment in segments:
             self._segment_versions[segment] = self._segment_versions.get(segment, 0) + 1
+            if segment not in decayed:
+                self._data_versions[segment] = self._data_versions.get(segment, 0) + 1
 
     def _install_cost_model(self) -> bool:
         """Rebuild the cost model from the counts; True (and a new ``costs_version``) if a cost that decisions read
@@ -264,6 +275,12 @@ class Learner:
         with self._lock:
             return self._segment_versions.get(segment, 0)
 
+    def data_version(self, segment: str) -> int:
+        """Moves whenever the segment's counts change for another reason than a decay step (a report, a bucket
+        leaving the window, a new drift regime)."""
+        with self._lock:
+            return self._data_versions.get(segment, 0)
+
     def segments(self) -> list[str]:
         with self._lock:
             return sorted(set(self._snapshot.segments) | self._journaled.segments())
@@ -295,6 +312,12 @@ class Learner:
 
 def _point_costs(model: CostModel) -> dict[int, BucketCosts]:
     return {b: replace(costs, rounds=()) for b, costs in model.buckets.items()}
+
+
+def _decayed_only(old: Snapshot, new: Snapshot, segment: str) -> bool:
+    """Are the segment's counts in ``new`` made of the same buckets' fields as in ``old``, decayed to another step?"""
+    before, after = old.sources.get(segment), new.sources.get(segment)
+    return before is not None and after is not None and before[1:] == after[1:]
 
 
 def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:

@@ -234,6 +234,7 @@ class Snapshot:
     cost_sources: tuple[float, BucketFields] | None = None  # the same for the costs
     current_bucket: int | None = None  # the bucket at ``taken_at`` (None: nothing read yet)
     marks: Marks | None = None  # the change marks read before it (``TelemetryStore.read_changes``)
+    decay_at: float | None = None  # the decay step its counts are decayed to (None: nothing read yet)
 
 
 class TelemetryStore:
@@ -462,7 +463,7 @@ class TelemetryStore:
         step = self.config.decay_step_seconds
         decay_at = math.floor(now / step) * step if step > 0 else now
         since = since or {}
-        snapshot = Snapshot(taken_at=now, current_bucket=current, marks=self._marks_to)
+        snapshot = Snapshot(taken_at=now, current_bucket=current, marks=self._marks_to, decay_at=decay_at)
         fresh_from, kept, partial, whole = self._plan_reads(segments, since, previous, current, decay_at)
         keys = [self.keys.segment_bucket(s, b) for s in whole for b in range(first, current + 1)]
         keys += [self.keys.segment_bucket(s, b) for s in partial for b in range(fresh_from, current + 1)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from controller.decide import Request
 from controller.pacing import Pacer
 from controller.policy import DRAFTERS, Settings
+from controller.table_change import material_change
 from specd_api.v1 import controller_pb2 as pb
 
 if TYPE_CHECKING:
@@ -36,6 +38,9 @@ PROBE_DRAWS = 64  # decisions drawn per bucket and refresh to estimate the probe
 # Refreshes between a stream's messages when nothing changed. Each message wakes the stream's thread and the event
 # loop: at 256 streams and a heartbeat per refresh that was ~9 % of a core doing nothing (issue 22).
 HEARTBEAT_PERIODS = 5.0
+# A table whose segment had no report follows its counts' decay (and the prior's refits) this many decay steps late at
+# most: at the default 600 s half-life and 60 s steps, its own rounds then weigh up to 24 % more than they do now.
+TABLE_DECAY_STEPS = 4
 Drafters = tuple[str, ...]
 
 
@@ -53,8 +58,9 @@ def table_min_new_tokens(settings: Settings) -> int:
 class BuiltTable:
     table: pb.SegmentTable
     data: bytes  # the table's wire form: what a stream compares with what it sent
-    key: tuple[object, ...]  # table_key once it was built
+    key: TableKey  # table_key once it was built
     quick: tuple[object, ...] = ()  # quick_key when ``key`` was last found unmoved
+    epoch: int = 0  # the segment's decay epoch when it was computed
 
 
 @dataclass(frozen=True)
@@ -75,27 +81,50 @@ class PublisherStats:
     builds: int = 0  # passes over the segments of one drafter set
     tables_built: int = 0  # segment tables computed
     tables_kept: int = 0  # segment tables kept from the previous build: their inputs had not moved
+    tables_within_tolerance: int = 0  # tables computed again, and kept: within material_change's tolerances
 
 
-def table_key(controller: Controller, segment: str, drafters: Drafters) -> tuple[object, ...]:
-    """Everything a segment's table is made from: the same key means the same table."""
+@dataclass(frozen=True)
+class TableKey:
+    """Everything a segment's table is made from: the same key means the same table. ``hard``: what a table follows
+    at once (the segment's own data, the costs, the policy, the drafters, the hysteresis memory); ``soft``: what it
+    follows at its next decay epoch (``decay_epoch``) unless a hard part moves first: the decay of its counts, and
+    the prior's and the fleet's figures it starts from (a segment is in the tables only once its own rounds weigh
+    at least as much as these)."""
+
+    hard: tuple[object, ...]
+    soft: tuple[object, ...]
+
+
+def table_key(controller: Controller, segment: str, drafters: Drafters) -> TableKey:
     settings = controller.policies.current.for_segment(segment)
     inputs = controller.estimate_inputs(settings, Request(segment, 1, drafters, table_min_new_tokens(settings)))
     previous = controller.previous_plan(segment)  # hysteresis reads the remembered drafter and whether it was on
     memory = None if previous is None else (previous.drafter, previous.speculates)
     learner = controller.learner
-    versions = (learner.segment_version(segment), learner.costs_version, controller.policies.current.version)
-    return (segment, *versions, inputs, drafters, memory)
+    policy = controller.policies.current.version
+    hard = (segment, learner.data_version(segment), learner.costs_version, policy, drafters, memory)
+    return TableKey(hard, (learner.segment_version(segment), inputs))
+
+
+def decay_epoch(controller: Controller, segment: str) -> int:
+    """The segment's decay epoch: it turns every TABLE_DECAY_STEPS decay steps, each segment at its own phase, so
+    that a decay step recomputes about 1 / TABLE_DECAY_STEPS of the tables whose segment had no report (all of them,
+    at 1,000 segments, was 1-2 s of CPU a step, and as many tables sent to every stream)."""
+    phase = zlib.crc32(segment.encode()) % TABLE_DECAY_STEPS
+    return (controller.learner.decay_steps + phase) // TABLE_DECAY_STEPS
 
 
 def quick_key(controller: Controller, segment: str, drafters: Drafters) -> tuple[object, ...]:
-    """What ``table_key`` is made of, by versions only: when these have not moved, neither has the key (the priors and
-    the fleet's figures that ``table_key``'s inputs read move with the learner's version). Cheap: no estimate."""
+    """What ``table_key`` is made of, by versions only, and the segment's decay epoch: when these have not moved,
+    neither has the key (the priors and the fleet's figures that ``table_key``'s inputs read move with the learner's
+    version). Cheap: no estimate."""
     learner = controller.learner
     previous = controller.previous_plan(segment)
     memory = None if previous is None else (previous.drafter, previous.speculates)
     policy = controller.policies.current.version
-    return (segment, learner.version, learner.segment_version(segment), learner.costs_version, policy, drafters, memory)
+    versions = (learner.version, learner.segment_version(segment), learner.costs_version, policy)
+    return (segment, *versions, drafters, memory, decay_epoch(controller, segment))
 
 
 def segment_table(
@@ -282,10 +311,12 @@ class DecisionPublisher:
 
     def _build(self, drafters: Drafters, previous: dict[str, BuiltTable]) -> dict[str, BuiltTable]:
         """The tables of ``drafters`` (under ``_build_lock``): each segment's previous table where its key has not
-        moved (the same object), else a new one."""
+        moved, or moved in its soft parts only within the segment's decay epoch, or where the table recomputed is
+        within the tolerances of the previous one (``material_change``): the same object, or the same bytes; else
+        the table recomputed."""
         tables = {}
         self.stats.builds += 1
-        pace = Pacer()  # a decay step rebuilds every table (seconds at 1,000 segments): Decide gets the interpreter
+        pace = Pacer()  # a decay step rebuilds tables (seconds at 1,000 segments): Decide gets the interpreter
         for segment in self.controller.learner.segments():
             pace()
             old, quick = previous.get(segment), quick_key(self.controller, segment, drafters)
@@ -293,22 +324,28 @@ class DecisionPublisher:
                 tables[segment] = old
                 self.stats.tables_kept += 1
                 continue
-            key = table_key(self.controller, segment, drafters)
-            if old is not None and old.key == key:
+            key, epoch = table_key(self.controller, segment, drafters), decay_epoch(self.controller, segment)
+            if old is not None and (old.key == key or (old.key.hard == key.hard and old.epoch == epoch)):
                 tables[segment] = replace(old, quick=quick)  # the same bytes: streams see no change
                 self.stats.tables_kept += 1
                 continue
             table = segment_table(self.controller, segment, drafters)
-            if table is not None:
-                self.stats.tables_built += 1
-                data = table.SerializeToString(deterministic=True)
-                # Kept under the key as of after the build (its batch-1 plan is what the hysteresis memory holds now),
-                # unless data moved during the build: then under the key before, so that the next build redoes it.
-                after = table_key(self.controller, segment, drafters)
-                if after[:-1] == key[:-1]:
-                    tables[segment] = BuiltTable(table, data, after, quick_key(self.controller, segment, drafters))
-                else:
-                    tables[segment] = BuiltTable(table, data, key)
+            if table is None:
+                continue
+            self.stats.tables_built += 1
+            # Kept under the key as of after the build (its batch-1 plan is what the hysteresis memory holds now),
+            # unless data moved during the build: then under the key before, so that the next build redoes it.
+            after = table_key(self.controller, segment, drafters)
+            if after.hard[:-1] == key.hard[:-1] and after.soft == key.soft:
+                key, quick = after, quick_key(self.controller, segment, drafters)
+            else:
+                quick = ()
+            if old is not None and not material_change(old.table, table):
+                tables[segment] = BuiltTable(old.table, old.data, key, quick, epoch)  # what the streams hold
+                self.stats.tables_within_tolerance += 1
+                continue
+            data = table.SerializeToString(deterministic=True)
+            tables[segment] = BuiltTable(table, data, key, quick, epoch)
         return tables
 
     def _message(self, full: bool, tables: Iterable[pb.SegmentTable], removed: Iterable[str]) -> pb.DecisionTables:

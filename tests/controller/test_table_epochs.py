@@ -1,0 +1,158 @@
+"""Decision tables at a decay step (issue 22): a table whose segment had no report follows its counts' decay at its
+own decay epoch (every TABLE_DECAY_STEPS steps, each segment at its own phase), not all 1,000 at every step; and a
+table recomputed within material_change's tolerances of the one the streams hold is not sent again. The build's
+logic with its inputs faked, then a real learner over a real Redis crossing real decay steps."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import redis
+
+import controller.table_publisher as table_publisher
+from controller.journal import Journal
+from controller.learner import Learner
+from controller.policy import PolicyStore, parse_policy
+from controller.service import Controller
+from controller.table_publisher import TABLE_DECAY_STEPS, DecisionPublisher, TableKey, _differs
+from specd_api.v1 import controller_pb2 as pb
+from tests.controller.test_store import T0, FakeClock, make_store, small
+
+DRAFTERS = ("draft",)
+
+
+@dataclass
+class Inputs:
+    """What the faked key functions and table read for the one segment "s"."""
+
+    hard: int = 0
+    soft: int = 0
+    epoch: int = 0
+    acceptance: float = 0.70
+
+
+def faked(monkeypatch: pytest.MonkeyPatch, inputs: Inputs) -> tuple[DecisionPublisher, list[str]]:
+    computed: list[str] = []
+
+    def segment_table(controller: object, segment: str, drafters: object) -> pb.SegmentTable:
+        computed.append(segment)
+        t = pb.SegmentTable(segment=segment, max_batch_size=8, min_new_tokens=5)
+        t.buckets.add(batch_bucket=1, plan=pb.Decision(drafter="draft", k=4, acceptance=[inputs.acceptance]))
+        return t
+
+    monkeypatch.setattr(table_publisher, "segment_table", segment_table)
+    monkeypatch.setattr(table_publisher, "table_key", lambda c, s, d: TableKey((s, inputs.hard), (inputs.soft,)))
+    monkeypatch.setattr(table_publisher, "quick_key", lambda c, s, d: (s, inputs.hard, inputs.soft, inputs.epoch))
+    monkeypatch.setattr(table_publisher, "decay_epoch", lambda c, s: inputs.epoch)
+    learner = SimpleNamespace(segments=lambda: ["s"], stale=False)
+    controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
+    return DecisionPublisher(controller, 1.0, 4), computed  # type: ignore[arg-type]
+
+
+def test_a_soft_move_waits_for_the_segments_epoch_a_hard_one_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = Inputs()
+    publisher, computed = faked(monkeypatch, inputs)
+    first = publisher._build(DRAFTERS, {})
+    assert computed == ["s"]
+    inputs.soft += 1  # a decay step, or a prior refit
+    kept = publisher._build(DRAFTERS, first)
+    assert computed == ["s"] and kept["s"].data is first["s"].data, "within its epoch: kept, not recomputed"
+    inputs.epoch += 1
+    publisher._build(DRAFTERS, kept)
+    assert computed == ["s", "s"], "its epoch turned: recomputed"
+    inputs.hard += 1  # a report on the segment
+    publisher._build(DRAFTERS, kept)
+    assert computed == ["s", "s", "s"], "a hard move: recomputed at once"
+
+
+def test_a_recomputed_table_within_the_tolerances_is_not_sent_and_moves_add_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inputs = Inputs(acceptance=0.700)
+    publisher, computed = faked(monkeypatch, inputs)
+    held = publisher._build(DRAFTERS, {})
+    inputs.epoch, inputs.soft, inputs.acceptance = 1, 1, 0.706
+    second = publisher._build(DRAFTERS, held)
+    assert len(computed) == 2 and not _differs(held["s"], second["s"]), "0.006 apart: the streams' table stays"
+    assert second["s"].table.buckets[0].plan.acceptance[0] == pytest.approx(0.700)
+    assert publisher.stats.tables_within_tolerance == 1
+    inputs.epoch, inputs.soft, inputs.acceptance = 2, 2, 0.712
+    third = publisher._build(DRAFTERS, second)
+    assert _differs(second["s"], third["s"]), "0.012 from what the streams hold (0.006 from the last computed): sent"
+    assert third["s"].table.buckets[0].plan.acceptance[0] == pytest.approx(0.712)
+
+
+# --- a real learner over a real Redis -------------------------------------------------------------------------------
+
+BUCKET = 10.0
+SEGMENTS = [f"epoch-{i:02d}" for i in range(24)]
+
+
+def real(redis_client: redis.Redis, prefix: str) -> tuple[FakeClock, Learner, Controller]:
+    clock = FakeClock(T0 + 1)
+    store = make_store(redis_client, prefix, clock, bucket_seconds=BUCKET, decay_step_seconds=BUCKET, window_buckets=60)
+    journal = Journal(Path(tempfile.mkdtemp()) / "journal.jsonl", 1000)
+    learner = Learner(store, journal, clock, prior_retrain_seconds=1e9)
+    return clock, learner, Controller(learner, PolicyStore(parse_policy("{}")))
+
+
+def teach(learner: Learner, segments: list[str], report_id: str, accepted: int = 3) -> None:
+    learner.report(report_id, [small(s, k=4, rounds=60, accepted=accepted) for s in segments])
+
+
+def test_a_decay_step_moves_a_segments_counts_but_not_its_data_version(redis_client: redis.Redis, prefix: str) -> None:
+    clock, learner, _ = real(redis_client, prefix)
+    teach(learner, ["a", "b"], "r1")
+    learner.refresh()
+    versions = {s: (learner.segment_version(s), learner.data_version(s)) for s in ("a", "b")}
+    steps = learner.decay_steps
+    clock.now += BUCKET  # a decay step, no report
+    learner.refresh()
+    assert learner.decay_steps == steps + 1
+    for s in ("a", "b"):
+        assert learner.segment_version(s) > versions[s][0], "the counts moved (decayed)"
+        assert learner.data_version(s) == versions[s][1], "what they are made of did not"
+    teach(learner, ["a"], "r2")
+    learner.refresh()
+    assert learner.data_version("a") > versions["a"][1] and learner.data_version("b") == versions["b"][1]
+
+
+def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
+    redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: every decay step recomputed every table (1-2 s of CPU at 1,000 segments) and sent ~70 % of them."""
+    clock, learner, controller = real(redis_client, prefix)
+    teach(learner, SEGMENTS, "r1")
+    learner.refresh()
+    publisher = DecisionPublisher(controller, 1.0, 4, clock)
+    built = publisher._build(DRAFTERS, {})
+    assert sorted(built) == SEGMENTS, "every segment is past the prior's weight: every one has a table"
+    computed: list[str] = []
+    segment_table = table_publisher.segment_table
+
+    def counted(c: Any, segment: str, drafters: Any) -> Any:
+        computed.append(segment)
+        return segment_table(c, segment, drafters)
+
+    monkeypatch.setattr(table_publisher, "segment_table", counted)
+    per_step = []
+    for _ in range(TABLE_DECAY_STEPS):
+        clock.now += BUCKET
+        learner.refresh()
+        before = len(computed)
+        built = publisher._build(DRAFTERS, built)
+        per_step.append(len(computed) - before)
+    assert sorted(computed) == SEGMENTS, f"each table once within {TABLE_DECAY_STEPS} steps: {sorted(computed)}"
+    assert max(per_step) <= len(SEGMENTS) * 0.6, f"tables recomputed per step: {per_step}"
+    computed.clear()
+    teach(learner, [SEGMENTS[0]], "r2", accepted=0)  # mid-epoch, a report that moves its acceptance
+    learner.refresh()
+    before = built[SEGMENTS[0]]
+    built = publisher._build(DRAFTERS, built)
+    assert computed == [SEGMENTS[0]], "a report's segment: recomputed at once, and only it"
+    assert _differs(before, built[SEGMENTS[0]]), "and sent"
