@@ -620,6 +620,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "moves below the tolerance never add up: a table drifting by decimals is never sent",
     ),
     Mutation(
+        "tables-within-tolerance-dropped",
+        "controller/table_publisher.py",
+        "                        self._tables[drafters] = replace(before, tables=tables)",
+        "                        pass",
+        (EPOCHS,),
+        "tables recomputed within the tolerances are dropped with their new keys: every refresh recomputes them again",
+    ),
+    Mutation(
         "table-change-ignores-plan-fields",
         "controller/table_change.py",
         "            if _plain(a, field) != _plain(b, field):",

@@ -208,6 +208,9 @@ class DecisionPublisher:
                         self._tables[drafters] = Tables(before.version + 1, tables, changed, removed)
                         self._built_unix = self.clock()
                         moved = True
+                    elif any(t is not before.tables.get(s) for s, t in tables.items()):
+                        # the same bytes under new keys: kept, or the next refresh recomputes these tables again
+                        self._tables[drafters] = replace(before, tables=tables)
                 for drafters in [d for d in self._tables if self._watchers[d] <= 0]:
                     del self._tables[drafters]
                     self._deltas.pop(drafters, None)
