@@ -23,9 +23,10 @@ import contextlib
 import inspect
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent import futures
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import grpc
 
@@ -181,6 +182,16 @@ def is_async(behavior: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
 
 
+@runtime_checkable
+class Beating(Protocol):
+    """A stream's messages that also say when the stream owes its client a heartbeat (``table_publisher.Watch``):
+    ``stream_in_pool`` sends ``beat()`` (unless None) whenever ``beat_in`` seconds pass while the next message waits."""
+
+    def beat_in(self, now: float) -> float: ...
+
+    def beat(self) -> Any | None: ...
+
+
 def stream_in_pool(
     behavior: Callable[[Any, ThreadContext], Iterator[Any]], pool: futures.Executor
 ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
@@ -195,9 +206,18 @@ def stream_in_pool(
         responses: Iterator[Any] | None = None
         try:
             responses = iter(await asyncio.wrap_future(step))
+            beating = responses if isinstance(responses, Beating) else None
             while True:
                 step = pool.submit(next, responses, _END)
-                response = await asyncio.wrap_future(step)
+                pending = asyncio.wrap_future(step)
+                while beating is not None:  # the heartbeats due while the step waits, from here: no thread woken
+                    done, _ = await asyncio.wait((pending,), timeout=beating.beat_in(time.monotonic()))
+                    if done:
+                        break
+                    beat = beating.beat()
+                    if beat is not None:
+                        yield beat
+                response = await pending
                 if response is _END:
                     return
                 yield response

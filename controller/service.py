@@ -294,6 +294,8 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def WatchDecisions(
         self, request: pb.WatchDecisionsRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.DecisionTables | bytes]:
+        """The stream's messages (``table_publisher.Watch``: its heartbeats are made on the serving loop, by
+        ``grpc_server.stream_in_pool``; a shared change message goes as its bytes, ``grpc_server.passing_bytes``)."""
         with self._span("WatchDecisions", context) as span:
             try:
                 drafters = validation.watched_drafters(request)
@@ -303,13 +305,13 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             publisher = self.publisher
             if publisher is None:
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, "this controller does not serve WatchDecisions")
-                return
+                raise AssertionError("abort returned")  # it raises
+            try:
+                watch = publisher.watch(drafters, context.is_active, wire=True)
+            except TooManyWatchers as e:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             context.add_callback(publisher.wake)  # a stream the worker closed ends now, not at the next refresh
-        try:
-            for message in publisher.watch(drafters, context.is_active):
-                yield publisher.wire(message)  # bytes as they are: grpc_server.passing_bytes
-        except TooManyWatchers as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            return watch
 
     def ReportRounds(self, request: pb.ReportRoundsRequest, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
         with self._span("ReportRounds", context) as span:

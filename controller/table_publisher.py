@@ -21,7 +21,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -230,46 +230,21 @@ class DecisionPublisher:
         with self._cond:
             self._cond.notify_all()
 
-    def watch(self, drafters: Drafters, is_active: Callable[[], bool]) -> Iterator[pb.DecisionTables]:
-        """The stream's messages: every table first, then each change of its drafters' tables (or, when nothing
-        changed for ``heartbeat_seconds``, an empty message), until the caller goes away or the publisher closes.
-        Raises TooManyWatchers before the first message."""
+    def watch(self, drafters: Drafters, is_active: Callable[[], bool], wire: bool = False) -> Watch:
+        """A stream of ``drafters``' tables (``Watch``); with ``wire``, a shared change message comes as its bytes
+        (``wire``). Raises TooManyWatchers at once."""
         with self._cond:
             if sum(self._watchers.values()) >= self.max_watchers:
                 raise TooManyWatchers(f"this controller already serves {self.max_watchers} WatchDecisions streams "
                                       "(max_watchers); ask Decide, or open the stream on another replica")  # fmt: skip
             self._watchers[drafters] += 1
-        try:
-            seen = self._first_tables(drafters)
-            yield self._message(True, (t.table for t in seen.tables.values()), ())
-            # heartbeats on a grid of the stream's own phase: streams opened together (a fleet's restart) would
-            # otherwise all time out together, a burst of every stream's thread every period (issue 22)
-            phase = random.uniform(0.0, self.heartbeat_seconds)
-            while True:
-                until_beat = heartbeat_wait(time.monotonic(), phase, self.heartbeat_seconds)
-                with self._cond:
-                    self._cond.wait_for(self._moved_since(drafters, seen.version), until_beat)
-                    if self._closed:
-                        return
-                    now = self._tables.get(drafters, seen)
-                if not is_active():
-                    return
-                if now.version == seen.version:
-                    yield self._message(False, (), ())  # a heartbeat
-                    continue
-                if now.version == seen.version + 1:  # the usual case: every such stream sends the same message
-                    message = self._delta(drafters, now)
-                else:
-                    old = seen.tables
-                    changed = [t.table for s, t in now.tables.items() if s not in old or old[s].data != t.data]
-                    message = self._message(False, changed, [s for s in old if s not in now.tables])
-                seen = now
-                yield message
-        finally:
-            with self._cond:
-                self._watchers[drafters] -= 1
-                if self._watchers[drafters] <= 0:
-                    del self._watchers[drafters]
+        return Watch(self, drafters, is_active, wire)
+
+    def _unwatch(self, drafters: Drafters) -> None:
+        with self._cond:
+            self._watchers[drafters] -= 1
+            if self._watchers[drafters] <= 0:
+                del self._watchers[drafters]
 
     def _delta(self, drafters: Drafters, tables: Tables) -> pb.DecisionTables:
         """The message from ``tables.version - 1`` to ``tables``, made once for every stream that sends it (at a
@@ -356,6 +331,78 @@ class DecisionPublisher:
             full=full, segments=tables, removed=removed, policy_version=self.controller.policies.current.version,
             stale=self.controller.learner.stale, refresh_seconds=self.heartbeat_seconds, built_unix=self._built_unix,
         )  # fmt: skip
+
+
+class Watch:
+    """One stream's messages. ``next`` (on a pool thread): every table first, then each change of its drafters' tables,
+    waiting for one, until the caller goes away (``is_active``) or the publisher closes. ``beat_in`` and ``beat`` (on
+    the serving event loop, ``grpc_server.stream_in_pool``, while ``next`` waits): when the stream's next heartbeat is
+    due, and the heartbeat, an empty message (None: a change is on its way, which says what a heartbeat would). A
+    heartbeat made on the loop wakes no thread: at 256 streams, each heartbeat woke the stream's thread, which handed
+    it to the loop and was handed the next wait back, ~4 % of a core for 51 empty messages a second (issue 22).
+    Heartbeats fall on a grid of the stream's own random phase: streams opened together (a fleet's restart) would
+    otherwise all beat together."""
+
+    WAIT_SECONDS = 30.0  # a waiting ``next`` looks at ``is_active`` this often, should a wake-up be missed
+
+    def __init__(self, publisher: DecisionPublisher, drafters: Drafters, is_active: Callable[[], bool], wire: bool):
+        self._publisher, self._drafters, self._is_active, self._wire = publisher, drafters, is_active, wire
+        self._seen: Tables | None = None
+        self._phase = random.uniform(0.0, publisher.heartbeat_seconds)
+        self._done = False
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Watch:
+        return self
+
+    def __next__(self) -> pb.DecisionTables | bytes:
+        p, drafters = self._publisher, self._drafters
+        if self._done:
+            raise StopIteration
+        if self._seen is None:
+            self._seen = p._first_tables(drafters)
+            return p._message(True, (t.table for t in self._seen.tables.values()), ())
+        seen = self._seen
+        moved = p._moved_since(drafters, seen.version)
+        with p._cond:
+            while not p._cond.wait_for(lambda: moved() or not self._is_active(), self.WAIT_SECONDS):
+                pass
+            now = p._tables.get(drafters, seen)
+        if p._closed or not self._is_active():
+            self.close()
+            raise StopIteration
+        if now.version == seen.version + 1:  # the usual case: every such stream sends the same message
+            message = p._delta(drafters, now)
+        else:
+            old = seen.tables
+            changed = [t.table for s, t in now.tables.items() if s not in old or old[s].data != t.data]
+            message = p._message(False, changed, [s for s in old if s not in now.tables])
+        self._seen = now
+        return p.wire(message) if self._wire else message
+
+    def beat_in(self, now: float) -> float:
+        """Seconds from ``now`` (monotonic) to the stream's next heartbeat."""
+        return heartbeat_wait(now, self._phase, self._publisher.heartbeat_seconds)
+
+    def beat(self) -> pb.DecisionTables | None:
+        """The heartbeat, unless the stream is over or a change is on its way (its tables moved since its last
+        message: the change says what the heartbeat would). Plain reads, no lock: a change that lands meanwhile is
+        sent by ``next`` right after."""
+        p, seen = self._publisher, self._seen
+        if self._done or p._closed or seen is None:
+            return None
+        now = p._tables.get(self._drafters)
+        if now is not None and now.version != seen.version:
+            return None
+        return p._message(False, (), ())
+
+    def close(self) -> None:
+        """The stream is over: the watcher is counted off (once)."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._publisher._unwatch(self._drafters)
 
 
 def _differs(old: BuiltTable | None, new: BuiltTable) -> bool:
