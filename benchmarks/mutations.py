@@ -668,6 +668,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no heartbeat is sent from the serving loop: a quiet stream says nothing, and its worker takes it for dead",
     ),
     Mutation(
+        "stream-holds-its-last-message",
+        "controller/grpc_server.py",
+        "                del response, pending",
+        "                pass",
+        ("tests/controller/test_scale_reads.py",),
+        "a stream holds its last message until its next: every stream's first (every table) between changes",
+    ),
+    Mutation(
         "heartbeat-before-a-pending-change",
         "controller/table_publisher.py",
         "        if now is not None and now.version != seen.version:\n            return None",
