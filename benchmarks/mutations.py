@@ -676,6 +676,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stream holds its last message until its next: every stream's first (every table) between changes",
     ),
     Mutation(
+        "stream-handler-result-left-open",
+        "controller/grpc_server.py",
+        "                step.add_done_callback(_result_closer)",
+        "                pass",
+        ("tests/controller/test_scale_reads.py",),
+        "a WatchDecisions call cancelled while its handler ran leaves its watcher counted: max_watchers slots leak",
+    ),
+    Mutation(
         "heartbeat-before-a-pending-change",
         "controller/table_publisher.py",
         "        if now is not None and now.version != seen.version:\n            return None",

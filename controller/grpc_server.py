@@ -228,8 +228,17 @@ def stream_in_pool(
             threaded.end()
             if responses is not None:  # closed in the step's thread once it returns (at once if it is done)
                 step.add_done_callback(_closer(responses))
+            else:  # the call ended while the handler was still being called: close what it returns, once it does
+                step.add_done_callback(_result_closer)
 
     return stream
+
+
+def _result_closer(call: futures.Future[Any]) -> None:
+    """Close the messages a handler returned after its call had ended (a ``WatchDecisions`` stream counts itself as a
+    watcher from the call on: left open, it would hold a ``max_watchers`` slot for good)."""
+    if not call.cancelled() and call.exception() is None:
+        _closer(call.result())(call)
 
 
 def _closer(responses: Iterator[Any]) -> Callable[[futures.Future[Any]], None]:

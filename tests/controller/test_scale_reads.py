@@ -514,6 +514,43 @@ def test_a_sent_message_is_let_go_of_while_the_next_one_waits() -> None:
     assert gone == [True], "the first message is still held while the stream waits for its next"
 
 
+def test_a_stream_whose_call_ends_while_its_handler_is_called_closes_what_the_handler_returns() -> None:
+    """A WatchDecisions handler counts its stream as a watcher when called (``DecisionPublisher.watch``); a call
+    cancelled while the handler ran was never closed: its ``max_watchers`` slot held for good."""
+    from concurrent import futures
+
+    from controller.grpc_server import stream_in_pool
+
+    closed = threading.Event()
+
+    class Messages:
+        def __iter__(self) -> Messages:
+            return self
+
+        def __next__(self) -> str:
+            return "message"
+
+        def close(self) -> None:
+            closed.set()
+
+    def handler(request: Any, context: Any) -> Messages:
+        time.sleep(0.3)  # the call is cancelled meanwhile
+        return Messages()
+
+    async def cancel_early() -> None:
+        with futures.ThreadPoolExecutor(2) as pool:
+            stream = stream_in_pool(handler, pool)(None, SimpleNamespace())  # type: ignore[arg-type]
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.1)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await first
+            await asyncio.to_thread(closed.wait, 5)
+
+    asyncio.run(cancel_early())
+    assert closed.is_set(), "what the handler returned after its call ended was never closed"
+
+
 def test_a_heartbeat_is_never_more_than_a_period_and_a_twentieth_away() -> None:
     for now in (0.0, 0.01, 2.49, 2.5, 2.51, 7.3, 1e6 + 0.2):
         for phase in (0.0, 0.3, 2.4):
