@@ -211,8 +211,8 @@ def stream_in_pool(
                 step = pool.submit(next, responses, _END)
                 pending = asyncio.wrap_future(step)
                 while beating is not None:  # the heartbeats due while the step waits, from here: no thread woken
-                    done, _ = await asyncio.wait((pending,), timeout=beating.beat_in(time.monotonic()))
-                    if done:
+                    await asyncio.wait((pending,), timeout=beating.beat_in(time.monotonic()))  # (its sets unkept:
+                    if pending.done():  # one would hold the done step, and its message, to the next wait's end)
                         break
                     beat = beating.beat()
                     if beat is not None:

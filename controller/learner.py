@@ -165,7 +165,7 @@ class Learner:
             return self._unreachable(e)
         moved = _changed_segments(self._snapshot, snapshot)  # outside the lock: only a refresh replaces the snapshot
         decayed = {s for s in moved if _decayed_only(self._snapshot, snapshot, s)}
-        stepped = snapshot.decay_at != self._snapshot.decay_at and self._snapshot.decay_at is not None
+        stepped = _steps_between(self._snapshot.decay_at, snapshot.decay_at, self.store.config.decay_step_seconds)
         with self._lock:  # report() journals under this lock too: the journal and the view change together
             self._snapshot = snapshot
             self.decay_steps += stepped
@@ -312,6 +312,13 @@ class Learner:
 
 def _point_costs(model: CostModel) -> dict[int, BucketCosts]:
     return {b: replace(costs, rounds=()) for b, costs in model.buckets.items()}
+
+
+def _steps_between(before: float | None, after: float | None, step_seconds: float) -> int:
+    """The decay steps from one snapshot's decay time to the next's (several when refreshes failed meanwhile)."""
+    if before is None or after is None or after <= before:
+        return 0
+    return max(round((after - before) / step_seconds), 1) if step_seconds > 0 else 1
 
 
 def _decayed_only(old: Snapshot, new: Snapshot, segment: str) -> bool:

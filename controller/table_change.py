@@ -21,7 +21,8 @@ PROBABILITY_TOLERANCE = 0.01
 PROBABILITIES = frozenset({"acceptance", "proposal", "calibration"})
 # Any other number (expected speedup, costs, the prior's weight): this share apart.
 RELATIVE_TOLERANCE = 0.01
-# A probe's share of a bucket's requests is the count of 64 draws (±0.06 at a share of 0.1): this much apart.
+# A probe's share of a bucket's requests is the count of 64 draws (±0.06 at a share of 0.1): this much apart (a probe
+# that comes or goes is a change, however small its share).
 PROBE_SHARE_TOLERANCE = 0.05
 _FLOATS = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 
@@ -51,12 +52,13 @@ def _bucket_moved(held: pb.BucketDecision, new: pb.BucketDecision) -> bool:
         return True
     held_probes = {p.plan.drafter: p for p in held.probes}
     new_probes = {p.plan.drafter: p for p in new.probes}
-    for drafter in held_probes.keys() | new_probes.keys():
-        a, b = held_probes.get(drafter), new_probes.get(drafter)
-        share_a, share_b = (a.probability if a else 0.0), (b.probability if b else 0.0)
-        if abs(share_a - share_b) > PROBE_SHARE_TOLERANCE:
+    if held_probes.keys() != new_probes.keys():  # a probe that comes or goes, however rare (the exploration floor,
+        return True  # 0.02 by default, is below the share tolerance: a worker without the probe would never probe)
+    for drafter, a in held_probes.items():
+        b = new_probes[drafter]
+        if not abs(a.probability - b.probability) <= PROBE_SHARE_TOLERANCE:  # (NaN: a change)
             return True
-        if a is not None and b is not None and _plan_moved(a.plan, b.plan):
+        if _plan_moved(a.plan, b.plan):
             return True
     return False
 

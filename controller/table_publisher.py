@@ -347,7 +347,8 @@ class Watch:
 
     def __init__(self, publisher: DecisionPublisher, drafters: Drafters, is_active: Callable[[], bool], wire: bool):
         self._publisher, self._drafters, self._is_active, self._wire = publisher, drafters, is_active, wire
-        self._seen: Tables | None = None
+        self._seen: Tables | None = None  # the tables as of the last message made
+        self._making = False  # a message is being made (from the first wake to the loop's next ask)
         self._phase = random.uniform(0.0, publisher.heartbeat_seconds)
         self._done = False
         self._lock = threading.Lock()
@@ -357,11 +358,15 @@ class Watch:
 
     def __next__(self) -> pb.DecisionTables | bytes:
         p, drafters = self._publisher, self._drafters
+        self._making = False  # the loop asks for a message only once it sent the one before
         if self._done:
             raise StopIteration
         if self._seen is None:
-            self._seen = p._first_tables(drafters)
-            return p._message(True, (t.table for t in self._seen.tables.values()), ())
+            self._making = True
+            first = p._first_tables(drafters)
+            message = p._message(True, (t.table for t in first.tables.values()), ())
+            self._seen = first
+            return message
         seen = self._seen
         moved = p._moved_since(drafters, seen.version)
         with p._cond:
@@ -371,6 +376,7 @@ class Watch:
         if p._closed or not self._is_active():
             self.close()
             raise StopIteration
+        self._making = True  # a message is on its way: no heartbeat goes before it
         if now.version == seen.version + 1:  # the usual case: every such stream sends the same message
             message = p._delta(drafters, now)
         else:
@@ -385,11 +391,11 @@ class Watch:
         return heartbeat_wait(now, self._phase, self._publisher.heartbeat_seconds)
 
     def beat(self) -> pb.DecisionTables | None:
-        """The heartbeat, unless the stream is over or a change is on its way (its tables moved since its last
-        message: the change says what the heartbeat would). Plain reads, no lock: a change that lands meanwhile is
-        sent by ``next`` right after."""
+        """The heartbeat, unless the stream is over, its first message is not out yet, or a change is on its way (a
+        message being made, or its tables moved since its last one: the change says what the heartbeat would). Plain
+        reads, no lock: a change that lands meanwhile is sent by ``next`` right after."""
         p, seen = self._publisher, self._seen
-        if self._done or p._closed or seen is None:
+        if self._done or self._making or p._closed or seen is None:
             return None
         now = p._tables.get(self._drafters)
         if now is not None and now.version != seen.version:

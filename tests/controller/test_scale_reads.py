@@ -404,30 +404,47 @@ def test_a_table_build_gives_the_interpreter_back_between_segments(
 def test_streams_opened_together_beat_apart_and_a_beat_waits_while_a_change_is_on_its_way() -> None:
     """Was: each stream waited a heartbeat period after its last message, so streams opened together (a fleet's
     restart, the benchmark's 256) all woke together, every period: a burst of 256 threads, Decide's p99 behind it. Now
-    each beats on a grid of its own random phase; and a stream whose tables moved sends the change, not a beat."""
+    each beats on a grid of its own random phase; and no beat goes before a message being made (the first, every
+    table, included) or a change on its way."""
     period = 0.5
     learner = SimpleNamespace(segments=lambda: [], stale=False)
     controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
     publisher = DecisionPublisher(controller, refresh_seconds=period / HEARTBEAT_PERIODS, max_watchers=8)  # type: ignore[arg-type]
     streams = [publisher.watch(("draft",), lambda: True) for _ in range(8)]
+    got: list[Any] = []
+
+    def ask(stream: Any) -> threading.Thread:
+        """What the serving loop does once it sent a stream's message: ask for the next (it waits for news)."""
+        thread = threading.Thread(target=lambda: got.append(next(stream, None)), daemon=True)
+        thread.start()
+        return thread
+
     try:
         for stream in streams:
             assert stream.beat() is None, "nothing sent yet: the first message comes first"
             assert next(stream).full
+            assert stream.beat() is None, "the first message is made, not yet sent: no beat before it"
         now = time.monotonic()
         dues = sorted(stream.beat_in(now) for stream in streams)
         assert all(0 < due <= 1.05 * period for due in dues)
         assert dues[-1] - dues[0] > period / 4, f"8 streams' heartbeats due within {dues[-1] - dues[0]:.3f} s"
+        waiting = ask(streams[0])
+        time.sleep(0.1)
         beat = streams[0].beat()
         assert beat is not None and not beat.full and not beat.segments and not beat.removed
         learner.stale = True
         publisher.rebuild()  # the staleness moved: a change on its way to every stream
-        assert streams[0].beat() is None, "the change says what a beat would"
-        assert next(streams[0]).stale
+        assert streams[1].beat() is None, "its tables moved: the change says what a beat would"
+        waiting.join(10)
+        assert got and got[0].stale
+        assert streams[0].beat() is None, "the change is made, not yet sent"
+        waiting = ask(streams[0])
+        time.sleep(0.1)
         beat = streams[0].beat()
         assert beat is not None and beat.stale
     finally:
         publisher.close()
+        waiting.join(10)
 
 
 class Beats:
@@ -490,10 +507,32 @@ def test_a_sent_message_is_let_go_of_while_the_next_one_waits() -> None:
     first, release = Big(), threading.Event()
     gone: list[bool] = []
 
-    def messages(request: Any, context: Any) -> Any:
-        yield first
-        release.wait(10)  # the next message waits on the pool thread
-        yield "second"
+    class Messages:
+        """Two messages, the second a wait away; heartbeats due every 5 s meanwhile (the serving loop's path)."""
+
+        def __init__(self) -> None:
+            self.sent = 0
+
+        def __iter__(self) -> Messages:
+            return self
+
+        def __next__(self) -> Any:
+            self.sent += 1
+            if self.sent == 1:
+                return first
+            if self.sent == 2:
+                release.wait(10)  # the next message waits on the pool thread
+                return "second"
+            raise StopIteration
+
+        def beat_in(self, now: float) -> float:
+            return 5.0
+
+        def beat(self) -> str:
+            return "beat"
+
+    def messages(request: Any, context: Any) -> Messages:
+        return Messages()
 
     async def consume() -> None:
         nonlocal first
@@ -503,7 +542,7 @@ def test_a_sent_message_is_let_go_of_while_the_next_one_waits() -> None:
             assert await stream.__anext__() is kept()
             first = None  # type: ignore[assignment]
             waiting = asyncio.ensure_future(stream.__anext__())
-            await asyncio.sleep(0.2)  # the stream waits for its next message
+            await asyncio.sleep(0.2)  # the stream waits for its next message (and its next beat)
             gc.collect()
             gone.append(kept() is None)
             release.set()

@@ -120,6 +120,9 @@ def test_a_decay_step_moves_a_segments_counts_but_not_its_data_version(redis_cli
     teach(learner, ["a"], "r2")
     learner.refresh()
     assert learner.data_version("a") > versions["a"][1] and learner.data_version("b") == versions["b"][1]
+    clock.now += 3 * BUCKET  # three decay steps before the next refresh (Redis was away, say): each epoch moves on
+    learner.refresh()
+    assert learner.decay_steps == steps + 4
 
 
 def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
