@@ -638,7 +638,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "table-change-probe-shares-ignored",
         "controller/table_change.py",
-        "        if abs(share_a - share_b) > PROBE_SHARE_TOLERANCE:",
+        "        if not abs(a.probability - b.probability) <= PROBE_SHARE_TOLERANCE:  # (NaN: a change)",
         "        if False:",
         ("tests/controller/test_table_change.py",),
         "a probe's share moved by 0.1 (or a probe appeared) is never sent: workers explore at the old rate",
