@@ -101,6 +101,19 @@ def real(redis_client: redis.Redis, prefix: str) -> tuple[FakeClock, Learner, Co
     return clock, learner, Controller(learner, PolicyStore(parse_policy("{}")))
 
 
+def counting_tables(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The segments whose table is computed from now on, in order."""
+    computed: list[str] = []
+    segment_table = table_publisher.segment_table
+
+    def counted(c: Any, segment: str, drafters: Any) -> Any:
+        computed.append(segment)
+        return segment_table(c, segment, drafters)
+
+    monkeypatch.setattr(table_publisher, "segment_table", counted)
+    return computed
+
+
 def teach(learner: Learner, segments: list[str], report_id: str, accepted: int = 3) -> None:
     learner.report(report_id, [small(s, k=4, rounds=60, accepted=accepted) for s in segments])
 
@@ -135,14 +148,7 @@ def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within
     publisher = DecisionPublisher(controller, 1.0, 4, clock)
     built = publisher._build(DRAFTERS, {})
     assert sorted(built) == SEGMENTS, "every segment is past the prior's weight: every one has a table"
-    computed: list[str] = []
-    segment_table = table_publisher.segment_table
-
-    def counted(c: Any, segment: str, drafters: Any) -> Any:
-        computed.append(segment)
-        return segment_table(c, segment, drafters)
-
-    monkeypatch.setattr(table_publisher, "segment_table", counted)
+    computed = counting_tables(monkeypatch)
     per_step = []
     for _ in range(TABLE_DECAY_STEPS):
         clock.now += BUCKET
@@ -175,14 +181,7 @@ def test_tables_recomputed_within_the_tolerances_are_not_recomputed_again_at_the
     try:
         assert len(next(stream).segments) == len(SEGMENTS)
         publisher.rebuild()
-        computed: list[str] = []
-        segment_table = table_publisher.segment_table
-
-        def counted(c: Any, segment: str, drafters: Any) -> Any:
-            computed.append(segment)
-            return segment_table(c, segment, drafters)
-
-        monkeypatch.setattr(table_publisher, "segment_table", counted)
+        computed = counting_tables(monkeypatch)
         clock.now += BUCKET  # a decay step: a share of the tables recomputed, each within the tolerances
         learner.refresh()
         publisher.rebuild()
