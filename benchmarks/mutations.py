@@ -654,8 +654,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "report-counts-as-decay-only",
         "controller/learner.py",
-        "    return before is not None and after is not None and before[1:] == after[1:]",
-        "    return before is not None and after is not None",
+        "    return before is not None and after is not None and before[0] != after[0] and before[1:] == after[1:]",
+        "    return before is not None and after is not None and before[0] != after[0]",
         (EPOCHS,),
         "a report on a segment counts as its decay only: its table waits for its epoch (minutes) to show it",
     ),

@@ -324,7 +324,7 @@ def _steps_between(before: float | None, after: float | None, step_seconds: floa
 def _decayed_only(old: Snapshot, new: Snapshot, segment: str) -> bool:
     """Are the segment's counts in ``new`` made of the same buckets' fields as in ``old``, decayed to another step?"""
     before, after = old.sources.get(segment), new.sources.get(segment)
-    return before is not None and after is not None and before[1:] == after[1:]
+    return before is not None and after is not None and before[0] != after[0] and before[1:] == after[1:]
 
 
 def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:

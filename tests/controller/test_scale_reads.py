@@ -428,15 +428,17 @@ def test_streams_opened_together_beat_apart_and_a_beat_waits_while_a_change_is_o
         dues = sorted(stream.beat_in(now) for stream in streams)
         assert all(0 < due <= 1.05 * period for due in dues)
         assert dues[-1] - dues[0] > period / 4, f"8 streams' heartbeats due within {dues[-1] - dues[0]:.3f} s"
-        waiting = ask(streams[0])
+        waiting, other = ask(streams[0]), ask(streams[1])
         time.sleep(0.1)
         beat = streams[0].beat()
         assert beat is not None and not beat.full and not beat.segments and not beat.removed
-        learner.stale = True
-        publisher.rebuild()  # the staleness moved: a change on its way to every stream
-        assert streams[1].beat() is None, "its tables moved: the change says what a beat would"
+        with publisher._cond:  # (reentrant) the woken streams cannot take their news until this is let go
+            learner.stale = True
+            publisher.rebuild()  # the staleness moved: a change on its way to every stream
+            assert streams[1].beat() is None, "its tables moved: the change says what a beat would"
         waiting.join(10)
-        assert got and got[0].stale
+        other.join(10)
+        assert len(got) == 2 and all(m.stale for m in got)
         assert streams[0].beat() is None, "the change is made, not yet sent"
         waiting = ask(streams[0])
         time.sleep(0.1)

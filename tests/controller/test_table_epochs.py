@@ -136,6 +136,11 @@ def test_a_decay_step_moves_a_segments_counts_but_not_its_data_version(redis_cli
     clock.now += 3 * BUCKET  # three decay steps before the next refresh (Redis was away, say): each epoch moves on
     learner.refresh()
     assert learner.decay_steps == steps + 4
+    b_data = learner.data_version("b")
+    teach(learner, ["b"], "r3")
+    clock.now += BUCKET  # a report and a decay step, one refresh: the report is what counts
+    learner.refresh()
+    assert learner.data_version("b") > b_data
 
 
 def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
