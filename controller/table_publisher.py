@@ -294,7 +294,7 @@ class DecisionPublisher:
         the table recomputed."""
         tables = {}
         self.stats.builds += 1
-        pace = Pacer()  # a decay step rebuilds tables (seconds at 1,000 segments): Decide gets the interpreter
+        pace = Pacer()  # a build may recompute hundreds of tables (a policy reload: all): Decide gets the interpreter
         for segment in self.controller.learner.segments():
             pace()
             old, quick = previous.get(segment), quick_key(self.controller, segment, drafters)
@@ -381,7 +381,7 @@ class Watch:
             message = p._delta(drafters, now)
         else:
             old = seen.tables
-            changed = [t.table for s, t in now.tables.items() if s not in old or old[s].data != t.data]
+            changed = [t.table for s, t in now.tables.items() if _differs(old.get(s), t)]
             message = p._message(False, changed, [s for s in old if s not in now.tables])
         self._seen = now
         return p.wire(message) if self._wire else message
