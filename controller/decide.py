@@ -85,6 +85,11 @@ class DrafterEstimate:
         """Posterior means (computed once: estimates are cached and reused across requests)."""
         return self._means
 
+    @cached_property
+    def mean_arms(self) -> dict[tuple[int, int, tuple[float, ...]], Arm]:
+        """``mean_arm``'s memo: (K bounds, verify table) -> the best arm under the means."""
+        return {}
+
     def sample(self, rng: random.Random) -> tuple[list[float], list[float]]:
         return [b.sample(rng) for b in self.conditional], [b.sample(rng) for b in self.proposal]
 
@@ -138,6 +143,22 @@ def best_arm(
     curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, costs.verify_table(k_max))
     k, value = best_k(curve, k_min)
     return Arm(estimate.drafter, k, value * estimate.calibration)
+
+
+MEAN_ARMS_KEPT = 64  # per estimate: a segment's requests come in a few K bounds and batch buckets
+
+
+def mean_arm(estimate: DrafterEstimate, k_min: int, k_max: int, costs: BucketCosts) -> Arm:
+    """``best_arm`` under the posterior means, kept on the estimate (which is cached across Decides until the
+    segment's counts or costs move) per K bounds and verify table, all that it reads besides the estimate: the
+    exploit arms were half of a Decide's work, recomputed identically on every call."""
+    key = (k_min, k_max, costs.verify_table(k_max))
+    kept = estimate.mean_arms.get(key)
+    if kept is None:
+        kept = best_arm(estimate, estimate.means(), k_min, k_max, costs)
+        if len(estimate.mean_arms) < MEAN_ARMS_KEPT:
+            estimate.mean_arms[key] = kept
+    return kept
 
 
 CALIBRATION_PRIOR_REQUESTS = 8.0  # pseudo-requests at calibration 1: a few requests move it little
@@ -239,7 +260,7 @@ def deliberate(
     bounds = _k_bounds(settings, request, estimates)
     if isinstance(bounds, str):
         return Deliberation(make.off(bounds), settings)
-    arms = tuple(best_arm(estimates[d], estimates[d].means(), *bounds[d], costs) for d in bounds)
+    arms = tuple(mean_arm(estimates[d], *bounds[d], costs) for d in bounds)
     best = max(arms, key=lambda a: a.speedup)
     choice = _paying_choice(
         _with_hysteresis(best, list(arms), previous, settings), arms, request, settings, estimates
@@ -402,25 +423,25 @@ def _thompson(
     draw that never favours a drafter again (one stalled request made it look slow) must not end its story."""
     if settings.exploration_rate <= 0 or not probeable:
         return None
-    drawn_costs = costs.draw(rng)
-    draws = {
-        d: best_arm(
-            replace(estimates[d], cost_ratio=drawn_costs.c(d, estimates[d].cost_ratio)), estimates[d].sample(rng),
-            *bounds[d], drawn_costs,
-        )
-        for d in usable
-    }  # fmt: skip
-    winner = max(draws.values(), key=lambda a: a.speedup)
-    if (
-        winner.drafter in probeable
-        and winner.drafter != exploit.drafter
-        and winner.speedup > settings.min_speedup
-        and rng.random() < settings.exploration_rate
-    ):
-        return winner.drafter
+    drawn: dict[str, Arm] = {}
+
+    def draws() -> dict[str, Arm]:
+        """The posterior draw, made only when a branch reads it: the share that may probe is decided first (an
+        independent uniform, so the same probes follow in distribution), and most Decides then draw nothing."""
+        if not drawn:
+            drawn_costs = costs.draw(rng)
+            for d in usable:
+                estimate = replace(estimates[d], cost_ratio=drawn_costs.c(d, estimates[d].cost_ratio))
+                drawn[d] = best_arm(estimate, estimates[d].sample(rng), *bounds[d], drawn_costs)
+        return drawn
+
+    if rng.random() < settings.exploration_rate:
+        winner = max(draws().values(), key=lambda a: a.speedup)
+        if winner.drafter in probeable and winner.drafter != exploit.drafter and winner.speedup > settings.min_speedup:
+            return winner.drafter
     floor_rate = min(settings.min_exploration_rate, settings.exploration_rate)
     if not exploit.speculates and rng.random() < floor_rate:
-        return max((draws[d] for d in probeable), key=lambda a: a.speedup).drafter
+        return max((draws()[d] for d in probeable), key=lambda a: a.speedup).drafter
     if exploit.speculates and floor_rate > 0:
         mean = {a.drafter: a.speedup for a in arms}
         u = rng.random()

@@ -49,23 +49,49 @@ def speedup_curve(
 
     ``conditional`` and ``proposal`` need at least ``k_max`` entries (missing ones count as 0).
     """
+    c = max(c, 0.0) if math.isfinite(c) else 0.0
+    rates, proposals, v = (
+        _rates(conditional, k_max),
+        _rates(proposal, k_max),
+        _verify_costs(verify, k_max, verify_slope),
+    )
     curve = []
     tokens, survive = 1.0, 1.0
-    c = max(c, 0.0) if math.isfinite(c) else 0.0
     drafted = 0.0  # E[N] for the ceiling K
     reached = 1.0  # pi_{i-1}: P(N >= i)
     verify_mass = 0.0  # sum over n < K of P(N = n) v(n), the part of E[v(N)] that no larger K changes
-    for i in range(k_max):
-        a = _rate(conditional, i)
-        pi = min(_rate(proposal, i), reached)  # a drafter cannot reach position i more often than i - 1
-        survive *= a
+    for i in range(k_max):  # one pass, plain floats: Decide draws a curve per drafter, twice when it may probe
+        pi = min(proposals[i], reached)  # a drafter cannot reach position i more often than i - 1
+        survive *= rates[i]
         tokens += pi * survive
         drafted += pi
-        verify_mass += (reached - pi) * verify_at(verify, i, verify_slope)  # P(N = i) v(i)
+        verify_mass += (reached - pi) * v[i]  # P(N = i) v(i)
         reached = pi
-        cost = c * drafted + verify_mass + reached * verify_at(verify, i + 1, verify_slope)  # + P(N = K) v(K)
+        cost = c * drafted + verify_mass + reached * v[i + 1]  # + P(N = K) v(K)
         curve.append(tokens / max(cost, MIN_ROUND_COST))
     return curve
+
+
+def _verify_costs(verify: Sequence[float], n_max: int, slope: float = 0.0) -> list[float]:
+    """``verify_at(verify, n, slope)`` for n = 0..n_max, at once."""
+    if not verify or n_max < 0:
+        return [verify_at(verify, n, slope) for n in range(n_max + 1)]
+    table = [_cost(value) for value in verify[: n_max + 1]]
+    if len(table) <= n_max:
+        last, step, end = _cost(verify[-1]), _cost(slope), len(verify)
+        table.extend(last + step * (n - end + 1) for n in range(end, n_max + 1))
+    return table
+
+
+def _rates(values: Sequence[float], n: int) -> list[float]:
+    """``_rate(values, i)`` for i = 0..n-1, at once."""
+    head = values[:n]
+    # The usual case, rates already (a NaN anywhere makes the sum NaN; an infinity fails a bound): no clamp.
+    if len(head) and min(head) >= 0.0 and max(head) <= 1.0 and math.isfinite(sum(head)):
+        rates = list(map(float, head))
+    else:
+        rates = [min(max(v, 0.0), 1.0) if math.isfinite(v) else 0.0 for v in map(float, head)]
+    return rates + [0.0] * (n - len(rates))
 
 
 def best_k(curve: Sequence[float], k_min: int = 1) -> tuple[int, float]:

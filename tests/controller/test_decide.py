@@ -8,7 +8,7 @@ import pytest
 
 from controller.cost_model import BucketCosts
 from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import Beta, Request, decide, estimate_drafter
+from controller.decide import Beta, Request, best_arm, decide, deliberate, estimate_drafter, mean_arm
 from controller.policy import Settings, SettingsOverride, apply_override
 from specd_api.plan import Plan
 from specd_api.speedup import speedup_curve
@@ -198,6 +198,44 @@ def test_an_uncertain_segment_is_probed_at_k_max_within_the_cap():
     assert 0 < len(probes) <= 0.1 * 2000 + 3 * (2000 * 0.1 * 0.9) ** 0.5
     assert all(p.reason == "exploration" and p.drafter == "draft" for p in probes)
     assert all(p.k == settings.drafter("draft").k_max and p.probe_rounds == settings.probe_rounds for p in probes)
+
+
+class CountingRandom(random.Random):
+    """A seeded random.Random that counts the Beta draws made from it (a posterior draw makes one per position)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.betas = 0
+
+    def betavariate(self, alpha: float, beta: float) -> float:
+        self.betas += 1
+        return super().betavariate(alpha, beta)
+
+
+def test_a_decision_draws_the_posterior_only_when_it_may_probe():
+    # An uncertain segment (no data): a request probes only within exploration_rate, so the other requests need no
+    # posterior draw at all. Drawing it on every Decide was half a Decide's work (issue 22: Decide's own CPU).
+    settings = with_(exploration_rate=0.1, min_exploration_rate=0.0)
+    req = Request("s", 1, ("draft",), 128)
+    estimates = {"draft": estimate_drafter(SegmentCounts(), "draft", 8, 0.5, 0.5, settings.prior_strength, 0.4)}
+    deliberation = deliberate(settings, "v1", req, estimates, GPU, None)
+    assert deliberation.may_probe
+    drew = probed = 0
+    for seed in range(2000):
+        rng = CountingRandom(seed)
+        probed += deliberation.draw(rng).exploration
+        drew += rng.betas > 0
+    assert 0 < probed <= drew, (probed, drew)
+    assert drew <= 0.1 * 2000 + 3 * (2000 * 0.1 * 0.9) ** 0.5, drew  # about exploration_rate of them, not all
+
+
+def test_the_mean_arm_is_kept_per_verify_table():
+    # The exploit arm is kept on the (cached) estimate, keyed by what it reads besides it: the K bounds and the
+    # verify table. The same estimate under another cost model (a refresh moved v(n)) gets that model's arm.
+    estimate = estimate_drafter(counts(draft=(0.9, 1.0)), "draft", 8, 0.5, 0.5, 20.0, 0.05)
+    for costs, bounds in ((GPU, (1, 8)), (CPU, (1, 8)), (GPU, (1, 8)), (GPU, (2, 3)), (CPU, (1, 8))):
+        assert mean_arm(estimate, *bounds, costs) == best_arm(estimate, estimate.means(), *bounds, costs)
+    assert mean_arm(estimate, 1, 8, GPU).k != mean_arm(estimate, 1, 8, CPU).k  # the tables disagree on K here
 
 
 def test_no_exploration_when_the_rate_is_zero():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from specd_api.speedup import best_k, ratio, speedup_curve, verify_at, wilson_interval
 
@@ -69,6 +71,57 @@ def test_the_curve_is_total(values):
     conditional, proposal, c, verify = values
     for x in speedup_curve(conditional, proposal, 3, c, verify):
         assert math.isfinite(x) and x >= 0
+
+
+def reference_curve(conditional, proposal, k_max, c, verify, slope):
+    """The speedup of each K written out from the module docstring, one K at a time (quadratic, no shared
+    running sums): rates clamped to [0, 1] (not a number: 0), pi cut to the running minimum, c >= 0, v(n) a
+    table whose bad entries count as one step and whose end extends at the slope."""
+
+    def rate(values, i):
+        x = float(values[i]) if i < len(values) else 0.0
+        return 0.0 if not math.isfinite(x) else min(max(x, 0.0), 1.0)
+
+    def v(n):
+        cost = lambda x: x if math.isfinite(x) and x >= 0 else 1.0  # noqa: E731
+        if not verify:
+            return cost(1.0 + slope * n)
+        return (
+            cost(float(verify[n])) if n < len(verify) else cost(float(verify[-1])) + cost(slope) * (n - len(verify) + 1)
+        )
+
+    c = max(c, 0.0) if math.isfinite(c) else 0.0
+    pi = []
+    for i in range(k_max):
+        pi.append(min(rate(proposal, i), pi[-1] if pi else 1.0))
+    curve = []
+    for k in range(1, k_max + 1):
+        tokens = 1.0 + sum(pi[i] * math.prod(rate(conditional, j) for j in range(i + 1)) for i in range(k))
+        reach = [1.0, *pi[:k], 0.0]  # P(N >= n) for n = 0..k+1
+        cost = c * sum(pi[:k]) + sum((reach[n] - reach[n + 1]) * v(n) for n in range(k + 1))
+        curve.append(tokens / max(cost, 1e-9))
+    return curve
+
+
+RATE = st.one_of(st.floats(0.0, 1.0), st.sampled_from([math.nan, math.inf, -math.inf, -0.5, 1.5, -0.0]))
+COST = st.one_of(st.floats(0.0, 4.0), st.sampled_from([math.nan, math.inf, -1.0, 0.0]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1.0), max_size=20) | st.lists(RATE, max_size=20),
+    st.lists(st.floats(0.0, 1.0), max_size=20) | st.lists(RATE, max_size=20),
+    st.integers(0, 18),
+    COST,
+    st.lists(COST, max_size=20),
+    COST,
+)
+@example([0.5, math.nan, 0.7], [1.0] * 3, 3, 0.1, [1.0, 1.1], 0.02)  # a rate list in range but for a NaN
+@example([0.9] * 4, [1.0, 0.5, math.inf, 0.2], 4, 0.1, [], 0.05)
+def test_the_curve_is_the_formula_k_by_k(conditional, proposal, k_max, c, verify, slope):
+    curve = speedup_curve(conditional, proposal, k_max, c, verify, slope)
+    expected = reference_curve(conditional, proposal, k_max, c, verify, slope)
+    assert curve == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize(("successes", "trials"), [(50, 100), (0, 10), (10, 10), (3.5, 7.25)])
