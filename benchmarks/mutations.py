@@ -756,6 +756,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a heartbeat goes out while a change is on its way: it says the new staleness or policy before the tables",
     ),
     Mutation(
+        "heartbeats-grow-with-streams",
+        "controller/table_publisher.py",
+        "        return max(self._heartbeat_floor, self._streams / MAX_HEARTBEATS_PER_SECOND)",
+        "        return self._heartbeat_floor",
+        ("tests/controller/test_scale_reads.py",),
+        "every stream beats every 5 refreshes whatever their number: the heartbeats' CPU grows with the streams",
+    ),
+    Mutation(
+        "heartbeat-period-never-shrinks",
+        "controller/table_publisher.py",
+        "            self._streams -= 1\n",
+        "\n",
+        ("tests/controller/test_scale_reads.py",),
+        "closed streams still count: once a fleet restarted, the period stays long and dead streams go unseen longer",
+    ),
+    Mutation(
         "heartbeat-phase-shared",
         "controller/table_publisher.py",
         "        self._phase = random.uniform(0.0, publisher.heartbeat_seconds)",

@@ -8,10 +8,10 @@ policy, the priors, its hysteresis memory); the others are kept as they are, and
 generator seeded per segment and bucket, come out the same when a table is recomputed from the same inputs. Where
 nothing the key is made of can have moved (``quick_key``: the versions of the learner, the policy and the memory),
 the key itself is not computed. A stream wakes only when its drafters' tables changed (or the controller's view went
-stale, or the policy changed), and otherwise sends an empty message every ``HEARTBEAT_PERIODS`` refreshes: a worker
-takes a stream that said nothing for three such periods for dead. A
-segment enters the tables once its own rounds weigh at least as much as the prior (``prior_strength``): before
-that, the request's features, which a table cannot see, still steer its decision, and the worker asks Decide.
+stale, or the policy changed), and otherwise sends an empty message every ``HEARTBEAT_PERIODS`` refreshes (longer past
+MAX_HEARTBEATS_PER_SECOND for all streams together): a worker takes a stream that said nothing for three such periods
+for dead. A segment enters the tables once its own rounds weigh at least as much as the prior (``prior_strength``):
+before that, the request's features, which a table cannot see, still steer its decision, and the worker asks Decide.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ PROBE_DRAWS = 64  # decisions drawn per bucket and refresh to estimate the probe
 # Refreshes between a stream's messages when nothing changed. Each message wakes the stream's thread and the event
 # loop: at 256 streams and a heartbeat per refresh that was ~9 % of a core doing nothing (issue 22).
 HEARTBEAT_PERIODS = 5.0
+# The heartbeats of all streams together, a second, at most: with more than MAX_HEARTBEATS_PER_SECOND x the period
+# streams open, the period grows with their count, so that what heartbeats cost (gRPC's sending, ~0.7 ms of CPU each
+# on a 2-core VM: 3.5 % of a core at 256 streams and 5 s) stays flat in the streams clients open. Each message says
+# the period (refresh_seconds), which is what a worker's quiet-stream check reads.
+MAX_HEARTBEATS_PER_SECOND = 25.0
 # A table whose segment had no report follows its counts' decay (and the prior's refits) this many decay steps late at
 # most: at the default 600 s half-life and 60 s steps, its own rounds then weigh up to 24 % more than they do now.
 TABLE_DECAY_STEPS = 4
@@ -168,7 +173,8 @@ class DecisionPublisher:
         self._cond = threading.Condition()
         self._build_lock = threading.Lock()  # one build at a time: the refresh's, or the first stream's
         self.stats = PublisherStats()
-        self.heartbeat_seconds = HEARTBEAT_PERIODS * refresh_seconds
+        self._heartbeat_floor = HEARTBEAT_PERIODS * refresh_seconds
+        self._streams = 0  # the streams open (the sum of _watchers), read without the lock by heartbeat_seconds
         self._closed = False
         self._watchers: Counter[Drafters] = Counter()
         self._tables: dict[Drafters, Tables] = {}
@@ -177,6 +183,13 @@ class DecisionPublisher:
         self._deltas: dict[Drafters, tuple[Tables, pb.DecisionTables, bytes]] = {}
         self._delta_lock = threading.Lock()  # one stream makes a change message; the others wait and share it
         self._built_unix = 0.0
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """A stream's heartbeat period: HEARTBEAT_PERIODS refreshes, longer while more streams are open than beat
+        within MAX_HEARTBEATS_PER_SECOND at that (256 streams: 10.2 s, and a quiet stream is taken for dead after
+        3 periods, 31 s, rather than 15 s)."""
+        return max(self._heartbeat_floor, self._streams / MAX_HEARTBEATS_PER_SECOND)
 
     @property
     def watchers(self) -> int:
@@ -238,11 +251,13 @@ class DecisionPublisher:
                 raise TooManyWatchers(f"this controller already serves {self.max_watchers} WatchDecisions streams "
                                       "(max_watchers); ask Decide, or open the stream on another replica")  # fmt: skip
             self._watchers[drafters] += 1
+            self._streams += 1
         return Watch(self, drafters, is_active, wire)
 
     def _unwatch(self, drafters: Drafters) -> None:
         with self._cond:
             self._watchers[drafters] -= 1
+            self._streams -= 1
             if self._watchers[drafters] <= 0:
                 del self._watchers[drafters]
 

@@ -19,7 +19,13 @@ import pytest
 import redis
 
 from controller.store import Snapshot, TelemetryStore
-from controller.table_publisher import HEARTBEAT_PERIODS, DecisionPublisher, heartbeat_wait, segment_table
+from controller.table_publisher import (
+    HEARTBEAT_PERIODS,
+    MAX_HEARTBEATS_PER_SECOND,
+    DecisionPublisher,
+    heartbeat_wait,
+    segment_table,
+)
 from specd_api.v1 import controller_pb2 as pb
 from tests.controller.test_client import started
 from tests.controller.test_decision_tables import (
@@ -399,6 +405,43 @@ def test_a_table_build_gives_the_interpreter_back_between_segments(
         assert len(next(stream).segments) == len(segments)
         stream.cancel()
         assert len(paced) >= len(segments)
+
+
+def test_the_heartbeats_of_all_streams_together_stay_within_their_budget() -> None:
+    """Was: every stream beat every HEARTBEAT_PERIODS refreshes whatever their number, so the heartbeats' cost grew
+    with the streams clients opened (256: 51 a second, 3.5 % of a core in gRPC). Now past MAX_HEARTBEATS_PER_SECOND
+    the period grows with the streams; each stream's beats follow it, and every message says it (the worker's
+    quiet-stream check reads it), back down as streams close."""
+    refresh_s = 0.2
+    floor = HEARTBEAT_PERIODS * refresh_s
+    few = int(MAX_HEARTBEATS_PER_SECOND * floor)  # as many as beat within the budget at the floor
+    learner = SimpleNamespace(segments=lambda: [], stale=False)
+    controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
+    publisher = DecisionPublisher(controller, refresh_seconds=refresh_s, max_watchers=8 * few)  # type: ignore[arg-type]
+    streams = [publisher.watch(("draft",), lambda: True) for _ in range(few)]
+    try:
+        assert publisher.heartbeat_seconds == floor
+        assert next(streams[0]).refresh_seconds == floor
+        streams += [publisher.watch(("draft",), lambda: True) for _ in range(3 * few)]
+        assert len(streams) / publisher.heartbeat_seconds == pytest.approx(MAX_HEARTBEATS_PER_SECOND)
+        first = next(streams[-1])
+        assert first.refresh_seconds == publisher.heartbeat_seconds == pytest.approx(4 * floor)
+        waiting = threading.Thread(target=lambda: next(streams[0], None), daemon=True)
+        waiting.start()  # what the serving loop does once it sent the first message: ask for the next (news)
+        time.sleep(0.1)
+        beat = streams[0].beat()
+        assert beat is not None and beat.refresh_seconds == pytest.approx(4 * floor), "a beat says the period too"
+        now = time.monotonic()
+        assert all(streams[0].beat_in(now + t) <= 1.05 * 4 * floor for t in (0.0, 0.37, 1.9))
+        assert max(streams[0].beat_in(now + t / 10) for t in range(80)) > 1.05 * floor, "the stream's grid follows"
+    finally:
+        for stream in streams[few:]:
+            stream.close()
+    assert publisher.heartbeat_seconds == floor
+    for stream in streams[:few]:
+        stream.close()
+    publisher.close()
+    waiting.join(10)
 
 
 def test_streams_opened_together_beat_apart_and_a_beat_waits_while_a_change_is_on_its_way() -> None:
