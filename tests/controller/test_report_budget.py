@@ -307,15 +307,18 @@ def test_a_report_past_the_size_bound_is_invalid_and_spends_no_budget(v6):
 
 
 def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, v4):
+    # The client's report is at the size bound (the burst): it fits only in a full bucket, one whole second after
+    # the spender's last report passed. (It was 400 aggregates: on a slow machine the spender, in this process
+    # beside the daemon, once stalled long enough for the bucket to refill that far, and the first send passed.)
     segment = f"worker-{uuid.uuid4().hex[:8]}"
     config = ClientConfig(
         address=f"127.0.0.1:{daemon.port}", worker_id="budget-worker", report_interval_s=0.05,
-        retry_backoff_s=(0.05, 0.2), reconnect_backoff_s=(0.05, 0.2),
+        retry_backoff_s=(0.05, 0.2), reconnect_backoff_s=(0.05, 0.2), max_aggregates_per_report=MAX_AGGREGATES,
     )  # fmt: skip
     client = ControllerClient(config)
     round_ = RoundRecordLike("draft", 2, 2, 1, 2)
-    for n in range(400):  # 400 aggregates (one per segment) in one report: 0.4 s of the budget
-        client.report(segment=f"{segment}-{n:03d}", rounds=[round_], temperature=0.0, prompt_tokens=10,
+    for n in range(MAX_AGGREGATES):  # one report of MAX_AGGREGATES aggregates, 10 segments of 100 requests each
+        client.report(segment=f"{segment}-{n % 10}", rounds=[round_], temperature=0.0, prompt_tokens=10,
                       self_repetition=0.0)  # fmt: skip
     before = refused(daemon)
     try:
@@ -323,15 +326,15 @@ def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, 
             empty(v4)
             client.start()
             assert wait_until(lambda: client.stats().send_failures > 0)
-        assert wait_until(lambda: client.stats().aggregates_sent == 400, timeout=10)
+        assert wait_until(lambda: client.stats().aggregates_sent == MAX_AGGREGATES, timeout=10)
         stats = client.stats()
     finally:
         client.close(flush_timeout_s=1.0)
     assert refused(daemon) >= before + 2  # the filler, and the client's report at least once
     assert stats.send_failures >= 1
     assert (stats.buffered, stats.aggregates_dropped, stats.aggregates_rejected) == (0, 0, 0)
-    assert wait_until(lambda: rounds(v4, f"{segment}-399") == pytest.approx(1))
-    assert sum(rounds(v4, f"{segment}-{n:03d}") for n in range(0, 400, 40)) == pytest.approx(10)
+    assert wait_until(lambda: rounds(v4, f"{segment}-9") == pytest.approx(MAX_AGGREGATES // 10))
+    assert [rounds(v4, f"{segment}-{n}") for n in range(10)] == [pytest.approx(MAX_AGGREGATES // 10)] * 10
 
 
 class RoundRecordLike:

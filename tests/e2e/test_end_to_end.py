@@ -214,7 +214,7 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
     estimates = {d["drafter"]: d["acceptance"] for d in learned["drafters"] if d["acceptance"]}
     strength = policy_in_force(controller.address).for_segment(UNRULED).prior_strength
     assert strength > 0 and estimates.keys() == starts.keys(), (strength, estimates.keys(), starts.keys())
-    moved = []
+    learned_from = []
     for d in learned["drafters"]:
         if not d["acceptance"]:
             continue
@@ -231,9 +231,8 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
             strength,
         )
         if any(v for _, v in rounds.values()):
-            moved.append(d["drafter"])
-            assert max(abs(a - start[0]) for a in d["acceptance"]) > 1e-3, (d["drafter"], d["acceptance"], start)
-    assert moved, "no drafter's rounds on UNRULED reached the controller: nothing to learn from"
+            learned_from.append(d["drafter"])
+    assert learned_from, "no drafter's rounds on UNRULED reached the controller: nothing to learn from"
     final = learned["decision"]
     assert final["reason"] in ("best_expected_speedup", "low_expected_speedup", "kept_previous"), final
     if final["drafter"] != "none":

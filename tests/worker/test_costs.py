@@ -11,6 +11,7 @@ of every pass it shares.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,20 +35,28 @@ TOLERANCE = 0.15  # the issue's bar: learned within ±15% of the truth
 
 
 @pytest.fixture
-def slow_passes(monkeypatch) -> Iterator[None]:
+def slow_passes(monkeypatch) -> Iterator[dict[tuple[str, int, int], list[float]]]:
+    """Injects the sleeps; yields each pass's own compute, (model, width, sequences) -> seconds: what a pass costs
+    is the sleep plus that (on a slow CPU, float64 passes of 2 sequences took ~4.7 ms beside the 30 ms step, and the
+    learned v(n) were 6 % closer to 1 than the sleeps alone: right, as that is what the passes cost)."""
     real = KVPool.forward_many
+    compute: dict[tuple[str, int, int], list[float]] = {}
 
     def forward_many(self, rows, logits_to_keep=0):
+        start = time.perf_counter()
         out = real(self, rows, logits_to_keep)
+        took = time.perf_counter() - start
         width = max(int(ids.shape[0]) for _, ids in rows)
         if "draft" in Path(self.lm.name).name:
+            compute.setdefault(("draft", 0, len(rows)), []).append(took)
             time.sleep(DRAFT)
         elif width <= len(V):  # a verification pass (a longer one is a prefill: left as it is)
+            compute.setdefault(("target", width, len(rows)), []).append(took)
             time.sleep(STEP * V[width - 1])
         return out
 
     monkeypatch.setattr(KVPool, "forward_many", forward_many)
-    yield
+    yield compute
 
 
 @pytest.fixture
@@ -102,7 +111,7 @@ def near(got: float, want: float) -> bool:
     return abs(got - want) <= TOLERANCE * want
 
 
-def test_injected_costs_are_recovered_at_batch_one_and_two(worker, controller):
+def test_injected_costs_are_recovered_at_batch_one_and_two(worker, controller, slow_passes):
     # batch 1: plain decoding and the draft at every K up to 4, one request at a time
     for k in range(5):
         run(worker, [Speculation("draft" if k else "none", k)])
@@ -113,9 +122,19 @@ def test_injected_costs_are_recovered_at_batch_one_and_two(worker, controller):
     for bucket, share in ((1, 1.0), (2, 0.5)):
         c = costs[bucket]
         got = (c.step_seconds, c.cost_ratio["draft"], *c.verify_cost[: len(V)])
-        want = (STEP * share, DRAFT / STEP, *V)
-        print(f"bucket {bucket}: learned step {got[0] * 1e3:.2f} ms, c {got[1]:.3f}, v {[round(v, 2) for v in got[2:]]}"
-              f"; injected {want[0] * 1e3:.2f} ms, c {want[1]:.3f}, v {list(V)}")  # fmt: skip
+
+        def pass_of(model: str, width: int, injected: float, sequences: int = bucket) -> float:
+            """A pass's cost: the injected sleep plus the pass's own compute, its median here."""
+            return injected + statistics.median(slow_passes[(model, width, sequences)])
+
+        step = pass_of("target", 1, STEP)
+        want = (
+            step * share,
+            pass_of("draft", 0, DRAFT) / step,
+            *(pass_of("target", n + 1, STEP * v) / step for n, v in enumerate(V)),
+        )
+        shown = [(f"{x[0] * 1e3:.2f} ms", round(x[1], 3), [round(v, 2) for v in x[2:]]) for x in (got, want)]
+        print(f"bucket {bucket}: learned {shown[0]}; injected plus each pass's compute {shown[1]}")
         assert all(near(g, w) for g, w in zip(got, want, strict=True)), (bucket, got, want)
 
 
