@@ -84,7 +84,7 @@ def _verify_costs(verify: Sequence[float], n_max: int, slope: float = 0.0) -> li
 
 
 def _rates(values: Sequence[float], n: int) -> list[float]:
-    """``_rate(values, i)`` for i = 0..n-1, at once."""
+    """The first ``n`` rates of ``values`` as floats clamped to [0, 1]; one not finite, or missing, is 0."""
     head = values[:n]
     # The usual case, rates already (a NaN anywhere makes the sum NaN; an infinity fails a bound): no clamp.
     if len(head) and min(head) >= 0.0 and max(head) <= 1.0 and math.isfinite(sum(head)):
@@ -120,11 +120,6 @@ def ratio(numerator: float, denominator: float, default: float = 0.0) -> float:
         return default
     value = numerator / denominator
     return value if math.isfinite(value) else default
-
-
-def _rate(values: Sequence[float], i: int) -> float:
-    value = float(values[i]) if i < len(values) else 0.0
-    return min(max(value, 0.0), 1.0) if math.isfinite(value) else 0.0
 
 
 MODEL_DRAFTERS = ("draft", "chain")  # the drafters that run the draft model (a chain when lookup finds no match)
