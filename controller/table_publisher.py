@@ -174,7 +174,7 @@ class DecisionPublisher:
         self._build_lock = threading.Lock()  # one build at a time: the refresh's, or the first stream's
         self.stats = PublisherStats()
         self._heartbeat_floor = HEARTBEAT_PERIODS * refresh_seconds
-        self._streams = 0  # the streams open (the sum of _watchers), read without the lock by heartbeat_seconds
+        self._streams = 0  # the streams open (the sum of _watchers): max_watchers, watchers, heartbeat_seconds
         self._closed = False
         self._watchers: Counter[Drafters] = Counter()
         self._tables: dict[Drafters, Tables] = {}
@@ -194,7 +194,7 @@ class DecisionPublisher:
     @property
     def watchers(self) -> int:
         with self._cond:
-            return sum(self._watchers.values())
+            return self._streams
 
     def rebuild(self) -> None:
         """New tables for every drafter set that open streams watch (recomputing only what moved); wakes the streams
@@ -247,7 +247,7 @@ class DecisionPublisher:
         """A stream of ``drafters``' tables (``Watch``); with ``wire``, a shared change message comes as its bytes
         (``wire``). Raises TooManyWatchers at once."""
         with self._cond:
-            if sum(self._watchers.values()) >= self.max_watchers:
+            if self._streams >= self.max_watchers:
                 raise TooManyWatchers(f"this controller already serves {self.max_watchers} WatchDecisions streams "
                                       "(max_watchers); ask Decide, or open the stream on another replica")  # fmt: skip
             self._watchers[drafters] += 1
