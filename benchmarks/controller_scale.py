@@ -55,6 +55,7 @@ import multiprocessing
 import os
 import random
 import secrets
+import socket
 import ssl
 import sys
 import tempfile
@@ -156,6 +157,13 @@ class Target:
         return self.controller.address
 
     @property
+    def attacker_address(self) -> str:
+        """Where an attack connects from another host than the steady client's: the controller listens on ::1 too,
+        and a call over IPv6 loopback comes from host ::1, the steady client's from 127.0.0.1 (the controller shares
+        its work out per client host). Without IPv6 loopback, the steady client's address (one host for both)."""
+        return f"[::1]:{self.controller.port}" if ipv6_loopback() else self.address
+
+    @property
     def pid(self) -> int:
         return self.controller.pid
 
@@ -164,6 +172,15 @@ class Target:
         if process is None or process.poll() is not None:
             raise RuntimeError(f"the controller exited ({process and process.returncode}); its log is under "
                                f"{self.controller.folder}")  # fmt: skip
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def start_target(
@@ -191,7 +208,8 @@ def start_target(
         client_tls = (pki.ca.read_bytes(), pki.client.key.read_bytes(), pki.client.cert.read_bytes())
     learning = f", max_segments: {max_segments}" if max_segments != 1000 else ""
     learning += f", bucket_seconds: {bucket_seconds:g}" if bucket_seconds != 60.0 else ""
-    controller = Controller(folder, "null", refresh_seconds=REFRESH_S, settings=settings, learning=learning)
+    controller = Controller(folder, "null", refresh_seconds=REFRESH_S, settings=settings, learning=learning,
+                            host="localhost")  # fmt: skip
     target = Target(controller, read, write, client_tls=client_tls)
     # the refused handshakes are counted from gRPC core's INFO lines, which `specd` turns off unless asked
     verbosity = os.environ.get("GRPC_VERBOSITY")
@@ -436,13 +454,13 @@ class StreamHolder:
     """``spawn`` the holding process (it imports and waits), ``open`` the streams, ``wait_ready``, ``close`` (what
     happened to them). With ``first_alone``, the first stream opens alone: the tables it builds serve the others."""
 
-    def __init__(self, target: Target, count: int, first_alone: bool = False) -> None:
+    def __init__(self, target: Target, count: int, first_alone: bool = False, address: str | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._go, self._ready, self._stop = context.Event(), context.Event(), context.Event()
         self._out = context.Queue()
         self._process = context.Process(
             target=hold_streams, name="watch-streams", daemon=True,
-            args=(target.address, count, target.read_token, first_alone, self._go, self._ready, self._stop,
+            args=(address or target.address, count, target.read_token, first_alone, self._go, self._ready, self._stop,
                   self._out),
         )  # fmt: skip
 
@@ -655,7 +673,7 @@ class HealthWatch(Attack):
         self._reader = threading.Thread(target=self._read, name="health-watch", daemon=True)
 
     def start(self) -> None:
-        self._channels = [grpc.insecure_channel(self.target.address, options=OWN_CONNECTION)
+        self._channels = [grpc.insecure_channel(self.target.attacker_address, options=OWN_CONNECTION)
                           for _ in range(math.ceil(self.count / 100))]  # fmt: skip
         request = health_pb2.HealthCheckRequest(service="")
         for i in range(self.count):
@@ -737,7 +755,7 @@ class Loop(Attack):
             thread.start()
 
     def _run(self, i: int) -> None:
-        with grpc.insecure_channel(self.target.address, options=OWN_CONNECTION) as channel:
+        with grpc.insecure_channel(self.target.attacker_address, options=OWN_CONNECTION) as channel:
             stub = pb_grpc.ControllerStub(channel)
             n = 0
             while not self._stop.is_set():
@@ -799,7 +817,7 @@ class WatchStreams(Attack):
 
     def __init__(self, target: Target, count: int) -> None:
         self.target, self.count = target, count
-        self._holder = StreamHolder(target, count)
+        self._holder = StreamHolder(target, count, address=target.attacker_address)
 
     def prepare(self) -> None:
         self._holder.spawn()

@@ -158,18 +158,19 @@ class Process:
 
 
 class Controller(Process):
-    """`specd controller` on a free loopback port; ``redis_url`` "null" starts its embedded server. Counts never
-    decay here (a half-life of 1e12 s), so stored rounds are the reported ones exactly."""
+    """`specd controller` on a free loopback port (``host``: "localhost" listens on 127.0.0.1 and ::1 both; clients
+    use 127.0.0.1); ``redis_url`` "null" starts its embedded server. Counts never decay here (a half-life of 1e12
+    s), so stored rounds are the reported ones exactly."""
 
     def __init__(
         self, folder: Path, redis_url: str, policy: Path | None = None, port: int | None = None,
-        refresh_seconds: float = 0.2, settings: str = "", learning: str = "",
+        refresh_seconds: float = 0.2, settings: str = "", learning: str = "", host: str = "127.0.0.1",
     ) -> None:  # fmt: skip
         self.port = port or free_port()
         folder.mkdir(parents=True, exist_ok=True)
         config = folder / "controller.yaml"
         config.write_text(
-            f"listen: 127.0.0.1:{self.port}\nredis_url: {redis_url}\npolicy_path: {policy or POLICY}\n"
+            f"listen: {host}:{self.port}\nredis_url: {redis_url}\npolicy_path: {policy or POLICY}\n"
             f"state_dir: {folder / 'state'}\nshutdown_grace_seconds: 1\npolicy_watch_seconds: 0.2\n{settings}"
             f"learning: {{prefix: drill, refresh_seconds: {refresh_seconds}, half_life_seconds: 1.0e12{learning}}}\n"
         )

@@ -881,6 +881,49 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a report past the size bound is charged to the budget: RESOURCE_EXHAUSTED (retried forever) instead of "
         "INVALID_ARGUMENT (issue 22)",
     ),
+    Mutation(
+        "unseen-segments-keyed-by-name",
+        "controller/service.py",
+        "        named = UNSEEN if counts.empty else request.segment",
+        "        named = request.segment",
+        ("tests/controller/test_made_up_segments.py",),
+        "every made-up segment gets cache entries of its own: 6.5x a learned Decide's work, and a client naming a new "
+        "segment per call pushes the learned segments' estimates out (issue 22)",
+    ),
+    Mutation(
+        "unseen-segment-plan-remembered",
+        "controller/service.py",
+        " and self.learner.counted(request.segment):",
+        ":",
+        ("tests/controller/test_made_up_segments.py",),
+        "a segment nobody reported is remembered for hysteresis: a flood of made-up names evicts another client's "
+        "learned plans (issue 22)",
+    ),
+    Mutation(
+        "host-shares-off",
+        "controller/request_wait.py",
+        "            async with self.shares.turn(peer_host(context.peer())):",
+        "            async with contextlib.nullcontext():",
+        ("tests/controller/test_host_share.py",),
+        "one host's flood runs as many calls at once as it sends: another host's Decide gets a sliver of the "
+        "interpreter (issue 22)",
+    ),
+    Mutation(
+        "host-share-one-too-many",
+        "controller/host_share.py",
+        "        if self._running.get(host, 0) < self.per_host:",
+        "        if self._running.get(host, 0) <= self.per_host:",
+        ("tests/controller/test_host_share.py",),
+        "a host runs one call more than its share",
+    ),
+    Mutation(
+        "host-share-turn-lost-on-cancel",
+        "controller/host_share.py",
+        "                    self._release(host)  # handed the turn as it was cancelled: pass it on",
+        "                    pass",
+        ("tests/controller/test_host_share.py",),
+        "a turn handed to a call cancelled at that moment is lost: after a few deadlines the host's calls wait forever",
+    ),
 )
 
 

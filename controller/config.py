@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from controller.host_share import DEFAULT_CALLS_PER_HOST
 from controller.redis_conn import RedisTls, uses_tls
 from controller.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, ReportBudget
 from controller.store import StoreConfig
@@ -164,6 +165,11 @@ class ControllerConfig(Strict):
         256, ge=0, le=4096,
         description="WatchDecisions streams served at once (each holds a thread of its own); more are refused with "
         "RESOURCE_EXHAUSTED, and those workers ask Decide",
+    )  # fmt: skip
+    max_calls_per_host: int = Field(
+        DEFAULT_CALLS_PER_HOST, ge=1, le=1024,
+        description="unary calls one client host (IP address) has running at once; its others wait their turn, "
+        "holding no thread, so that one host's flood shares the controller with the other hosts",
     )  # fmt: skip
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     policy_watch_seconds: float = Field(2.0, gt=0, description="how often the policy file is checked")

@@ -59,6 +59,11 @@ class SegmentCounts:
     def rounds(self) -> float:
         return sum(c.rounds for c in self.by_k.values())
 
+    @property
+    def empty(self) -> bool:
+        """Nothing counted: what a segment no report has named holds (every such segment decides alike)."""
+        return not (self.by_k or self.positions or self.counterfactual or self.calibration or self.plain_step)
+
     def drafters(self) -> list[str]:
         keys = [*self.by_k, *self.positions, *self.counterfactual]
         return sorted({d for d, _ in keys})

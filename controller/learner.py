@@ -229,6 +229,11 @@ class Learner:
                 return segment
             return OVERFLOW_SEGMENT if len(known) >= self.store.config.max_segments else segment
 
+    def counted(self, segment: str) -> bool:
+        """Has any report named ``segment`` (stored, or journaled while Redis is away)?"""
+        with self._lock:
+            return segment in self._snapshot.segments or self._journaled.segment(segment) is not None
+
     def fleet_acceptance(self, drafter: str) -> tuple[float, float]:
         """(accepted, verified) of ``drafter`` over every segment and position, served and scored: the fleet's
         evidence (computed once per snapshot)."""

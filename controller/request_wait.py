@@ -19,7 +19,8 @@ request, under a deadline:
   unary method takes exactly one message), not with the INTERNAL or UNKNOWN a server error would be.
 
 Then the method runs as grpc.aio would run it: a synchronous handler in the pool (one hop to a thread, as before;
-``InFlight`` counts it there), a coroutine or an async generator (health, WatchDecisions as ``ThreadedStreams``
+``InFlight`` counts it there) once its client host has a turn (``host_share``: a host's flood waits on the loop,
+holding no thread), a coroutine or an async generator (health, WatchDecisions as ``ThreadedStreams``
 serves it) on the loop. The interceptor goes after the token check (a refused call never reaches it, and costs what
 it did) and before every interceptor that wraps a unary handler (they see the handler they know).
 
@@ -44,6 +45,7 @@ import grpc
 
 from controller.auth import RefusalLog
 from controller.grpc_server import PerMethod, ThreadContext, is_async
+from controller.host_share import HostShares
 from controller.report_budget import MAX_HOLD_SECONDS, peer_host
 
 # A client sends its request with its headers: on a loopback or a LAN it is in within a millisecond, and the largest
@@ -95,9 +97,11 @@ class RequestWait(grpc.aio.ServerInterceptor):
     pool synchronous handlers run in (the server's, built with it) before the server starts."""
 
     def __init__(
-        self, limits: WaitLimits, refusals: RefusalLog | None = None, holds: Mapping[str, Hold] | None = None
-    ) -> None:
+        self, limits: WaitLimits, refusals: RefusalLog | None = None, holds: Mapping[str, Hold] | None = None,
+        shares: HostShares | None = None,
+    ) -> None:  # fmt: skip
         self.limits = limits
+        self.shares = shares or HostShares()  # a synchronous handler's turn in the pool, per client host
         self.refusals = refusals or RefusalLog()
         self.holds = dict(holds or {})  # method -> how long to hold a peer's call before reading its request
         self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
@@ -140,11 +144,12 @@ class RequestWait(grpc.aio.ServerInterceptor):
         async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             request = await self._request(context, method)
             loop = asyncio.get_running_loop()
-            threaded = ThreadContext(context, loop)
-            try:  # what grpc.aio does for a synchronous unary handler: one hop to the pool, then its callbacks
-                return await loop.run_in_executor(pool, behavior, request, threaded)
-            finally:
-                threaded.end()
+            async with self.shares.turn(peer_host(context.peer())):  # the host's turn: its flood waits here
+                threaded = ThreadContext(context, loop)
+                try:  # what grpc.aio does for a synchronous unary handler: one hop to the pool, then its callbacks
+                    return await loop.run_in_executor(pool, behavior, request, threaded)
+                finally:
+                    threaded.end()
 
         return unary
 

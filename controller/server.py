@@ -24,11 +24,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter as PrometheusCounter
 
 from controller.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, server_credentials
 from controller.config import ControllerConfig
 from controller.decoding import RefuseUndecodable
 from controller.grpc_server import GrpcServer, InFlight, ServerClosed
+from controller.host_share import HostShares
 from controller.journal import Journal
 from controller.learner import Learner
 from controller.metrics_endpoint import MetricsServer, serve_metrics
@@ -71,6 +73,7 @@ class ControllerDaemon:
         self.publisher: DecisionPublisher | None = None
         self.metrics: MetricsServer | None = None  # GET /metrics, when metrics.listen is set
         self._in_flight = InFlight()
+        self.shares: HostShares | None = None  # each client host's turns in the handler pool, once serving
         self._redis: RedisHandle | None = None
         self._server: GrpcServer | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -162,9 +165,14 @@ class ControllerDaemon:
         """The Controller service, health (SERVING) and reflection, on ``listen``."""
         listen, tls = self.config.listen, self.config.tls
         budget = servicer.budget  # a client host over its budget of report work is held before being read
+        waited = PrometheusCounter(
+            "specd_controller_calls_waited_for_host_turn", "unary calls that waited (holding no thread) because their "
+            "client host already had max_calls_per_host calls running", registry=servicer.controller.learner.registry,
+        )  # fmt: skip
+        self.shares = HostShares(self.config.max_calls_per_host, on_wait=waited.inc)  # each host's share of the pool
         holds = {} if budget is None else {REPORT_ROUNDS: budget.hold_seconds}
         try:
-            request_wait = RequestWait(WaitLimits.from_environment(), holds=holds)
+            request_wait = RequestWait(WaitLimits.from_environment(), holds=holds, shares=self.shares)
         except ValueError as e:  # a bound in the environment that is not one
             raise StartupError(str(e)) from None
         server = GrpcServer(

@@ -1,0 +1,211 @@
+"""Each client host's share of the handler pool (controller/host_share.py, issue 22): one host's flood of calls runs
+at most ``max_calls_per_host`` of them at once, whatever its connections, its others waiting on the event loop, and
+another host's call is let in at once. The turns themselves (order, cancellation) on an event loop; the daemon's
+over gRPC, with calls from two hosts of this machine (127.0.0.1 and ::1: the daemon listens on both)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import grpc
+import pytest
+
+from controller.host_share import HostShares
+from controller.server import ControllerDaemon
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import running_daemon
+
+PER_HOST = 2
+
+
+# --- the turns ------------------------------------------------------------------------------------------------------
+
+
+def test_a_host_runs_its_share_and_its_other_calls_follow_in_order() -> None:
+    async def scenario() -> tuple[list[str], list[int]]:
+        shares = HostShares(PER_HOST)
+        order: list[str] = []
+        running_seen: list[int] = []
+        gates = {name: asyncio.Event() for name in "abcde"}
+
+        async def call(name: str, host: str) -> None:
+            async with shares.turn(host):
+                order.append(name)
+                running_seen.append(shares.running(host))
+                await gates[name].wait()
+
+        tasks = [asyncio.create_task(call(name, "10.0.0.1")) for name in "abcd"]
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b"] and shares.waiting("10.0.0.1") == 2
+        other = asyncio.create_task(call("e", "10.0.0.2"))  # another host: in at once
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b", "e"]
+        gates["b"].set()
+        await asyncio.sleep(0.01)
+        assert order == ["a", "b", "e", "c"]  # b's turn went to the first waiting
+        for gate in gates.values():
+            gate.set()
+        await asyncio.gather(*tasks, other)
+        assert shares.running("10.0.0.1") == shares.waiting("10.0.0.1") == 0
+        assert shares._running == {} and shares._waiting == {}  # nothing kept for a host with no call
+        return order, running_seen
+
+    order, running_seen = asyncio.run(scenario())
+    assert order == ["a", "b", "e", "c", "d"]
+    assert max(running_seen) == PER_HOST
+
+
+def test_a_call_cancelled_while_it_waits_leaves_and_a_turn_it_was_handed_passes_on() -> None:
+    async def scenario() -> None:
+        shares = HostShares(1)
+        host = "10.0.0.1"
+        first_gate = asyncio.Event()
+        entered: list[str] = []
+
+        async def call(name: str, gate: asyncio.Event | None = None) -> None:
+            async with shares.turn(host):
+                entered.append(name)
+                if gate is not None:
+                    await gate.wait()
+
+        first = asyncio.create_task(call("first", first_gate))
+        await asyncio.sleep(0.01)
+        leaving = asyncio.create_task(call("leaving"))
+        handed = asyncio.create_task(call("handed"))
+        last = asyncio.create_task(call("last"))
+        await asyncio.sleep(0.01)
+        leaving.cancel()  # cancelled while it waits: out of the queue
+        await asyncio.sleep(0.01)
+        assert shares.waiting(host) == 2
+        first_gate.set()  # its turn goes to "handed"...
+        await asyncio.sleep(0)  # (first's exit runs, handing the turn over)
+        handed.cancel()  # ... which is cancelled before it runs: the turn passes on to "last"
+        done, _ = await asyncio.wait([first, last], timeout=5)
+        assert last in done, "the turn handed to a cancelled call was lost: the host's next call never ran"
+        assert leaving.cancelled() and handed.cancelled()
+        assert entered == ["first", "last"]
+        assert shares.running(host) == 0 and shares._running == {} and shares._waiting == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_share_below_one_call_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one call"):
+        HostShares(0)
+
+
+# --- the daemon, over gRPC ------------------------------------------------------------------------------------------
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
+    if not ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine: the test needs calls from two hosts (127.0.0.1 and ::1)")
+    with running_daemon(
+        embedded_redis_url, tmp_path_factory.mktemp("shares"), listen="localhost:0", max_workers=8,
+        max_calls_per_host=PER_HOST,
+    ) as d:  # fmt: skip
+        yield d
+
+
+class Held:
+    """The daemon's decisions for segments named ``held-*`` wait for ``release``; ``inside`` counts them."""
+
+    def __init__(self, daemon: ControllerDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+        controller = daemon.controller
+        assert controller is not None
+        self.release = threading.Event()
+        self.inside = 0
+        self._lock = threading.Lock()
+        decide = controller.decide
+
+        def held(request):
+            if request.segment.startswith("held-"):
+                with self._lock:
+                    self.inside += 1
+                self.release.wait(20)
+            return decide(request)
+
+        monkeypatch.setattr(controller, "decide", held)
+
+    def wait_inside(self, count: int) -> None:
+        deadline = time.monotonic() + 10
+        while self.inside < count:
+            assert time.monotonic() < deadline, f"{self.inside} of {count} calls reached the handler"
+            time.sleep(0.01)
+
+
+def request(segment: str) -> pb.DecideRequest:
+    return pb.DecideRequest(segment=segment, batch_size=1, drafters=["draft"], max_new_tokens=64)
+
+
+def channels(stack: ExitStack, address: str, count: int) -> list[pb_grpc.ControllerStub]:
+    """``count`` stubs, each on a connection of its own."""
+    stubs = []
+    for i in range(count):
+        own = [("grpc.use_local_subchannel_pool", 1), ("specd.test.connection", i)]
+        channel = stack.enter_context(grpc.insecure_channel(address, options=own))
+        stubs.append(pb_grpc.ControllerStub(channel))
+    return stubs
+
+
+def wait_for(what: str, ready) -> None:
+    deadline = time.monotonic() + 10
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_one_hosts_flood_runs_its_share_and_another_host_is_served_meanwhile(daemon, monkeypatch) -> None:
+    held = Held(daemon, monkeypatch)
+    shares = daemon.shares
+    with ExitStack() as stack:
+        flood = [stub.Decide.future(request("held-flood"), timeout=30)
+                 for stub in channels(stack, f"[::1]:{daemon.port}", 5)]  # fmt: skip
+        held.wait_inside(PER_HOST)
+        wait_for("the flood's other calls to wait their turn", lambda: shares.waiting("::1") == 3)
+        time.sleep(0.3)
+        assert held.inside == PER_HOST  # 5 calls on 5 connections, 2 running: the rest hold no thread
+        assert shares.running("::1") == PER_HOST
+        other = channels(stack, f"127.0.0.1:{daemon.port}", 1)[0]
+        start = time.monotonic()
+        other.Decide(request("another-hosts-segment"), timeout=5)  # in at once, beside the flood
+        assert time.monotonic() - start < 2.0
+        held.release.set()
+        for call in flood:
+            call.result(timeout=20)  # every call of the flood answered in the end
+        assert held.inside == 5
+        wait_for("the turns to be given back", lambda: shares.running("::1") == 0 and shares.waiting("::1") == 0)
+
+
+def test_a_call_that_gives_up_waiting_for_its_turn_leaves_no_trace(daemon, monkeypatch) -> None:
+    held = Held(daemon, monkeypatch)
+    shares = daemon.shares
+    with ExitStack() as stack:
+        stubs = channels(stack, f"[::1]:{daemon.port}", PER_HOST + 1)
+        running = [stub.Decide.future(request("held-running"), timeout=30) for stub in stubs[:PER_HOST]]
+        held.wait_inside(PER_HOST)
+        with pytest.raises(grpc.RpcError) as refused:
+            stubs[-1].Decide(request("held-late"), timeout=0.5)  # its deadline passes while it waits
+        assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for("the late call to leave the queue", lambda: shares.waiting("::1") == 0)
+        held.release.set()
+        for call in running:
+            call.result(timeout=20)
+        wait_for("the turns to be given back", lambda: shares.running("::1") == 0)
+        assert held.inside == PER_HOST  # the late call never ran
