@@ -25,10 +25,16 @@ failures are cut into windows by wall clock.
   health-watch   --health-streams grpc.health.v1.Health/Watch streams, no token (health is open)
   big-reports    ReportRounds at the bounds, back to back from one client: 1,000 aggregates at K 32 (32,000 draft
                  positions of MAX_REPORT_POSITIONS' 32,768), padded to just under MAX_REPORT_BYTES (1 MiB)
-  watch-streams  --streams WatchDecisions streams opened together (past max_watchers they are refused); at the end
-                 one more client's stream says whether a worker could still open one
+  watch-streams  --streams WatchDecisions streams opened together from one host (past max_watchers_per_host, 64,
+                 they are refused); at the end one more client's stream, from another host, says whether a worker
+                 could still open one
   decide-flood   Decide back to back from --flood-threads threads for the learned segments: the control for ...
   segment-flood  ... the same with a made-up segment each call (the segment caps and caches filling)
+
+big-reports, watch-streams, health-watch and the floods connect from another host than the steady client's (the
+half-open attacks, refused or held before any handler, from the same): the controller listens on
+127.0.0.1 and ::1, the steady client calls over IPv4 and the attacker over IPv6 loopback (the controller's per-host
+shares and caps tell them apart; without IPv6 loopback both come from 127.0.0.1).
 
 Each attack: the steady client's p50/p99/slowest call, calls and failures for --seconds before it and for --seconds
 from its first byte (the opening burst included), the ratio of the p99s (a stall holds the one call in flight and
@@ -185,7 +191,7 @@ def ipv6_loopback() -> bool:
 
 def start_target(
     folder: Path, tokens: bool, max_segments: int = 1000, max_watchers: int = 256, bucket_seconds: float = 60.0,
-    pki: Pki | None = None,
+    pki: Pki | None = None, max_watchers_per_host: int | None = None,
 ) -> Target:  # fmt: skip
     """`specd controller` on its embedded Redis, the default pool, refreshing every second; with ``tokens``, a read
     and a write token (from files); with ``pki``, mutual TLS: its server certificate, client certificates its CA
@@ -193,6 +199,8 @@ def start_target(
     folder.mkdir(parents=True, exist_ok=True)
     read = write = None
     settings = f"max_watchers: {max_watchers}\n" if max_watchers != 256 else ""
+    if max_watchers_per_host is not None:
+        settings += f"max_watchers_per_host: {max_watchers_per_host}\n"
     if tokens:
         read, write = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         for name, token in (("read", read), ("write", write)):
@@ -539,8 +547,11 @@ def across_a_decay_step(target: Target, prober: Prober, settings: Settings) -> W
 def scale(root: Path, settings: Settings) -> dict[str, Any]:
     """The three points (50 segments, no stream; all segments, no stream; all segments and the streams), then the
     steady client across a decay step, the streams open."""
+    # the streams are a fleet's, all from this one host: max_watchers_per_host lets them all in
+    watchers = max(settings.streams, 256)
     target = start_target(root / "scale", tokens=False, max_segments=max(settings.segments, 1000),
-                          max_watchers=max(settings.streams, 256), bucket_seconds=settings.bucket_seconds)  # fmt: skip
+                          max_watchers=watchers, bucket_seconds=settings.bucket_seconds,
+                          max_watchers_per_host=watchers)  # fmt: skip
     try:
         teach(target, min(BASELINE_SEGMENTS, settings.segments))
         with Prober(target, settings.rate) as prober:

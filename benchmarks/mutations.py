@@ -924,6 +924,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/controller/test_host_share.py",),
         "a turn handed to a call cancelled at that moment is lost: after a few deadlines the host's calls wait forever",
     ),
+    Mutation(
+        "watchers-per-host-unchecked",
+        "controller/table_publisher.py",
+        "            if self._per_host[host] >= self.max_watchers_per_host:",
+        "            if False:",
+        ("tests/controller/test_host_share.py",),
+        "one client host opens every WatchDecisions slot: no other host's worker gets a stream (issue 22)",
+    ),
+    Mutation(
+        "watchers-per-host-never-released",
+        "controller/table_publisher.py",
+        "            self._per_host[host] -= 1\n",
+        "\n",
+        ("tests/controller/test_host_share.py",),
+        "a host's closed streams still count against it: after a few restarts its workers are refused for good",
+    ),
 )
 
 

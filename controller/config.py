@@ -166,6 +166,11 @@ class ControllerConfig(Strict):
         description="WatchDecisions streams served at once (each holds a thread of its own); more are refused with "
         "RESOURCE_EXHAUSTED, and those workers ask Decide",
     )  # fmt: skip
+    max_watchers_per_host: int = Field(
+        64, ge=1, le=4096,
+        description="WatchDecisions streams one client host (IP address) holds at once (a worker holds one); more "
+        "are refused with RESOURCE_EXHAUSTED, so that one host cannot take every max_watchers slot",
+    )  # fmt: skip
     max_calls_per_host: int = Field(
         DEFAULT_CALLS_PER_HOST, ge=1, le=1024,
         description="unary calls one client host (IP address) has running at once; its others wait their turn, "

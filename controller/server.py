@@ -98,7 +98,9 @@ class ControllerDaemon:
         learner = self._open_learning()
         self.controller = Controller(learner, policies, max_remembered=self.config.learning.max_segments * 2)
         refresh = self.config.learning.refresh_seconds
-        self.publisher = DecisionPublisher(self.controller, refresh, self.config.max_watchers, self.clock)
+        self.publisher = DecisionPublisher(
+            self.controller, refresh, self.config.max_watchers, self.clock, self.config.max_watchers_per_host
+        )
         # What start-up made (modules, the policy, the prior, the first snapshot) lives as long as the process: out of
         # the collector's reach, so that a full collection walks only what came since (one took 50-60 ms, every few
         # reports at the size bound, and stalled every Decide for as long: issue 22)

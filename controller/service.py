@@ -314,7 +314,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, "this controller does not serve WatchDecisions")
                 raise AssertionError("abort returned")  # it raises
             try:
-                watch = publisher.watch(drafters, context.is_active, wire=True)
+                watch = publisher.watch(drafters, context.is_active, wire=True, host=peer_host(context.peer()))
             except TooManyWatchers as e:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             context.add_callback(publisher.wake)  # a stream the worker closed ends now, not at the next refresh

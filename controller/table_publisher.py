@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from controller.decide import Request
 from controller.pacing import Pacer
 from controller.policy import DRAFTERS, Settings
+from controller.report_budget import SHARED_PEER
 from controller.table_change import material_change
 from specd_api.v1 import controller_pb2 as pb
 
@@ -50,7 +51,7 @@ Drafters = tuple[str, ...]
 
 
 class TooManyWatchers(Exception):
-    """The controller holds ``max_watchers`` streams already."""
+    """The controller holds ``max_watchers`` streams already, or the client host ``max_watchers_per_host``."""
 
 
 def table_min_new_tokens(settings: Settings) -> int:
@@ -164,11 +165,16 @@ class DecisionPublisher:
     """Builds the tables (``rebuild``, from the daemon's loop every ``refresh_seconds``) and feeds the streams."""
 
     def __init__(
-        self, controller: Controller, refresh_seconds: float, max_watchers: int, clock: Callable[[], float] = time.time
-    ) -> None:
+        self, controller: Controller, refresh_seconds: float, max_watchers: int, clock: Callable[[], float] = time.time,
+        max_watchers_per_host: int | None = None,
+    ) -> None:  # fmt: skip
         self.controller = controller
         self.refresh_seconds = refresh_seconds
         self.max_watchers = max_watchers
+        # one client host's streams at most (None: max_watchers): one host opening max_watchers streams left no slot
+        # for any other host's workers, and its burst of first messages stalled Decide (issue 22)
+        self.max_watchers_per_host = max_watchers if max_watchers_per_host is None else max_watchers_per_host
+        self._per_host: Counter[str] = Counter()  # the streams open per client host (watch's ``host``)
         self.clock = clock
         self._cond = threading.Condition()
         self._build_lock = threading.Lock()  # one build at a time: the refresh's, or the first stream's
@@ -243,23 +249,32 @@ class DecisionPublisher:
         with self._cond:
             self._cond.notify_all()
 
-    def watch(self, drafters: Drafters, is_active: Callable[[], bool], wire: bool = False) -> Watch:
-        """A stream of ``drafters``' tables (``Watch``); with ``wire``, a shared change message comes as its bytes
-        (``wire``). Raises TooManyWatchers at once."""
+    def watch(
+        self, drafters: Drafters, is_active: Callable[[], bool], wire: bool = False, host: str = SHARED_PEER
+    ) -> Watch:
+        """A stream of ``drafters``' tables (``Watch``) for a client on ``host`` (its IP); with ``wire``, a shared
+        change message comes as its bytes (``wire``). Raises TooManyWatchers at once."""
         with self._cond:
             if self._streams >= self.max_watchers:
                 raise TooManyWatchers(f"this controller already serves {self.max_watchers} WatchDecisions streams "
                                       "(max_watchers); ask Decide, or open the stream on another replica")  # fmt: skip
+            if self._per_host[host] >= self.max_watchers_per_host:
+                raise TooManyWatchers(f"client host {host} already holds {self.max_watchers_per_host} WatchDecisions "
+                                      "streams (max_watchers_per_host); ask Decide, or close one")  # fmt: skip
             self._watchers[drafters] += 1
+            self._per_host[host] += 1
             self._streams += 1
-        return Watch(self, drafters, is_active, wire)
+        return Watch(self, drafters, is_active, wire, host)
 
-    def _unwatch(self, drafters: Drafters) -> None:
+    def _unwatch(self, drafters: Drafters, host: str) -> None:
         with self._cond:
             self._watchers[drafters] -= 1
             self._streams -= 1
             if self._watchers[drafters] <= 0:
                 del self._watchers[drafters]
+            self._per_host[host] -= 1
+            if self._per_host[host] <= 0:
+                del self._per_host[host]
 
     def _delta(self, drafters: Drafters, tables: Tables) -> pb.DecisionTables:
         """The message from ``tables.version - 1`` to ``tables``, made once for every stream that sends it (at a
@@ -360,8 +375,12 @@ class Watch:
 
     WAIT_SECONDS = 30.0  # a waiting ``next`` looks at ``is_active`` this often, should a wake-up be missed
 
-    def __init__(self, publisher: DecisionPublisher, drafters: Drafters, is_active: Callable[[], bool], wire: bool):
+    def __init__(
+        self, publisher: DecisionPublisher, drafters: Drafters, is_active: Callable[[], bool], wire: bool,
+        host: str = SHARED_PEER,
+    ) -> None:  # fmt: skip
         self._publisher, self._drafters, self._is_active, self._wire = publisher, drafters, is_active, wire
+        self._host = host
         self._seen: Tables | None = None  # the tables as of the last message made
         self._making = False  # a message is being made (from the first wake to the loop's next ask)
         self._phase = random.uniform(0.0, publisher.heartbeat_seconds)
@@ -423,7 +442,7 @@ class Watch:
             if self._done:
                 return
             self._done = True
-        self._publisher._unwatch(self._drafters)
+        self._publisher._unwatch(self._drafters, self._host)
 
 
 def _differs(old: BuiltTable | None, new: BuiltTable) -> bool:

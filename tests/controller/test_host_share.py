@@ -1,7 +1,8 @@
 """Each client host's share of the handler pool (controller/host_share.py, issue 22): one host's flood of calls runs
 at most ``max_calls_per_host`` of them at once, whatever its connections, its others waiting on the event loop, and
 another host's call is let in at once. The turns themselves (order, cancellation) on an event loop; the daemon's
-over gRPC, with calls from two hosts of this machine (127.0.0.1 and ::1: the daemon listens on both)."""
+over gRPC, with calls from two hosts of this machine (127.0.0.1 and ::1: the daemon listens on both). And each
+host's WatchDecisions streams (``max_watchers_per_host``): one host cannot take every stream slot."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.daemons import running_daemon
 
 PER_HOST = 2
+STREAMS_PER_HOST = 2
 
 
 # --- the turns ------------------------------------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
         pytest.skip("no IPv6 loopback on this machine: the test needs calls from two hosts (127.0.0.1 and ::1)")
     with running_daemon(
         embedded_redis_url, tmp_path_factory.mktemp("shares"), listen="localhost:0", max_workers=8,
-        max_calls_per_host=PER_HOST,
+        max_calls_per_host=PER_HOST, max_watchers_per_host=STREAMS_PER_HOST,
     ) as d:  # fmt: skip
         yield d
 
@@ -209,3 +211,26 @@ def test_a_call_that_gives_up_waiting_for_its_turn_leaves_no_trace(daemon, monke
             call.result(timeout=20)
         wait_for("the turns to be given back", lambda: shares.running("::1") == 0)
         assert held.inside == PER_HOST  # the late call never ran
+
+
+def test_one_host_holds_its_share_of_streams_and_another_host_still_opens_one(daemon) -> None:
+    watch = pb.WatchDecisionsRequest(worker_id="w", drafters=["draft"])
+    with ExitStack() as stack:
+        flooding = channels(stack, f"[::1]:{daemon.port}", STREAMS_PER_HOST + 1)
+        streams = [stub.WatchDecisions(watch, timeout=30) for stub in flooding[:STREAMS_PER_HOST]]
+        for stream in streams:
+            next(stream)  # open: its first message (every table)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(flooding[-1].WatchDecisions(watch, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_watchers_per_host" in refused.value.details() and "::1" in refused.value.details()
+        other = channels(stack, f"127.0.0.1:{daemon.port}", 1)[0].WatchDecisions(watch, timeout=30)
+        next(other)  # another host: its worker still gets a stream
+        other.cancel()
+        streams[0].cancel()  # a slot given back is the host's again
+        wait_for("the cancelled stream's slot", lambda: daemon.publisher._per_host.get("::1", 0) < STREAMS_PER_HOST)
+        again = flooding[-1].WatchDecisions(watch, timeout=30)
+        next(again)
+        for stream in (again, *streams[1:]):
+            stream.cancel()
+        wait_for("every stream to be counted off", lambda: daemon.publisher.watchers == 0)
