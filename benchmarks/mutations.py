@@ -940,6 +940,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/controller/test_host_share.py",),
         "a host's closed streams still count against it: after a few restarts its workers are refused for good",
     ),
+    Mutation(
+        "first-message-per-stream",
+        "controller/table_publisher.py",
+        "            if made is not None and made[0][0] is tables and made[0][1:] == key:",
+        "            if False:",
+        ("tests/controller/test_scale_reads.py",),
+        "every new stream makes and serializes its own first message: a fleet's restart copies every table once per "
+        "stream (issue 22)",
+    ),
+    Mutation(
+        "first-message-period-rounded-down",
+        "controller/table_publisher.py",
+        "        period = math.ceil(self.heartbeat_seconds / quantum - 1e-9) * quantum",
+        "        period = math.floor(self.heartbeat_seconds / quantum + 1e-9) * quantum",
+        ("tests/controller/test_scale_reads.py",),
+        "a shared first message names a period shorter than the stream's heartbeats: its worker may call a live "
+        "stream dead",
+    ),
+    Mutation(
+        "first-message-keeps-old-header",
+        "controller/table_publisher.py",
+        "self.controller.policies.current.version, self.controller.learner.stale, self._built_unix, period)",
+        "period,)",
+        ("tests/controller/test_scale_reads.py",),
+        "a new stream's first message keeps the policy version and staleness of the streams before it",
+    ),
 )
 
 

@@ -685,6 +685,43 @@ def test_streams_woken_together_share_one_change_message() -> None:
     assert publisher.wire(pb.DecisionTables()) == pb.DecisionTables(), "any other message goes as it is"
 
 
+def test_streams_opened_together_share_one_first_message() -> None:
+    """Was: every new stream made its own first message (every table: 1.2 MiB at 1,000 segments) and serialized it,
+    256 times when a fleet restarts. Now the streams that open while the tables, the header and the period (a
+    quarter of the floor) hold share the one message's bytes."""
+    learner = SimpleNamespace(segments=lambda: [], stale=False)
+    controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
+    publisher = DecisionPublisher(controller, refresh_seconds=1.0, max_watchers=512)  # type: ignore[arg-type]
+    made: list[bool] = []
+    message = publisher._message
+
+    def counted(*args: Any) -> Any:
+        made.append(args[0])
+        return message(*args)
+
+    publisher._message = counted  # type: ignore[method-assign]
+    firsts = [next(publisher.watch(("draft",), lambda: True, wire=True)) for _ in range(8)]
+    assert all(type(f) is bytes and f is firsts[0] for f in firsts), "one message's bytes, shared"
+    assert made == [True], f"the first message made {len(made)} times"
+    assert pb.DecisionTables.FromString(firsts[0]).full
+    learner.stale = True  # the header moved: a stream opened now gets a message that says so
+    assert pb.DecisionTables.FromString(next(publisher.watch(("draft",), lambda: True, wire=True))).stale
+    assert made == [True, True]
+    # Past the heartbeat budget the period grows with every stream opened: a first message never names a period
+    # shorter than the stream's heartbeats (its worker would call a live stream dead), and is remade once the
+    # period passes what it named, not at every stream
+    opened, before = [], len(made)
+    for _ in range(300):
+        first = pb.DecisionTables.FromString(next(publisher.watch(("draft",), lambda: True, wire=True)))
+        assert first.refresh_seconds >= publisher.heartbeat_seconds - 1e-9
+        assert first.refresh_seconds <= publisher.heartbeat_seconds + HEARTBEAT_PERIODS * 1.0 / 4 + 1e-9
+        opened.append(first.refresh_seconds)
+    remade = len(made) - before
+    assert remade <= len(set(opened)) < 20, f"{remade} first messages for 300 streams"
+    in_process = publisher.watch(("draft",), lambda: True)  # not on the wire: the message itself
+    assert isinstance(next(in_process), pb.DecisionTables)
+
+
 def test_a_table_computes_each_drafters_posteriors_once_not_once_per_batch_bucket(
     embedded_redis_url, prefix, tmp_path, monkeypatch
 ) -> None:
