@@ -176,6 +176,8 @@ def wait_for(what: str, ready) -> None:
 def test_one_hosts_flood_runs_its_share_and_another_host_is_served_meanwhile(daemon, monkeypatch) -> None:
     held = Held(daemon, monkeypatch)
     shares = daemon.shares
+    registry = daemon.controller.learner.registry
+    waited_before = registry.get_sample_value("specd_controller_calls_waited_for_host_turn_total") or 0.0
     with ExitStack() as stack:
         flood = [stub.Decide.future(request("held-flood"), timeout=30)
                  for stub in channels(stack, f"[::1]:{daemon.port}", 5)]  # fmt: skip
@@ -184,6 +186,8 @@ def test_one_hosts_flood_runs_its_share_and_another_host_is_served_meanwhile(dae
         time.sleep(0.3)
         assert held.inside == PER_HOST  # 5 calls on 5 connections, 2 running: the rest hold no thread
         assert shares.running("::1") == PER_HOST
+        waited = registry.get_sample_value("specd_controller_calls_waited_for_host_turn_total") - waited_before
+        assert waited == 3, f"{waited} calls counted in /metrics as waiting their turn, 3 did"
         other = channels(stack, f"127.0.0.1:{daemon.port}", 1)[0]
         start = time.monotonic()
         other.Decide(request("another-hosts-segment"), timeout=5)  # in at once, beside the flood
