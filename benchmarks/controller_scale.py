@@ -61,7 +61,6 @@ import multiprocessing
 import os
 import random
 import secrets
-import socket
 import ssl
 import sys
 import tempfile
@@ -87,6 +86,7 @@ from specd_api.checks import MAX_AGGREGATES, MAX_REPORT_BYTES, MAX_REPORT_POSITI
 from specd_api.segments import MAX_SEGMENT_LENGTH
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import ipv6_loopback
 from tests.tls_certs import Pki, make_pki
 
 BASELINE_SEGMENTS = 50
@@ -178,15 +178,6 @@ class Target:
         if process is None or process.poll() is not None:
             raise RuntimeError(f"the controller exited ({process and process.returncode}); its log is under "
                                f"{self.controller.folder}")  # fmt: skip
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 def start_target(

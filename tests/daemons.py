@@ -9,6 +9,7 @@ fixture built on them. (The end-to-end tests start ``specd controller`` processe
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -100,3 +101,14 @@ def connected(daemon: ControllerDaemon) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(daemon.address) as channel:
         grpc.channel_ready_future(channel).result(timeout=RPC_TIMEOUT)
         yield channel
+
+
+def ipv6_loopback() -> bool:
+    """Can this machine bind ::1? (A daemon listening on ``localhost`` then takes calls from two hosts: 127.0.0.1
+    and ::1.)"""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

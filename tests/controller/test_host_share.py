@@ -7,7 +7,6 @@ host's WatchDecisions streams (``max_watchers_per_host``): one host cannot take 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from controller.host_share import HostShares
 from controller.server import ControllerDaemon
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
-from tests.daemons import running_daemon
+from tests.daemons import ipv6_loopback, running_daemon
 
 PER_HOST = 2
 STREAMS_PER_HOST = 2
@@ -103,15 +102,6 @@ def test_a_share_below_one_call_is_refused() -> None:
 
 
 # --- the daemon, over gRPC ------------------------------------------------------------------------------------------
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
-            probe.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
