@@ -51,20 +51,26 @@ class DriftWatch:
         self.bucket_seconds = bucket_seconds
         self.window_buckets = window_buckets
         self.regime: dict[str, int] = {}
-        self._alarms: dict[tuple[str, str], DriftAlarm] = {}
+        self._alarms: dict[str, dict[str, DriftAlarm]] = {}  # segment -> drafter -> its active alarm
 
     def alarms(self, segment: str) -> list[DriftAlarm]:
-        """The segment's active alarms."""
-        return [a for (s, _), a in sorted(self._alarms.items()) if s == segment]
+        """The segment's active alarms, by drafter. Every Decide asks: it reads the segment's own, where it sorted
+        every segment's (176 us a Decide with 2,000 alarms, 5x the decision's own work: issue 22). The refresh's
+        thread changes them: the items are copied in one step, under the interpreter's lock."""
+        own = self._alarms.get(segment)
+        return [a for _, a in sorted(own.items())] if own else []
 
     def watch(self, snapshot: Snapshot) -> bool:
         """Run the drift test on each segment's current regime; True when an alarm moved a regime's start."""
         first_bucket = int(snapshot.taken_at // self.bucket_seconds) - self.window_buckets + 1
         moved = False
-        for (segment, drafter), alarm in list(self._alarms.items()):  # a regime older than the window: all new
-            if int(alarm.since_unix // self.bucket_seconds) < first_bucket or segment not in snapshot.series:
-                del self._alarms[(segment, drafter)]
-                self.metrics.active.labels(segment, drafter).set(0)
+        for segment, own in list(self._alarms.items()):  # a regime older than the window: all new
+            for drafter, alarm in list(own.items()):
+                if int(alarm.since_unix // self.bucket_seconds) < first_bucket or segment not in snapshot.series:
+                    del own[drafter]
+                    self.metrics.active.labels(segment, drafter).set(0)
+            if not own:
+                del self._alarms[segment]
         for segment in list(self.regime):
             if self.regime[segment] < first_bucket or segment not in snapshot.series:
                 del self.regime[segment]
@@ -83,7 +89,7 @@ class DriftWatch:
                     "from this traffic only)", segment, drafter, alarm.direction, alarm.alpha_before,
                     alarm.alpha_since, time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(alarm.since_unix)),
                 )  # fmt: skip
-                self._alarms[(segment, drafter)] = alarm
+                self._alarms.setdefault(segment, {})[drafter] = alarm
                 self.metrics.raised.labels(segment, drafter, alarm.direction).inc()
                 self.metrics.active.labels(segment, drafter).set(1)
                 self.regime[segment] = max(self.regime.get(segment, first_bucket), drift.since_bucket)
