@@ -18,7 +18,7 @@ from specd_api.checks import (
     MAX_REPORT_POSITIONS,
     check_aggregate,
     count,
-    drafter_name,
+    drafter_names,
     finite,
 )
 from specd_api.segments import validate_segment as validate_segment
@@ -31,8 +31,7 @@ _REPORT_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 def request_from_proto(msg: pb.DecideRequest) -> Request:
     segment = validate_segment(msg.segment)
     count("batch_size", msg.batch_size, MAX_BATCH_SIZE, low=1)
-    for i, d in enumerate(msg.drafters):
-        drafter_name(d, f"drafters[{i}]")
+    drafter_names(msg.drafters)
     temperature = finite("sampling.temperature", msg.sampling.temperature, high=100.0)
     finite("sampling.top_p", msg.sampling.top_p, high=1.0)
     count("sampling.top_k", msg.sampling.top_k)
@@ -55,8 +54,7 @@ def watched_drafters(msg: pb.WatchDecisionsRequest) -> tuple[str, ...]:
     logged, so it is checked like a report id."""
     if msg.worker_id and not _REPORT_ID_RE.fullmatch(msg.worker_id):
         raise ValueError("worker_id must be 1..128 characters of [A-Za-z0-9_.:-]")
-    for i, d in enumerate(msg.drafters):
-        drafter_name(d, f"drafters[{i}]")
+    drafter_names(msg.drafters)
     return tuple(sorted({d for d in msg.drafters if d != "none"}))
 
 

@@ -223,6 +223,8 @@ INVALID = [
     invalid("zero-batch", "Decide", decide_request(batch_size=0), "batch_size", "[1, "),
     # a hostile drafter name is quoted, cut short, never echoed whole
     invalid("long-unknown-drafter", "Decide", decide_request(drafters=["x" * 5000]), "drafters[0]", "xxx..."),
+    # each drafter once: a list bounded only by the message size took 27 ms to check in the handler (issue 22)
+    invalid("too-many-drafters", "Decide", decide_request(drafters=["draft"] * 120_000), "drafters", "at most 16"),
     invalid(
         "nan-temperature",
         "Decide",
