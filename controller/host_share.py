@@ -33,7 +33,6 @@ class HostShares:
         self._on_wait = on_wait  # told of each call that waits its turn (the daemon counts them in /metrics)
         self._running: dict[str, int] = {}
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
-        self.waited = 0  # calls that waited for their turn, since start (a flood shows here)
 
     def running(self, host: str) -> int:
         return self._running.get(host, 0)
@@ -48,7 +47,6 @@ class HostShares:
         if self._running.get(host, 0) < self.per_host:
             self._running[host] = self._running.get(host, 0) + 1
         else:
-            self.waited += 1
             if self._on_wait is not None:
                 self._on_wait()
             turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -224,15 +224,17 @@ class Learner:
         """The segment whose counts describe ``segment``: itself, or the overflow segment once the cap on
         distinct segments is reached and ``segment`` is not among those tracked (the store counts it there)."""
         with self._lock:
-            known = self._snapshot.segments
-            if segment in known or self._journaled.segment(segment) is not None:
+            if self._counted(segment):
                 return segment
-            return OVERFLOW_SEGMENT if len(known) >= self.store.config.max_segments else segment
+            return OVERFLOW_SEGMENT if len(self._snapshot.segments) >= self.store.config.max_segments else segment
 
     def counted(self, segment: str) -> bool:
         """Has any report named ``segment`` (stored, or journaled while Redis is away)?"""
         with self._lock:
-            return segment in self._snapshot.segments or self._journaled.segment(segment) is not None
+            return self._counted(segment)
+
+    def _counted(self, segment: str) -> bool:  # under _lock
+        return segment in self._snapshot.segments or self._journaled.segment(segment) is not None
 
     def fleet_acceptance(self, drafter: str) -> tuple[float, float]:
         """(accepted, verified) of ``drafter`` over every segment and position, served and scored: the fleet's
