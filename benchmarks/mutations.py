@@ -927,10 +927,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "watchers-per-host-unchecked",
         "controller/table_publisher.py",
-        "            if self._per_host[host] >= self.max_watchers_per_host:",
-        "            if False:",
+        "        if self._per_host.get(host, 0) >= self.max_watchers_per_host:",
+        "        if False:",
         ("tests/controller/test_host_share.py",),
         "one client host opens every WatchDecisions slot: no other host's worker gets a stream (issue 22)",
+    ),
+    Mutation(
+        "stream-cap-refused-in-the-pool",
+        "controller/request_wait.py",
+        "        if gate is not None and (refused := gate(peer_host(context.peer()))) is not None:",
+        "        if False:",
+        ("tests/controller/test_host_share.py",),
+        "a burst of WatchDecisions streams over their caps is refused each from a pool thread, not on the event loop "
+        "(issue 22)",
     ),
     Mutation(
         "watchers-per-host-never-released",

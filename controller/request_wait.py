@@ -16,7 +16,10 @@ request, under a deadline:
   a silent call is refused with RESOURCE_EXHAUSTED. Memory is bounded by the cap, plus the calls that arrive in
   0.1 s, whatever the number of connections;
 - a call that ends its request stream with no message, or sends a second one, is refused with INVALID_ARGUMENT (a
-  unary method takes exactly one message), not with the INTERNAL or UNKNOWN a server error would be.
+  unary method takes exactly one message), not with the INTERNAL or UNKNOWN a server error would be;
+- a method's gate (``gates``: WatchDecisions' stream caps) is asked once the request is in, and a call it refuses
+  ends with RESOURCE_EXHAUSTED there, on the loop: a burst of 192 streams over their caps, each refused from a pool
+  thread and back, stalled another host's Decide (issue 22). The handler checks the limit again, and decides.
 
 Then the method runs as grpc.aio would run it: a synchronous handler in the pool (one hop to a thread, as before;
 ``InFlight`` counts it there) once its client host has a turn (``host_share``: a host's flood waits on the loop,
@@ -63,6 +66,7 @@ NO_MESSAGE = "the call ended its request stream without a message: this method t
 SECOND_MESSAGE = "a second request message came: this method takes one"
 WAIT_ENV, MAX_WAITING_ENV = "SPECD_REQUEST_WAIT_SECONDS", "SPECD_MAX_WAITING_CALLS"
 Hold = Callable[[str], float]  # a client host -> seconds to hold its call before reading the request
+Gate = Callable[[str], str | None]  # a client host -> why its call is refused now (RESOURCE_EXHAUSTED), or None
 
 
 @dataclass(frozen=True)
@@ -98,12 +102,13 @@ class RequestWait(grpc.aio.ServerInterceptor):
 
     def __init__(
         self, limits: WaitLimits, refusals: RefusalLog | None = None, holds: Mapping[str, Hold] | None = None,
-        shares: HostShares | None = None,
+        shares: HostShares | None = None, gates: Mapping[str, Gate] | None = None,
     ) -> None:  # fmt: skip
         self.limits = limits
         self.shares = shares or HostShares()  # a synchronous handler's turn in the pool, per client host
         self.refusals = refusals or RefusalLog()
         self.holds = dict(holds or {})  # method -> how long to hold a peer's call before reading its request
+        self.gates = dict(gates or {})  # method -> a limit checked on the loop once the request is in (the module)
         self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
         self._pool: futures.Executor | None = None
         self._wrapped = PerMethod(self._wrap)
@@ -195,6 +200,9 @@ class RequestWait(grpc.aio.ServerInterceptor):
             await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, NO_MESSAGE)
         if extra is not grpc.aio.EOF:
             await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, SECOND_MESSAGE)
+        gate = self.gates.get(method)
+        if gate is not None and (refused := gate(peer_host(context.peer()))) is not None:
+            await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         return request
 
     async def _refuse(

@@ -50,6 +50,7 @@ from specd_api.yaml_config import ConfigError
 
 log = logging.getLogger("specd.controller")
 REPORT_ROUNDS = "/specd.v1.Controller/ReportRounds"
+WATCH_DECISIONS = "/specd.v1.Controller/WatchDecisions"
 SWITCH_INTERVAL_S = 0.001  # the interpreter's switch interval in the daemon (Python's default: 5 ms)
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name
 # Health of the telemetry store alone: NOT_SERVING while Redis does not answer. "" and SERVICE_NAME stay SERVING
@@ -173,8 +174,10 @@ class ControllerDaemon:
         )  # fmt: skip
         self.shares = HostShares(self.config.max_calls_per_host, on_wait=waited.inc)  # each host's share of the pool
         holds = {} if budget is None else {REPORT_ROUNDS: budget.hold_seconds}
+        # a stream over the watcher caps is refused on the loop, before its handler takes a pool thread
+        gates = {} if servicer.publisher is None else {WATCH_DECISIONS: servicer.publisher.refusal}
         try:
-            request_wait = RequestWait(WaitLimits.from_environment(), holds=holds, shares=self.shares)
+            request_wait = RequestWait(WaitLimits.from_environment(), holds=holds, shares=self.shares, gates=gates)
         except ValueError as e:  # a bound in the environment that is not one
             raise StartupError(str(e)) from None
         server = GrpcServer(

@@ -261,16 +261,26 @@ class DecisionPublisher:
         """A stream of ``drafters``' tables (``Watch``) for a client on ``host`` (its IP); with ``wire``, a shared
         change message comes as its bytes (``wire``). Raises TooManyWatchers at once."""
         with self._cond:
-            if self._streams >= self.max_watchers:
-                raise TooManyWatchers(f"this controller already serves {self.max_watchers} WatchDecisions streams "
-                                      "(max_watchers); ask Decide, or open the stream on another replica")  # fmt: skip
-            if self._per_host[host] >= self.max_watchers_per_host:
-                raise TooManyWatchers(f"client host {host} already holds {self.max_watchers_per_host} WatchDecisions "
-                                      "streams (max_watchers_per_host); ask Decide, or close one")  # fmt: skip
+            refused = self.refusal(host)
+            if refused is not None:
+                raise TooManyWatchers(refused)
             self._watchers[drafters] += 1
             self._per_host[host] += 1
             self._streams += 1
         return Watch(self, drafters, is_active, wire, host)
+
+    def refusal(self, host: str) -> str | None:
+        """Why a new stream from ``host`` would be refused now (None: it has room). Read without the lock, so that the
+        server's event loop can ask it before a stream's handler takes a pool thread (``RequestWait``'s gates: a burst
+        of streams over the caps was refused on the loop, not each through the pool and back, issue 22); ``watch``
+        asks it again under the lock, which decides."""
+        if self._streams >= self.max_watchers:
+            return (f"this controller already serves {self.max_watchers} WatchDecisions streams (max_watchers); ask "
+                    "Decide, or open the stream on another replica")  # fmt: skip
+        if self._per_host.get(host, 0) >= self.max_watchers_per_host:
+            return (f"client host {host} already holds {self.max_watchers_per_host} WatchDecisions streams "
+                    "(max_watchers_per_host); ask Decide, or close one")  # fmt: skip
+        return None
 
     def _unwatch(self, drafters: Drafters, host: str) -> None:
         with self._cond:

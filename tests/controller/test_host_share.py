@@ -207,8 +207,16 @@ def test_a_call_that_gives_up_waiting_for_its_turn_leaves_no_trace(daemon, monke
         assert held.inside == PER_HOST  # the late call never ran
 
 
-def test_one_host_holds_its_share_of_streams_and_another_host_still_opens_one(daemon) -> None:
+def test_one_host_holds_its_share_of_streams_and_another_host_still_opens_one(daemon, monkeypatch) -> None:
     watch = pb.WatchDecisionsRequest(worker_id="w", drafters=["draft"])
+    handled: list[str] = []  # the hosts whose streams reached the handler (a pool thread)
+    publisher_watch = daemon.publisher.watch
+
+    def counted(*args, **kwargs):
+        handled.append(kwargs["host"])
+        return publisher_watch(*args, **kwargs)
+
+    monkeypatch.setattr(daemon.publisher, "watch", counted)
     with ExitStack() as stack:
         flooding = channels(stack, f"[::1]:{daemon.port}", STREAMS_PER_HOST + 1)
         streams = [stub.WatchDecisions(watch, timeout=30) for stub in flooding[:STREAMS_PER_HOST]]
@@ -218,6 +226,8 @@ def test_one_host_holds_its_share_of_streams_and_another_host_still_opens_one(da
             next(flooding[-1].WatchDecisions(watch, timeout=10))
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_watchers_per_host" in refused.value.details() and "::1" in refused.value.details()
+        # refused on the event loop, before a pool thread: a burst over the cap costs the handlers nothing
+        assert handled == ["::1"] * STREAMS_PER_HOST
         other = channels(stack, f"127.0.0.1:{daemon.port}", 1)[0].WatchDecisions(watch, timeout=30)
         next(other)  # another host: its worker still gets a stream
         other.cancel()
