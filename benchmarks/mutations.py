@@ -942,6 +942,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "(issue 22)",
     ),
     Mutation(
+        "journal-entry-under-the-lock",
+        "controller/learner.py",
+        "        data, counts = entry(report_id, aggregates), report_counts(aggregates)\n"
+        "        with self._lock:  # the journal and its in-memory view change together\n",
+        "        with self._lock:  # the journal and its in-memory view change together\n"
+        "            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
+        ("tests/controller/test_redis_outage.py",),
+        "a journaled report is encoded and counted under the lock every Decide reads under (issue 22)",
+    ),
+    Mutation(
+        "replayed-counts-under-the-lock",
+        "controller/learner.py",
+        "            counts = report_counts(aggregates)\n            with self._lock:\n",
+        "            with self._lock:\n                counts = report_counts(aggregates)\n",
+        ("tests/controller/test_redis_outage.py",),
+        "a replayed report's counts are made under the lock every Decide reads under (issue 22)",
+    ),
+    Mutation(
         "watchers-per-host-never-released",
         "controller/table_publisher.py",
         "            self._per_host[host] -= 1\n",

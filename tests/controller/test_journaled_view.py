@@ -4,7 +4,7 @@ both copies are replayed; a previous run's report (never shown) is ignored when 
 
 from __future__ import annotations
 
-from controller.journaled_view import JournaledView
+from controller.journaled_view import JournaledView, report_counts
 from tests.controller.test_journal import aggregate
 
 
@@ -15,17 +15,17 @@ def rounds(view: JournaledView, segment: str) -> float:
 
 def test_a_journaled_report_is_shown_until_the_snapshot_holds_it() -> None:
     view = JournaledView()
-    assert view.journaled("r1", [aggregate(10, "chat")]) == {"chat"}
-    assert view.journaled("r2", [aggregate(5, "code")]) == {"code"}
+    assert view.journaled("r1", report_counts([aggregate(10, "chat")])) == {"chat"}
+    assert view.journaled("r2", report_counts([aggregate(5, "code")])) == {"code"}
     assert rounds(view, "chat") == 10 and rounds(view, "code") == 5 and view.segments() == {"chat", "code"}
 
-    view.replayed("r1", [aggregate(10, "chat")])
+    view.replayed("r1", report_counts([aggregate(10, "chat")]))
     assert rounds(view, "chat") == 10  # sent, but no snapshot holds it yet: still shown
     assert view.snapshot_installed(journal_empty=False) == {"chat"}
     assert rounds(view, "chat") == 0 and rounds(view, "code") == 5  # r2 is still journaled
     assert view.snapshot_installed(journal_empty=False) == set()  # nothing replayed since: nothing moves
 
-    view.replayed("r2", [aggregate(5, "code")])
+    view.replayed("r2", report_counts([aggregate(5, "code")]))
     assert view.snapshot_installed(journal_empty=True) == {"chat", "code"}
     assert view.segments() == set() and view.costs().drafted == {}
 
@@ -33,21 +33,22 @@ def test_a_journaled_report_is_shown_until_the_snapshot_holds_it() -> None:
 def test_a_retry_journaled_twice_is_shown_twice_until_both_are_replayed() -> None:
     view = JournaledView()
     report = [aggregate(4, "chat")]
-    view.journaled("r", report)
-    view.journaled("r", report)
+    view.journaled("r", report_counts(report))
+    view.journaled("r", report_counts(report))
     assert rounds(view, "chat") == 8
-    view.replayed("r", report)
+    view.replayed("r", report_counts(report))
     view.snapshot_installed(journal_empty=False)
     assert rounds(view, "chat") == 4
-    view.replayed("r", report)
+    view.replayed("r", report_counts(report))
     view.snapshot_installed(journal_empty=False)
     assert rounds(view, "chat") == 0
 
 
 def test_a_previous_runs_report_is_never_taken_off() -> None:
     view = JournaledView()
-    view.journaled("mine", [aggregate(3, "chat")])
-    view.replayed("earlier-run", [aggregate(7, "chat")])  # in the journal file before this run: never shown
+    view.journaled("mine", report_counts([aggregate(3, "chat")]))
+    # in the journal file before this run: never shown
+    view.replayed("earlier-run", report_counts([aggregate(7, "chat")]))
     assert view.snapshot_installed(journal_empty=False) == set()
     assert rounds(view, "chat") == 3
 
@@ -55,8 +56,9 @@ def test_a_previous_runs_report_is_never_taken_off() -> None:
 def test_counts_never_go_below_zero_after_subtractions() -> None:
     view = JournaledView()
     report = [aggregate(3, "chat")]
-    view.journaled("r", report)
-    view.replayed("r", [aggregate(5, "chat")])  # more taken off than shown (a rounding, at worst, in practice)
+    view.journaled("r", report_counts(report))
+    # more taken off than shown (a rounding, at worst, in practice)
+    view.replayed("r", report_counts([aggregate(5, "chat")]))
     view.snapshot_installed(journal_empty=False)
     counts = view.segment("chat")
     assert counts is not None

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 
+import controller.learner as learner_module
 from controller.counts import Aggregate
 from controller.journal import Journal, JournalFull
 from controller.learner import Learner
@@ -269,3 +270,27 @@ def test_redact_hides_passwords(url: str, shown: str, why: str) -> None:
 def test_redact_hides_passwords_in_the_query_string(url: str, why: str) -> None:
     assert redis.ConnectionPool.from_url(url).connection_kwargs["password"] == "hunter2", "redis-py uses it"
     assert "hunter2" not in redact(url), why
+
+
+def test_a_journaled_report_is_encoded_and_counted_outside_the_lock_decisions_read_under(
+    redis_client: redis.Redis, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Decide reads the learner's counts under its lock. A report at the bounds takes tens of milliseconds to
+    encode for the journal and to count for the journaled view, and each Decide waited that long while Redis was
+    down (issue 22): that work is done with the lock free, going in and coming out (replay) alike."""
+    learner = make_learner(make_client(UNREACHABLE_URL, 0.3), tmp_path / "journal.jsonl", prefix=prefix)
+    held: dict[str, list[bool]] = {"entry": [], "report_counts": []}
+    for name in held:
+        real = getattr(learner_module, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            held[_name].append(learner._lock.locked())
+            return _real(*args)
+
+        monkeypatch.setattr(learner_module, name, spy)
+    assert learner.report("r1", [aggregate(3)]).journaled
+    assert learner.segment_counts("chat").rounds == 3  # shown at once
+    learner.store = TelemetryStore(redis_client, StoreConfig(prefix=prefix), lambda: T0)  # Redis is back
+    assert learner.refresh() is True
+    assert learner.segment_counts("chat").rounds == 3 == redis_rounds(learner.store), "replayed, counted once"
+    assert held == {"entry": [False], "report_counts": [False, False]}, "made under the lock Decide reads under"
