@@ -944,10 +944,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "journal-entry-under-the-lock",
         "controller/learner.py",
-        "        data, counts = entry(report_id, aggregates), report_counts(aggregates)\n"
-        "        with self._lock:  # the journal and its in-memory view change together\n",
-        "        with self._lock:  # the journal and its in-memory view change together\n"
-        "            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
+        "        data, counts = entry(report_id, aggregates), report_counts(aggregates)\n        with self._lock:\n",
+        "        with self._lock:\n            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
         ("tests/controller/test_redis_outage.py",),
         "a journaled report is encoded and counted under the lock every Decide reads under (issue 22)",
     ),
@@ -958,6 +956,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            with self._lock:\n                counts = report_counts(aggregates)\n",
         ("tests/controller/test_redis_outage.py",),
         "a replayed report's counts are made under the lock every Decide reads under (issue 22)",
+    ),
+    Mutation(
+        "journal-written-under-the-lock",
+        "controller/learner.py",
+        "        try:\n            self.journal.append_entry(data)\n",
+        "        try:\n            with self._lock:\n                self.journal.append_entry(data)\n",
+        ("tests/controller/test_redis_outage.py",),
+        "a journaled report's write and fsync hold the lock every Decide reads under (issue 22)",
+    ),
+    Mutation(
+        "journaled-view-cleared-mid-write",
+        "controller/learner.py",
+        "journal_empty=not len(self.journal) and not self._appending)",
+        "journal_empty=not len(self.journal))",
+        ("tests/controller/test_redis_outage.py",),
+        "a refresh while a report is being written to the journal takes it off the view: missed until replayed",
+    ),
+    Mutation(
+        "withdrawn-segment-left-behind",
+        "controller/journaled_view.py",
+        "            if self._naming[segment] > 0:",
+        "            if True:",
+        ("tests/controller/test_redis_outage.py", "tests/controller/test_journaled_view.py"),
+        "a report refused by a full journal leaves its new segment counted (zeros), and a replayed one's stays",
     ),
     Mutation(
         "watchers-per-host-never-released",

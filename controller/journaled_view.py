@@ -11,6 +11,7 @@ journal, the snapshot and this view change together (controller/learner.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -27,12 +28,36 @@ class JournaledView:
         self.counts = Snapshot()  # the journaled reports' counts: segments and costs
         self._shown: dict[str, int] = {}  # report id -> times journaled (a worker's retry may journal it twice)
         self._replayed: list[ReportCounts] = []  # sent to Redis, not yet in an installed snapshot
+        self._naming: Counter[str] = Counter()  # segment -> the reports shown here that name it
 
     def journaled(self, report_id: str, counts: ReportCounts) -> set[str]:
         """A report went to the journal: show its counts. Returns the segments whose counts moved."""
         counts.add_to(self.counts)
         self._shown[report_id] = self._shown.get(report_id, 0) + 1
+        self._naming.update(counts.segments.keys())
         return set(counts.segments)
+
+    def withdrawn(self, report_id: str, counts: ReportCounts) -> None:
+        """A report shown by ``journaled`` could not be written to the journal after all: take it off (the worker
+        keeps it and retries)."""
+        shown = self._shown.pop(report_id, 0)
+        if shown > 1:
+            self._shown[report_id] = shown - 1
+        ReportCounts(self._unnamed(counts), counts.costs).add_to(self.counts, weight=-1.0)
+        clamp(self.counts)
+
+    def _unnamed(self, counts: ReportCounts) -> dict[str, dict[str, float]]:
+        """A report leaves the view: its segments that another shown report names (their increments, to take off);
+        a segment no other names leaves the view whole (no zeros left: it was never counted)."""
+        kept = {}
+        self._naming.subtract(counts.segments.keys())
+        for segment, increments in counts.segments.items():
+            if self._naming[segment] > 0:
+                kept[segment] = increments
+            else:
+                del self._naming[segment]
+                self.counts.segments.pop(segment, None)
+        return kept
 
     def shows(self, report_id: str) -> bool:
         """Is the report shown here (journaled by this run, not yet replayed as many times)?"""
@@ -56,10 +81,11 @@ class JournaledView:
             self.counts = Snapshot()
             self._shown.clear()
             self._replayed = []
+            self._naming.clear()
             return moved
         moved = set()
         for counts in self._replayed:
-            counts.add_to(self.counts, weight=-1.0)
+            ReportCounts(self._unnamed(counts), counts.costs).add_to(self.counts, weight=-1.0)
             moved |= set(counts.segments)
         if self._replayed:
             clamp(self.counts)

@@ -23,10 +23,11 @@ def test_a_journaled_report_is_shown_until_the_snapshot_holds_it() -> None:
     assert rounds(view, "chat") == 10  # sent, but no snapshot holds it yet: still shown
     assert view.snapshot_installed(journal_empty=False) == {"chat"}
     assert rounds(view, "chat") == 0 and rounds(view, "code") == 5  # r2 is still journaled
+    assert view.segments() == {"code"}  # no report shown names "chat": it leaves the view whole, no zeros kept
     assert view.snapshot_installed(journal_empty=False) == set()  # nothing replayed since: nothing moves
 
     view.replayed("r2", report_counts([aggregate(5, "code")]))
-    assert view.snapshot_installed(journal_empty=True) == {"chat", "code"}
+    assert view.snapshot_installed(journal_empty=True) == {"code"}
     assert view.segments() == set() and view.costs().drafted == {}
 
 
@@ -41,7 +42,7 @@ def test_a_retry_journaled_twice_is_shown_twice_until_both_are_replayed() -> Non
     assert rounds(view, "chat") == 4
     view.replayed("r", report_counts(report))
     view.snapshot_installed(journal_empty=False)
-    assert rounds(view, "chat") == 0
+    assert rounds(view, "chat") == 0 and view.segments() == set()
 
 
 def test_a_previous_runs_report_is_never_taken_off() -> None:
@@ -57,6 +58,7 @@ def test_counts_never_go_below_zero_after_subtractions() -> None:
     view = JournaledView()
     report = [aggregate(3, "chat")]
     view.journaled("r", report_counts(report))
+    view.journaled("still-journaled", report_counts([aggregate(1, "chat")]))  # keeps "chat" in the view
     # more taken off than shown (a rounding, at worst, in practice)
     view.replayed("r", report_counts([aggregate(5, "chat")]))
     view.snapshot_installed(journal_empty=False)

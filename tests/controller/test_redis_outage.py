@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,6 +202,10 @@ def test_full_journal_refuses_the_report(tmp_path: Path) -> None:
     assert len(learner.journal) == 3
     assert learner.segment_counts("chat").rounds == 3, "the refused report is not counted anywhere"
     assert learner.stale is True
+    with pytest.raises(JournalFull):  # shown while it was being written, then refused: no trace of it is left
+        learner.report("r4", [aggregate(100, segment="new")])
+    assert not learner.counted("new") and learner.segment_counts("new").empty
+    assert learner.segment_counts("chat").rounds == 3
 
 
 def test_refresh_with_redis_never_reached_keeps_the_journal(tmp_path: Path) -> None:
@@ -294,3 +299,34 @@ def test_a_journaled_report_is_encoded_and_counted_outside_the_lock_decisions_re
     assert learner.refresh() is True
     assert learner.segment_counts("chat").rounds == 3 == redis_rounds(learner.store), "replayed, counted once"
     assert held == {"entry": [False], "report_counts": [False, False]}, "made under the lock Decide reads under"
+
+
+def test_a_report_is_written_to_the_journal_with_the_lock_free_and_a_refresh_meanwhile_keeps_it_shown(
+    redis_client: redis.Redis, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal's write and fsync happen with the learner's lock free (a slow disk must not hold every Decide).
+    A refresh that replays the backlog and installs a snapshot while a report is being written must keep that
+    report shown: it is in neither the journal's count nor Redis yet, and taking it off would miss it until its
+    replay."""
+    learner = make_learner(make_client(UNREACHABLE_URL, 0.3), tmp_path / "journal.jsonl", prefix=prefix)
+    assert learner.report("r1", [aggregate(1)]).journaled  # Redis down: the backlog
+    learner.store = TelemetryStore(redis_client, StoreConfig(prefix=prefix), lambda: T0)  # Redis is back
+    append = learner.journal.append_entry
+    seen: list[tuple[bool, float]] = []
+
+    def refresh_meanwhile(data: bytes) -> None:
+        if not seen:
+            if learner._lock.locked():  # (a refresh would wait for it forever)
+                seen.append((True, math.nan))
+            else:
+                assert learner.refresh() is True  # r1 replayed, its snapshot installed; the journal is empty now
+                seen.append((False, learner.segment_counts("chat").rounds))
+        append(data)
+
+    monkeypatch.setattr(learner.journal, "append_entry", refresh_meanwhile)
+    assert learner.report("r2", [aggregate(10)]).journaled, "queued behind the backlog"
+    assert seen == [(False, 1 + 10)], "r2 taken off the view while it was being written (or written under the lock)"
+    assert learner.segment_counts("chat").rounds == 11
+    monkeypatch.undo()
+    assert learner.refresh() is True
+    assert learner.segment_counts("chat").rounds == redis_rounds(learner.store) == 11, "counted once"
