@@ -945,7 +945,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "journal-entry-under-the-lock",
         "controller/learner.py",
         "        data, counts = entry(report_id, aggregates), report_counts(aggregates)\n        with self._lock:\n",
-        "        with self._lock:\n            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
+        "        with self._lock:\n"
+        "            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
         ("tests/controller/test_redis_outage.py",),
         "a journaled report is encoded and counted under the lock every Decide reads under (issue 22)",
     ),
@@ -980,6 +981,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if True:",
         ("tests/controller/test_redis_outage.py", "tests/controller/test_journaled_view.py"),
         "a report refused by a full journal leaves its new segment counted (zeros), and a replayed one's stays",
+    ),
+    Mutation(
+        "decide-hops-to-the-pool",
+        "controller/server.py",
+        "ON_LOOP = frozenset({DECIDE})",
+        "ON_LOOP: frozenset[str] = frozenset()",
+        ("tests/controller/test_host_share.py",),
+        "Decide hops to the pool and back: two waits for the interpreter beside any bulk work (issue 22)",
+    ),
+    Mutation(
+        "decide-abort-on-the-loop-lost",
+        "controller/request_wait.py",
+        "                    await context.abort(aborted.code, aborted.details)\n",
+        "                    await context.abort(grpc.StatusCode.UNKNOWN, aborted.details)\n",
+        ("tests/controller/test_host_share.py",),
+        "a Decide refused on the event loop ends with another status than the one its handler gave",
     ),
     Mutation(
         "watchers-per-host-never-released",

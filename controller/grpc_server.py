@@ -295,6 +295,22 @@ class ThreadContext:
                 log.exception("a callback at the end of a call failed")
 
 
+class LoopAbort(Exception):
+    """``LoopContext.abort``'s: the handler ended its call with ``code`` and ``details``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class LoopContext(ThreadContext):
+    """What a synchronous handler run on the loop itself sees of its call (``RequestWait``'s ``on_loop``): the loop
+    cannot wait for itself, so ``abort`` raises LoopAbort, which the caller turns into the call's status."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise LoopAbort(code, details)
+
+
 class InFlight(grpc.aio.ServerInterceptor):
     """Counts the unary handlers running, so that a shutdown can say how many its grace period cut short. A
     synchronous handler counts while it runs in the pool: a call the grace cancelled is counted until its handler

@@ -39,7 +39,7 @@ import contextlib
 import inspect
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -47,7 +47,7 @@ from typing import Any, NoReturn
 import grpc
 
 from controller.auth import RefusalLog
-from controller.grpc_server import PerMethod, ThreadContext, is_async
+from controller.grpc_server import LoopAbort, LoopContext, PerMethod, ThreadContext, is_async
 from controller.host_share import HostShares
 from controller.report_budget import MAX_HOLD_SECONDS, peer_host
 
@@ -102,13 +102,14 @@ class RequestWait(grpc.aio.ServerInterceptor):
 
     def __init__(
         self, limits: WaitLimits, refusals: RefusalLog | None = None, holds: Mapping[str, Hold] | None = None,
-        shares: HostShares | None = None, gates: Mapping[str, Gate] | None = None,
+        shares: HostShares | None = None, gates: Mapping[str, Gate] | None = None, on_loop: Collection[str] = (),
     ) -> None:  # fmt: skip
         self.limits = limits
         self.shares = shares or HostShares()  # a synchronous handler's turn in the pool, per client host
         self.refusals = refusals or RefusalLog()
         self.holds = dict(holds or {})  # method -> how long to hold a peer's call before reading its request
         self.gates = dict(gates or {})  # method -> a limit checked on the loop once the request is in (the module)
+        self.on_loop = frozenset(on_loop)  # methods whose synchronous handlers run on the loop (the module)
         self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
         self._pool: futures.Executor | None = None
         self._wrapped = PerMethod(self._wrap)
@@ -143,6 +144,20 @@ class RequestWait(grpc.aio.ServerInterceptor):
                 return await behavior(await self._request(context, method), context)
 
             return unary_on_loop
+        if method in self.on_loop:
+
+            async def unary_here(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                request = await self._request(context, method)
+                here = LoopContext(context, asyncio.get_running_loop())
+                try:
+                    return behavior(request, here)
+                except LoopAbort as aborted:
+                    await context.abort(aborted.code, aborted.details)
+                    raise AssertionError("abort returned") from None
+                finally:
+                    here.end()
+
+            return unary_here
         pool = self._pool
         assert pool is not None, "RequestWait.serve_in(pool) comes before the server starts"
 

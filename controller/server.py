@@ -51,6 +51,12 @@ from specd_api.yaml_config import ConfigError
 log = logging.getLogger("specd.controller")
 REPORT_ROUNDS = "/specd.v1.Controller/ReportRounds"
 WATCH_DECISIONS = "/specd.v1.Controller/WatchDecisions"
+DECIDE = "/specd.v1.Controller/Decide"
+# Decide is served on the event loop, in the thread that read its request: it reads memory only (contract 3), under
+# locks never held across I/O or long work (the learner's, the caches'), in tens of microseconds. Its hop to the pool
+# and back was two waits for the interpreter, each as long as whatever else held it: a report being summed, a burst
+# of streams opening (issue 22).
+ON_LOOP = frozenset({DECIDE})
 SWITCH_INTERVAL_S = 0.001  # the interpreter's switch interval in the daemon (Python's default: 5 ms)
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name
 # Health of the telemetry store alone: NOT_SERVING while Redis does not answer. "" and SERVICE_NAME stay SERVING
@@ -177,7 +183,9 @@ class ControllerDaemon:
         # a stream over the watcher caps is refused on the loop, before its handler takes a pool thread
         gates = {} if servicer.publisher is None else {WATCH_DECISIONS: servicer.publisher.refusal}
         try:
-            request_wait = RequestWait(WaitLimits.from_environment(), holds=holds, shares=self.shares, gates=gates)
+            request_wait = RequestWait(
+                WaitLimits.from_environment(), holds=holds, shares=self.shares, gates=gates, on_loop=ON_LOOP
+            )
         except ValueError as e:  # a bound in the environment that is not one
             raise StartupError(str(e)) from None
         server = GrpcServer(

@@ -1,8 +1,9 @@
-"""Each client host's share of the handler pool (controller/host_share.py, issue 22): one host's flood of calls runs
-at most ``max_calls_per_host`` of them at once, whatever its connections, its others waiting on the event loop, and
-another host's call is let in at once. The turns themselves (order, cancellation) on an event loop; the daemon's
-over gRPC, with calls from two hosts of this machine (127.0.0.1 and ::1: the daemon listens on both). And each
-host's WatchDecisions streams (``max_watchers_per_host``): one host cannot take every stream slot."""
+"""Each client host's share of the handler pool (controller/host_share.py, issue 22): one host's flood of calls runs at
+most ``max_calls_per_host`` of them at once, whatever its connections, its others waiting on the event loop, and
+another host's call is let in at once. Decide takes no share: it runs on the event loop itself. The turns themselves
+(order, cancellation) on an event loop; the daemon's over gRPC, with calls from two hosts of this machine (127.0.0.1
+and ::1: the daemon listens on both). And each host's WatchDecisions streams (``max_watchers_per_host``): one host
+cannot take every stream slot."""
 
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
 
 
 class Held:
-    """The daemon's decisions for segments named ``held-*`` wait for ``release``; ``inside`` counts them."""
+    """The daemon's GetSegmentStats for segments named ``held-*`` wait for ``release`` (in the pool: Decide runs on
+    the event loop, and holds no turn); ``inside`` counts them."""
 
     def __init__(self, daemon: ControllerDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
         controller = daemon.controller
@@ -124,16 +126,16 @@ class Held:
         self.release = threading.Event()
         self.inside = 0
         self._lock = threading.Lock()
-        decide = controller.decide
+        view = controller.segment_view
 
-        def held(request):
-            if request.segment.startswith("held-"):
+        def held(segment):
+            if segment.startswith("held-"):
                 with self._lock:
                     self.inside += 1
                 self.release.wait(20)
-            return decide(request)
+            return view(segment)
 
-        monkeypatch.setattr(controller, "decide", held)
+        monkeypatch.setattr(controller, "segment_view", held)
 
     def wait_inside(self, count: int) -> None:
         deadline = time.monotonic() + 10
@@ -142,7 +144,11 @@ class Held:
             time.sleep(0.01)
 
 
-def request(segment: str) -> pb.DecideRequest:
+def request(segment: str) -> pb.GetSegmentStatsRequest:
+    return pb.GetSegmentStatsRequest(segment=segment)
+
+
+def decide(segment: str) -> pb.DecideRequest:
     return pb.DecideRequest(segment=segment, batch_size=1, drafters=["draft"], max_new_tokens=64)
 
 
@@ -169,7 +175,7 @@ def test_one_hosts_flood_runs_its_share_and_another_host_is_served_meanwhile(dae
     registry = daemon.controller.learner.registry
     waited_before = registry.get_sample_value("specd_controller_calls_waited_for_host_turn_total") or 0.0
     with ExitStack() as stack:
-        flood = [stub.Decide.future(request("held-flood"), timeout=30)
+        flood = [stub.GetSegmentStats.future(request("held-flood"), timeout=30)
                  for stub in channels(stack, f"[::1]:{daemon.port}", 5)]  # fmt: skip
         held.wait_inside(PER_HOST)
         wait_for("the flood's other calls to wait their turn", lambda: shares.waiting("::1") == 3)
@@ -180,8 +186,10 @@ def test_one_hosts_flood_runs_its_share_and_another_host_is_served_meanwhile(dae
         assert waited == 3, f"{waited} calls counted in /metrics as waiting their turn, 3 did"
         other = channels(stack, f"127.0.0.1:{daemon.port}", 1)[0]
         start = time.monotonic()
-        other.Decide(request("another-hosts-segment"), timeout=5)  # in at once, beside the flood
+        other.GetSegmentStats(request("another-hosts-segment"), timeout=5)  # in at once, beside the flood
         assert time.monotonic() - start < 2.0
+        flooding = channels(stack, f"[::1]:{daemon.port}", 1)[0]
+        flooding.Decide(decide("held-decide"), timeout=5)  # Decide takes no turn: the flooding host's is answered
         held.release.set()
         for call in flood:
             call.result(timeout=20)  # every call of the flood answered in the end
@@ -194,10 +202,10 @@ def test_a_call_that_gives_up_waiting_for_its_turn_leaves_no_trace(daemon, monke
     shares = daemon.shares
     with ExitStack() as stack:
         stubs = channels(stack, f"[::1]:{daemon.port}", PER_HOST + 1)
-        running = [stub.Decide.future(request("held-running"), timeout=30) for stub in stubs[:PER_HOST]]
+        running = [stub.GetSegmentStats.future(request("held-running"), timeout=30) for stub in stubs[:PER_HOST]]
         held.wait_inside(PER_HOST)
         with pytest.raises(grpc.RpcError) as refused:
-            stubs[-1].Decide(request("held-late"), timeout=0.5)  # its deadline passes while it waits
+            stubs[-1].GetSegmentStats(request("held-late"), timeout=0.5)  # its deadline passes while it waits
         assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_for("the late call to leave the queue", lambda: shares.waiting("::1") == 0)
         held.release.set()
@@ -238,3 +246,23 @@ def test_one_host_holds_its_share_of_streams_and_another_host_still_opens_one(da
         for stream in (again, *streams[1:]):
             stream.cancel()
         wait_for("every stream to be counted off", lambda: daemon.publisher.watchers == 0)
+
+
+def test_decide_is_served_on_the_event_loop_and_refuses_a_bad_request_from_there(daemon, monkeypatch) -> None:
+    """Decide never hops to the pool (controller/server.py, ON_LOOP): it runs in the thread that read its request,
+    and a request it refuses still ends with INVALID_ARGUMENT and its reason."""
+    threads: list[str] = []
+    real = daemon.controller.decide
+
+    def recording(request):
+        threads.append(threading.current_thread().name)
+        return real(request)
+
+    monkeypatch.setattr(daemon.controller, "decide", recording)
+    with ExitStack() as stack:
+        stub = channels(stack, f"127.0.0.1:{daemon.port}", 1)[0]
+        assert stub.Decide(decide("on-the-loop"), timeout=5).segment == "on-the-loop"
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Decide(pb.DecideRequest(segment="bad segment!", batch_size=1), timeout=5)
+    assert threads == ["specd-grpc-loop"]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "segment" in refused.value.details()
