@@ -999,6 +999,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a Decide refused on the event loop ends with another status than the one its handler gave",
     ),
     Mutation(
+        "fleet-figures-left-to-decide",
+        "controller/learner.py",
+        "                    self._fleet[(figure, drafter, version)] = compute(tables, drafter)\n",
+        "                    pass\n",
+        ("tests/controller/test_fleet_figures.py",),
+        "the first Decide after each move of the learner computes the fleet's figures, on the event loop (issue 22)",
+    ),
+    Mutation(
         "watchers-per-host-never-released",
         "controller/table_publisher.py",
         "            self._per_host[host] -= 1\n",

@@ -31,10 +31,11 @@ from controller.counts import Aggregate, CostCounts, SegmentCounts
 from controller.drift_watch import DriftAlarm, DriftWatch
 from controller.journal import Journal, JournalFull, entry
 from controller.journaled_view import JournaledView, report_counts
+from controller.pacing import Pacer
 from controller.prior import PriorModel, train_prior
 from controller.store import IngestResult, Snapshot, TelemetryStore
 from controller.timing_histogram import add_into, median, total
-from specd_api.plan import batch_bucket
+from specd_api.plan import DRAFTERS, batch_bucket
 from specd_api.segments import OVERFLOW_SEGMENT
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,10 @@ class Learner:
         self._prior_document: dict[str, Any] | None = None
         self.registry = CollectorRegistry()
         self.drift_watch = DriftWatch(self.registry, store.config.bucket_seconds, store.config.window_buckets)
-        # (figure, drafter) -> (version, the figure over every segment): acceptance, calibration
-        self._fleet: dict[tuple[str, str], tuple[int, tuple[float, float]]] = {}
+        # (figure, drafter, version) -> the figure over every segment (acceptance, calibration), of this version and
+        # the one before
+        self._fleet: dict[tuple[str, str, int], tuple[float, float]] = {}
+        self._version_lock = threading.Lock()  # one move of the version at a time (the refresh's, a journaled report's)
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -116,7 +119,7 @@ class Learner:
             with self._lock:
                 self._appending -= 1
         self._install_cost_model()
-        self.version += 1
+        self._next_version()
         return ReportOutcome(sum(a.rounds for a in aggregates), duplicate=False, journaled=True)
 
     # --- background work ----------------------------------------------------------------------------
@@ -205,7 +208,7 @@ class Learner:
                 log.warning("ignoring an unreadable prior model in Redis: %s", e)
             self._prior_document = stored_prior
         if changed:
-            self.version += 1
+            self._next_version()
         return True
 
     def _moved(self, segments: AbstractSet[str], decayed: AbstractSet[str] = frozenset()) -> None:
@@ -260,44 +263,44 @@ class Learner:
 
     def fleet_acceptance(self, drafter: str) -> tuple[float, float]:
         """(accepted, verified) of ``drafter`` over every segment and position, served and scored: the fleet's
-        evidence (computed once per snapshot)."""
-
-        def acceptance(tables: list[SegmentCounts]) -> tuple[float, float]:
-            accepted = verified = 0.0
-            for counts in tables:
-                for table in (counts.positions, counts.counterfactual):
-                    for (d, _), p in table.items():
-                        if d == drafter:
-                            accepted, verified = accepted + p.accepted, verified + p.verified
-            return accepted, verified
-
-        return self._over_the_fleet(("acceptance", drafter), acceptance)
+        evidence (computed once per version, ``_next_version``)."""
+        return self._over_the_fleet(("acceptance", drafter))
 
     def fleet_calibration(self, drafter: str) -> tuple[float, float]:
         """(median realised / expected speedup, requests) of ``drafter`` over every segment's requests: where a
-        segment's own calibration starts (computed once per snapshot)."""
+        segment's own calibration starts (computed once per version, ``_next_version``)."""
+        return self._over_the_fleet(("calibration", drafter))
 
-        def calibration(tables: list[SegmentCounts]) -> tuple[float, float]:
-            merged: dict[int, float] = {}
-            for counts in tables:
-                add_into(merged, counts.calibration.get(drafter, {}))
-            return median(merged), total(merged)
-
-        return self._over_the_fleet(("calibration", drafter), calibration)
-
-    def _over_the_fleet(
-        self, key: tuple[str, str], compute: Callable[[list[SegmentCounts]], tuple[float, float]]
-    ) -> tuple[float, float]:
-        """``compute`` over every segment's counts, once per version of the learner."""
+    def _over_the_fleet(self, key: tuple[str, str]) -> tuple[float, float]:
+        """A fleet figure (``FLEET_FIGURES``) over every segment's counts, as of this version of the learner."""
         version = self.version
-        cached = self._fleet.get(key)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        with self._lock:
-            tables = [*self._snapshot.segments.values(), *self._journaled.counts.segments.values()]
-        result = compute(tables)
-        self._fleet[key] = (version, result)
+        cached = self._fleet.get((*key, version))
+        if cached is not None:
+            return cached
+        result = FLEET_FIGURES[key[0]](self._fleet_tables(), key[1])  # a drafter no version computed ahead
+        self._fleet[(*key, version)] = result
         return result
+
+    def _fleet_tables(self) -> list[SegmentCounts]:
+        with self._lock:
+            return [*self._snapshot.segments.values(), *self._journaled.counts.segments.values()]
+
+    def _next_version(self) -> None:
+        """Move the version, with the fleet's figures for every drafter computed first: at 1,000 segments they take
+        7 ms, which the first Decide after each move paid, on the event loop (issue 22). A Decide never computes
+        them now (only for a drafter name no plan has)."""
+        with self._version_lock:
+            version, tables = self.version + 1, self._fleet_tables()
+            pace = Pacer()
+            for drafter in DRAFTERS:
+                for figure, compute in FLEET_FIGURES.items():
+                    pace()
+                    self._fleet[(figure, drafter, version)] = compute(tables, drafter)
+            self.version = version
+            # the version before stays: a Decide that read it just before the move still finds its figures
+            for key in list(self._fleet):
+                if key[2] < version - 1:
+                    self._fleet.pop(key, None)
 
     def segment_version(self, segment: str) -> int:
         """Moves whenever the segment's counts (``segment_counts``) change, and only then."""
@@ -360,3 +363,28 @@ def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:
     """The segments whose counts are not those of the previous snapshot (the store keeps a segment's counts object
     while its fields and the decay step stay the same: the decay is read once a bucket)."""
     return {s for s in old.segments.keys() | new.segments.keys() if old.segments.get(s) is not new.segments.get(s)}
+
+
+def fleet_acceptance(tables: list[SegmentCounts], drafter: str) -> tuple[float, float]:
+    """(accepted, verified) of ``drafter`` over ``tables``, every position, served and scored."""
+    accepted = verified = 0.0
+    for counts in tables:
+        for table in (counts.positions, counts.counterfactual):
+            for (d, _), p in table.items():
+                if d == drafter:
+                    accepted, verified = accepted + p.accepted, verified + p.verified
+    return accepted, verified
+
+
+def fleet_calibration(tables: list[SegmentCounts], drafter: str) -> tuple[float, float]:
+    """(median realised / expected speedup, requests) of ``drafter`` over ``tables``."""
+    merged: dict[int, float] = {}
+    for counts in tables:
+        add_into(merged, counts.calibration.get(drafter, {}))
+    return median(merged), total(merged)
+
+
+FLEET_FIGURES: dict[str, Callable[[list[SegmentCounts], str], tuple[float, float]]] = {
+    "acceptance": fleet_acceptance,
+    "calibration": fleet_calibration,
+}
