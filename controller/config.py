@@ -176,6 +176,11 @@ class ControllerConfig(Strict):
         description="unary calls one client host (IP address) has running at once; its others wait their turn, "
         "holding no thread, so that one host's flood shares the controller with the other hosts",
     )  # fmt: skip
+    report_process: bool = Field(
+        True,
+        description="validate and store reports in a child process at a lower priority, so that their work never "
+        "holds the interpreter Decide needs (controller/report_process.py); false: in the daemon",
+    )
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     policy_watch_seconds: float = Field(2.0, gt=0, description="how often the policy file is checked")
     redis_restart_backoff_seconds: tuple[float, float] = Field(

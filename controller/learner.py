@@ -93,7 +93,7 @@ class Learner:
         """Store a report in Redis, or in the journal when Redis fails. Raises JournalFull when neither can."""
         if not len(self.journal):  # with a backlog, new reports queue behind it to keep the order
             try:
-                result: IngestResult = self.store.ingest(report_id, aggregates, self._step_seconds)
+                result: IngestResult = self.store.ingest(report_id, aggregates, self.step_seconds)
                 return ReportOutcome(result.rounds, result.duplicate, journaled=False)
             except redis.RedisError as e:
                 log.warning("Redis rejected a report (%s); journaling it", e)
@@ -155,7 +155,7 @@ class Learner:
         except redis.RedisError as e:
             log.debug("prior not refitted, Redis did not answer: %s", e)
 
-    def _step_seconds(self, segment: str, batch_size: int) -> float:
+    def step_seconds(self, segment: str, batch_size: int) -> float:
         """A plain step's seconds at ``batch_size`` in ``segment`` (0: not measured), what its realised speedups are
         read at: the segment's own median where 3 requests measured it (a plain step grows with the context, and
         segments differ in theirs), else every segment's."""
@@ -165,7 +165,7 @@ class Learner:
         return self.cost_model.at(batch_size).step_seconds
 
     def _send_journaled(self, report_id: str, aggregates: list[Aggregate]) -> None:
-        self.store.ingest(report_id, aggregates, self._step_seconds)
+        self.store.ingest(report_id, aggregates, self.step_seconds)
         with self._lock:
             shown = self._journaled.shows(report_id)  # only replay (this thread) takes a report off the view
         if shown:  # its counts made outside the lock, as report() made them

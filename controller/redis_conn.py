@@ -298,6 +298,13 @@ class Supervisor:
                 break
 
 
+def client_for(url: str, timeout_seconds: float, tls: RedisTls | None = None) -> redis.Redis | RedisCluster:
+    """A client of ``url``: a cluster's for a ``redis+cluster://`` (or ``rediss+cluster://``) URL."""
+    if url.split("://", 1)[0] in CLUSTER_SCHEMES:
+        return make_cluster_client(url, timeout_seconds, tls)
+    return make_client(url, timeout_seconds, tls)
+
+
 def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5, tls: RedisTls | None = None) -> RedisHandle:
     """Connect to ``url``, or start the embedded server when no URL is configured. Raises RedisSetupError when the
     server refuses the credentials or the TLS handshake fails (module docstring); a server that does not answer is
@@ -308,8 +315,7 @@ def connect(url: str | None, state_dir: Path, timeout_seconds: float = 0.5, tls:
     embedded = None
     if url is None:
         embedded, url = start_embedded(state_dir / "redis")
-    cluster = url.split("://", 1)[0] in CLUSTER_SCHEMES
-    client = make_cluster_client(url, timeout_seconds, tls) if cluster else make_client(url, timeout_seconds, tls)
+    client = client_for(url, timeout_seconds, tls)
     try:
         client.ping()
     except redis.RedisError as e:

@@ -36,6 +36,7 @@ from controller.learner import Learner
 from controller.metrics_endpoint import MetricsServer, serve_metrics
 from controller.policy import PolicyStore, load_policy
 from controller.redis_conn import RedisHandle, connect, redact
+from controller.report_process import ReportProcess, StoreSpec
 from controller.request_wait import RequestWait, WaitLimits
 from controller.service import Controller, ControllerServicer
 from controller.store import TelemetryStore, upgrade_keys
@@ -78,6 +79,7 @@ class ControllerDaemon:
         self.port: int | None = None
         self.controller: Controller | None = None
         self.publisher: DecisionPublisher | None = None
+        self.reports: ReportProcess | None = None  # the child process reports are stored in (report_process.py)
         self.metrics: MetricsServer | None = None  # GET /metrics, when metrics.listen is set
         self._in_flight = InFlight()
         self.shares: HostShares | None = None  # each client host's turns in the handler pool, once serving
@@ -119,7 +121,8 @@ class ControllerDaemon:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._serve_metrics()
         budget = self.config.learning.report_budget()  # each client host's report work (controller/report_budget.py)
-        self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher, budget))
+        self.reports = self._report_process()
+        self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher, budget, self.reports))
         self._start_loop("refresh", refresh, self._refresh, first_wait=0.0)
         self._start_loop("decision-tables", refresh, self.publisher.rebuild)
         self._start_loop("prior", self.config.learning.refresh_seconds, learner.refit_prior)
@@ -162,6 +165,19 @@ class ControllerDaemon:
         learner.refit_prior()  # importing scikit-learn takes seconds: here, not under the first decisions
         self._redis_reachable = learner.refresh_snapshot()  # the journal waits for the refresh loop
         return learner
+
+    def _report_process(self) -> ReportProcess | None:
+        """The child process reports are validated and stored in (it starts in the background), or None: turned off,
+        or a clock other than the wall clock's (the child's store keeps the wall clock)."""
+        if not self.config.report_process or self.clock is not time.time:
+            return None
+        assert self._redis is not None
+        cfg = self.config
+        reports = ReportProcess(
+            StoreSpec(self._redis.url, cfg.redis_timeout_seconds, cfg.redis_tls, cfg.learning.store_config())
+        )
+        reports.start()
+        return reports
 
     def _tracer(self) -> Any:
         exporter = make_exporter(self.config.telemetry.exporter, self.config.telemetry.endpoint)
@@ -274,6 +290,8 @@ class ControllerDaemon:
         if self.publisher is not None:
             self.publisher.close()  # streams end now (workers keep their tables and reconnect elsewhere)
         in_flight, cancelled = self._stop_serving()
+        if self.reports is not None:
+            self.reports.close()  # after the server: a report in flight is stored first
         if self.metrics is not None:
             self.metrics.close()
         for thread in self._threads:

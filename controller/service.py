@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from opentelemetry import trace
@@ -22,10 +22,11 @@ from controller.counts import SegmentCounts
 from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
-from controller.learner import Learner
+from controller.learner import Learner, ReportOutcome
 from controller.pacing import URGENT
 from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.report_budget import ReportBudget, peer_host
+from controller.report_process import Invalid, ReportProcess, report_steps
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
 from controller.views import SegmentView, cost_model, segment_stats
@@ -250,8 +251,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         tracer: trace.Tracer,
         publisher: DecisionPublisher | None = None,
         budget: ReportBudget | None = None,
+        reports: ReportProcess | None = None,
     ) -> None:
         self.controller = controller
+        self.reports = reports  # validates and stores reports in a child process; None: the daemon does
         self.tracer = tracer
         self.publisher = publisher  # None: WatchDecisions is not served (UNIMPLEMENTED)
         self.budget = budget  # each client host's budget of report work; None: none
@@ -275,9 +278,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         ) as span:
             yield span
 
-    def _invalid(self, span: trace.Span, context: grpc.ServicerContext, error: Exception) -> None:
+    def _invalid(self, span: trace.Span, context: grpc.ServicerContext, error: Exception) -> NoReturn:
         span.set_status(Status(StatusCode.ERROR, str(error)))
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        raise AssertionError("abort returned")  # it raises
 
     def Decide(self, request: pb.DecideRequest, context: grpc.ServicerContext) -> pb.Decision:
         with URGENT.serving(), self._span("Decide", context) as span:  # reports, refreshes and builds wait for it
@@ -323,27 +327,54 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def ReportRounds(self, request: pb.ReportRoundsRequest, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
         with self._span("ReportRounds", context) as span:
             self._charge_budget(request, span, context)
-            try:
-                report_id, aggregates = validation.report(request)
-            except ValueError as e:
-                self._invalid(span, context, e)
-            try:
-                outcome = self.controller.learner.report(report_id, aggregates)
-            except JournalFull as e:  # Redis is down and the journal is at its bound: not acknowledged, so the
-                # worker's client keeps the report and retries it (same id) with backoff; nothing is dropped here
-                span.set_status(Status(StatusCode.ERROR, str(e)))
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"telemetry not stored, retry later: {e}")
+            stored = self._in_report_process(request, span, context)
+            if stored is not None:
+                report_id, outcome = stored
+            else:
+                report_id, outcome = self._in_daemon(request, span, context)
             span.set_attributes(
                 {
                     "specd.report_id": report_id,
                     "specd.rounds": outcome.rounds,
                     "specd.duplicate": outcome.duplicate,
                     "specd.journaled": outcome.journaled,
+                    "specd.report_process": stored is not None,
                 }
             )
             return pb.ReportRoundsResponse(
                 rounds_accepted=outcome.rounds, duplicate=outcome.duplicate, journaled=outcome.journaled
             )
+
+    def _in_report_process(
+        self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext
+    ) -> tuple[str, ReportOutcome] | None:
+        """The report validated and stored by the report process (controller/report_process.py), or None when the
+        daemon must do it: there is none (or it is not ready), the journal holds a backlog the report queues
+        behind, or Redis failed there. A report it finds invalid is refused here."""
+        learner = self.controller.learner
+        if self.reports is None or len(learner.journal):
+            return None
+        answer = self.reports.ingest(request, report_steps(request, learner.step_seconds))
+        if isinstance(answer, Invalid):
+            self._invalid(span, context, ValueError(answer.reason))
+        if answer is None:
+            return None
+        return answer.report_id, ReportOutcome(answer.rounds, answer.duplicate, journaled=False)
+
+    def _in_daemon(
+        self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext
+    ) -> tuple[str, ReportOutcome]:
+        try:
+            report_id, aggregates = validation.report(request)
+        except ValueError as e:
+            self._invalid(span, context, e)
+        try:
+            return report_id, self.controller.learner.report(report_id, aggregates)
+        except JournalFull as e:  # Redis is down and the journal is at its bound: not acknowledged, so the
+            # worker's client keeps the report and retries it (same id) with backoff; nothing is dropped here
+            span.set_status(Status(StatusCode.ERROR, str(e)))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"telemetry not stored, retry later: {e}")
+            raise AssertionError("abort returned") from None  # it raises
 
     def _charge_budget(self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext) -> None:
         """Spend the report's aggregates from its client host's budget, or refuse it with RESOURCE_EXHAUSTED before

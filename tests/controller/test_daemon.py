@@ -179,3 +179,49 @@ def test_a_second_controller_on_the_same_port_refuses_to_start(tmp_path, policy,
     finally:
         first.terminate()
         first.wait(timeout=30)
+
+
+def test_the_report_process_ends_with_a_killed_daemon(tmp_path, policy, embedded_redis_url):
+    """The child that stores reports (controller/report_process.py) exits once its daemon is SIGKILLed: outside
+    systemd's control group nothing else would end it."""
+    notify = NotifySocket(tmp_path / "notify.sock")
+    process = start(write_config(tmp_path, embedded_redis_url, policy, free_port()),
+                    {"NOTIFY_SOCKET": str(tmp_path / "notify.sock")})  # fmt: skip
+    try:
+        notify.wait_for("READY=1")
+        deadline = time.monotonic() + 30
+        while not (children := _report_processes(process.pid)):
+            assert time.monotonic() < deadline, "no report process started"
+            time.sleep(0.1)
+        process.kill()
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in children):
+            assert time.monotonic() < deadline, f"report process {children} outlived its daemon"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _report_processes(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Not exited (a zombie nothing has reaped yet has exited: its parent was killed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,205 @@
+"""Reports validated and stored in a child process, so that their work never holds the daemon's interpreter (issue 22).
+
+A report at the bounds (1,000 aggregates, 32,768 draft positions) takes about 75 ms of Python to validate and to
+store (its Lua scripts' arguments built, its samples encoded). In the daemon that ran under the interpreter every
+Decide needs: paced into 2 ms pieces, but each Decide still waited for the interpreter at every step, and one
+client's reports at its budget tripled another client's Decide p99. Here the daemon hands the report's bytes to one
+child process, at a lower scheduling priority (``NICE``), which parses, validates and stores it in Redis with a store
+of its own (the same keys, scripts and client settings: controller replicas already share one Redis), and answers
+what the daemon answers the worker. The daemon's part is a pickle of the bytes and a wait holding no interpreter.
+
+What stays in the daemon:
+
+- the report budget and its hold (they run before any of this, on the event loop and in the handler);
+- the journal: a report that comes while the journal holds a backlog (Redis was away) is the daemon's, in order
+  behind it (``Learner.report``), and so is one the child could not store because Redis failed: the daemon tries it
+  again and journals it;
+- each segment's plain step time, which a report's realised speedups are read at (``Learner.step_seconds``): the
+  daemon looks them up for the report's (segment, batch bucket) pairs, and the child reads those.
+
+The child starts in the background when the daemon does (it imports the store and validation: about a second), and a
+report that comes before it has answered, or while it is being replaced after it died, is the daemon's, as before.
+It is used only with the wall clock: a daemon on another clock (tests) keeps every report.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+import redis
+
+from controller.redis_conn import RedisTls, client_for
+from controller.store import StoreConfig, TelemetryStore
+from controller.validation import report as validated_report
+from specd_api.checks import MAX_BATCH_SIZE
+from specd_api.plan import batch_bucket
+from specd_api.v1 import controller_pb2 as pb
+
+log = logging.getLogger("specd.controller.reports")
+NICE = 10  # the child's niceness over the daemon's: the OS gives the daemon's threads the cores first
+PARENT_POLL_SECONDS = 1.0  # how soon a child whose daemon was killed exits
+Steps = dict[tuple[str, int], float]  # (segment, batch bucket) -> a plain step's seconds there (0: not known)
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What the child builds its store from: the daemon's Redis address and client settings, and the store's."""
+
+    url: str
+    timeout_seconds: float
+    tls: RedisTls | None
+    store: StoreConfig
+
+
+@dataclass(frozen=True)
+class Stored:
+    """The child stored the report (or found it stored before)."""
+
+    report_id: str
+    rounds: int
+    duplicate: bool
+
+
+@dataclass(frozen=True)
+class Invalid:
+    """The report breaks the wire contract: INVALID_ARGUMENT, with this reason."""
+
+    reason: str
+
+
+def report_steps(request: pb.ReportRoundsRequest, step_seconds: Callable[[str, int], float]) -> Steps:
+    """``step_seconds`` at each (segment, batch bucket) the report names; the aggregates are not validated yet, so a
+    batch size out of range is left out (validation refuses the report)."""
+    pairs = {(a.segment, a.batch_size) for a in request.aggregates if 1 <= a.batch_size <= MAX_BATCH_SIZE}
+    steps: Steps = {}
+    for segment, batch_size in pairs:
+        key = (segment, batch_bucket(batch_size))
+        if key not in steps:
+            steps[key] = step_seconds(segment, batch_size)
+    return steps
+
+
+class ReportProcess:
+    """The child process that validates and stores reports (see the module). ``ingest`` returns None whenever the
+    daemon must do the report itself."""
+
+    def __init__(self, spec: StoreSpec, nice: int = NICE) -> None:
+        self.spec, self.nice = spec, nice
+        self._lock = threading.Lock()
+        self._pool: futures.ProcessPoolExecutor | None = None
+        self._ready = False  # the current child has answered its first call
+        self._closed = False
+        self.restarts = 0
+
+    def start(self) -> None:
+        """Start the child (in the background: ``ingest`` returns None until it has answered)."""
+        with self._lock:
+            if self._closed:
+                return
+            context = multiprocessing.get_context("spawn")
+            pool = futures.ProcessPoolExecutor(
+                1, context, initializer=_start_child, initargs=(self.spec, self.nice, os.getpid())
+            )
+            self._pool, self._ready = pool, False
+        pool.submit(_pid).add_done_callback(lambda done: self._answered(pool, done))
+
+    def _answered(self, pool: futures.ProcessPoolExecutor, done: futures.Future[int]) -> None:
+        try:
+            pid = done.result()
+        except Exception as e:  # it could not start (Redis settings it cannot use): the daemon keeps every report
+            log.warning("the report process did not start (%s): reports are validated and stored in the daemon", e)
+            return
+        with self._lock:
+            if self._pool is pool:
+                self._ready = True
+        log.info("report process %d validates and stores reports", pid)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def ingest(self, request: pb.ReportRoundsRequest, steps: Steps) -> Stored | Invalid | None:
+        """The child's answer; None when the daemon must do the report itself: the child is not ready, it died (a
+        new one is started), or Redis failed (the daemon tries it again, then journals it)."""
+        with self._lock:
+            pool = self._pool if self._ready else None
+        if pool is None:
+            return None
+        try:
+            outcome: Stored | Invalid | str = pool.submit(_ingest, request.SerializeToString(), steps).result()
+        except BrokenProcessPool:
+            self._replace(pool)
+            return None
+        except RuntimeError:  # shut down meanwhile (the daemon is stopping)
+            return None
+        if isinstance(outcome, str):
+            log.debug("the report process could not store a report (%s): the daemon does", outcome)
+            return None
+        return outcome
+
+    def _replace(self, broken: futures.ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is not broken or self._closed:
+                return  # another call replaced it already
+            self._pool, self._ready = None, False
+            self.restarts += 1
+        log.warning("the report process died; starting another (reports are the daemon's meanwhile)")
+        broken.shutdown(wait=False, cancel_futures=True)
+        self.start()
+
+    def close(self) -> None:
+        """Stop the child, once the report it may be storing is stored."""
+        with self._lock:
+            self._closed, pool, self._pool, self._ready = True, self._pool, None, False
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --- in the child ---------------------------------------------------------------------------------------------------
+
+_store: TelemetryStore | None = None
+
+
+def _start_child(spec: StoreSpec, nice: int, daemon: int) -> None:
+    global _store
+    threading.Thread(target=_exit_with, args=(daemon,), name="report-process-parent", daemon=True).start()
+    os.nice(nice)
+    _store = TelemetryStore(client_for(spec.url, spec.timeout_seconds, spec.tls), spec.store, time.time)
+
+
+def _exit_with(parent: int) -> None:
+    """End the child once the daemon is gone (killed: nothing else would, outside systemd's control group), or at
+    once if it went before the child had started."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(0)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _ingest(data: bytes, steps: Steps) -> Stored | Invalid | str:
+    """Parse, validate and store one report; a string says why Redis did not take it."""
+    assert _store is not None, "the child's initializer builds the store"
+    try:
+        report_id, aggregates = validated_report(pb.ReportRoundsRequest.FromString(data))
+    except ValueError as e:
+        return Invalid(str(e))
+
+    def step_seconds(segment: str, batch_size: int) -> float:
+        return steps.get((segment, batch_bucket(batch_size)), 0.0)
+
+    try:
+        result = _store.ingest(report_id, aggregates, step_seconds)
+    except redis.RedisError as e:
+        return f"{type(e).__name__}: {e}"
+    return Stored(report_id, result.rounds, result.duplicate)

@@ -1,0 +1,181 @@
+"""Reports validated and stored in a child process (controller/report_process.py, issue 22), over gRPC against a real
+daemon and its real Redis: the daemon's learner never sees a report the child stored; an invalid report is refused
+with its reason; a retry is a duplicate; a report that must queue behind the journal's backlog, or one Redis refused
+in the child, is the daemon's (journaled); a child that dies is replaced, and no report is lost meanwhile. And the
+child stores what the daemon would have: the same fields, its realised speedups read at the daemon's step times."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+import redis
+
+from controller import report_process, validation
+from controller.journal import Journal
+from controller.report_process import Invalid, Stored, report_steps
+from controller.server import ControllerDaemon
+from controller.store import StoreConfig, TelemetryStore
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.controller.test_service import draft_aggregate, report
+from tests.daemons import connected, daemon_config, running, running_daemon
+
+UNREACHABLE_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
+    with running_daemon(embedded_redis_url, tmp_path_factory.mktemp("reports")) as d:
+        assert d.reports is not None, "the report process is on by default"
+        wait_for("the report process to answer", lambda: d.reports is not None and d.reports.ready)
+        yield d
+
+
+@pytest.fixture
+def stub(daemon) -> Iterator[pb_grpc.ControllerStub]:
+    with connected(daemon) as channel:
+        yield pb_grpc.ControllerStub(channel)
+
+
+@pytest.fixture
+def in_daemon(daemon, monkeypatch) -> list[str]:
+    """The report ids the daemon's own learner stored or journaled (none, while the child stores them)."""
+    learner = daemon.controller.learner
+    done: list[str] = []
+    real = learner.report
+
+    def counted(report_id, aggregates):
+        done.append(report_id)
+        return real(report_id, aggregates)
+
+    monkeypatch.setattr(learner, "report", counted)
+    return done
+
+
+def test_the_child_stores_a_report_and_a_retry_of_it_is_a_duplicate(daemon, stub, in_daemon) -> None:
+    request = report(draft_aggregate("child-stored"), draft_aggregate("child-stored", batch_size=4))
+    first = stub.ReportRounds(request, timeout=10)
+    assert (first.rounds_accepted, first.duplicate, first.journaled) == (20, False, False)
+    again = stub.ReportRounds(request, timeout=10)  # the worker's retry: same id
+    assert (again.rounds_accepted, again.duplicate) == (0, True)
+    assert in_daemon == [], "the daemon's learner did the report itself"
+    child = daemon.reports._pool.submit(report_process._pid).result(timeout=10)
+    assert os.getpriority(os.PRIO_PROCESS, child) == os.getpriority(os.PRIO_PROCESS, 0) + report_process.NICE
+    wait_for("the refresh to show it", lambda: daemon.controller.learner.segment_counts("child-stored").rounds == 20)
+
+
+def test_an_invalid_report_is_refused_by_the_child_with_its_reason(daemon, stub, in_daemon) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ReportRounds(report(draft_aggregate("child-invalid"), draft_aggregate("child-invalid", k=65)), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "aggregates[1]" in refused.value.details() and "k must be" in refused.value.details()
+    assert in_daemon == [] and not daemon.controller.learner.counted("child-invalid")
+
+
+def test_a_report_behind_the_journals_backlog_is_the_daemons(daemon, stub, in_daemon, monkeypatch) -> None:
+    monkeypatch.setattr(Journal, "__len__", lambda self: 1)  # a backlog: reports queue behind it, in order
+    request = report(draft_aggregate("behind-backlog"))
+    assert stub.ReportRounds(request, timeout=10).rounds_accepted == 10
+    assert in_daemon == [request.report_id]
+
+
+def test_a_child_that_dies_is_replaced_and_no_report_is_lost(daemon, stub, in_daemon) -> None:
+    reports = daemon.reports
+    pid = reports._pool.submit(report_process._pid).result(timeout=10)
+    restarts = reports.restarts
+    os.kill(pid, signal.SIGKILL)
+    wait_for("the child to be gone", lambda: _gone(pid))
+    meanwhile = report(draft_aggregate("child-died"))
+    assert stub.ReportRounds(meanwhile, timeout=10).rounds_accepted == 10  # the daemon's, while it is replaced
+    assert in_daemon == [meanwhile.report_id]
+    wait_for("another child", lambda: reports.ready and reports.restarts == restarts + 1)
+    assert reports._pool.submit(report_process._pid).result(timeout=10) != pid
+    after = report(draft_aggregate("child-died"))
+    assert stub.ReportRounds(after, timeout=10).rounds_accepted == 10
+    assert in_daemon == [meanwhile.report_id], "the new child stores the reports again"
+    wait_for("both reports counted", lambda: daemon.controller.learner.segment_counts("child-died").rounds == 20)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie its parent has not reaped yet is gone too
+        return f.read().split(")")[-1].split()[0] == "Z"
+
+
+def test_a_report_redis_refused_in_the_child_is_journaled_by_the_daemon(tmp_path) -> None:
+    with running(daemon_config(UNREACHABLE_URL, tmp_path / "down", redis_timeout_seconds=0.2)) as daemon:
+        assert daemon.reports is not None
+        wait_for("the report process to answer", lambda: daemon.reports is not None and daemon.reports.ready)
+        with connected(daemon) as channel:
+            answer = pb_grpc.ControllerStub(channel).ReportRounds(report(draft_aggregate("redis-down")), timeout=10)
+        assert (answer.rounds_accepted, answer.journaled) == (10, True)
+        assert len(daemon.controller.learner.journal) == 1
+
+
+def test_the_child_stores_what_the_daemon_would_have(redis_client: redis.Redis, prefix: str, monkeypatch) -> None:
+    """The same report, stored by the daemon's store with its step times and by the child's function with the
+    step table ``report_steps`` makes: the same Redis fields, realised speedups (``cal|``) included."""
+    now = 1_000_000.0
+    request = report(
+        draft_aggregate("same-a", expected_speedup=1.5, request_tokens_emitted=40, request_seconds=0.5),
+        draft_aggregate("same-b", batch_size=3, expected_speedup=1.2, request_tokens_emitted=30, request_seconds=0.4),
+        report_id="same-report",
+    )
+    steps = {("same-a", 1): 0.010, ("same-b", 3): 0.020}
+
+    def step_seconds(segment: str, batch_size: int) -> float:
+        return steps[(segment, batch_size)]
+
+    daemons = TelemetryStore(redis_client, StoreConfig(prefix=f"{prefix}-daemon"), lambda: now)
+    report_id, aggregates = validation.report(request)
+    daemons.ingest(report_id, aggregates, step_seconds)
+    monkeypatch.setattr(report_process, "_store", TelemetryStore(redis_client, StoreConfig(prefix=f"{prefix}-child"),
+                                                                 lambda: now))  # fmt: skip
+    table = report_steps(request, step_seconds)
+    assert table == {("same-a", 1): 0.010, ("same-b", 4): 0.020}  # batch 3 is in bucket 4
+    assert report_process._ingest(request.SerializeToString(), table) == Stored("same-report", 20, False)
+    assert report_process._ingest(request.SerializeToString(), table) == Stored("same-report", 0, True)
+    stored = {}
+    for side in ("daemon", "child"):
+        keys = sorted(redis_client.scan_iter(f"{prefix}-{side}:*"))
+        stored[side] = {  # a store's change marks carry its own epoch: not counts
+            k.split(":", 1)[1]: _value(redis_client, k) for k in keys if ":report" not in k and "change" not in k
+        }
+    assert stored["child"] == stored["daemon"] and stored["daemon"]
+    assert any("cal|" in field for value in stored["daemon"].values() if isinstance(value, dict) for field in value)
+    bad = pb.ReportRoundsRequest(report_id="bad id!", aggregates=[draft_aggregate("same-a")])
+    assert report_process._ingest(bad.SerializeToString(), {}) == Invalid(
+        "report_id must be 1..128 characters of [A-Za-z0-9_.:-]"
+    )
+    for side in ("daemon", "child"):
+        keys = list(redis_client.scan_iter(f"{prefix}-{side}:*"))
+        if keys:
+            redis_client.delete(*keys)
+
+
+def _value(client: redis.Redis, key: str) -> object:
+    kind = client.type(key)
+    if kind == "hash":
+        return client.hgetall(key)
+    if kind == "zset":
+        return [member for member, _ in client.zrange(key, 0, -1, withscores=True)]
+    if kind == "list":
+        return client.lrange(key, 0, -1)
+    if kind == "string":
+        return client.get(key)
+    return kind
