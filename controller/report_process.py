@@ -109,18 +109,21 @@ class ReportProcess:
                 1, context, initializer=_start_child, initargs=(self.spec, self.nice, os.getpid())
             )
             self._pool, self._ready = pool, False
-        pool.submit(_pid).add_done_callback(lambda done: self._answered(pool, done))
+        pool.submit(_started).add_done_callback(lambda done: self._answered(pool, done))
 
-    def _answered(self, pool: futures.ProcessPoolExecutor, done: futures.Future[int]) -> None:
+    def _answered(self, pool: futures.ProcessPoolExecutor, done: futures.Future[tuple[int, str]]) -> None:
         try:
-            pid = done.result()
+            pid, not_niced = done.result()
         except Exception as e:  # it could not start (Redis settings it cannot use): the daemon keeps every report
             log.warning("the report process did not start (%s): reports are validated and stored in the daemon", e)
             return
         with self._lock:
             if self._pool is pool:
                 self._ready = True
-        log.info("report process %d validates and stores reports", pid)
+        if not_niced:
+            log.warning("report process %d validates and stores reports, %s (allow setpriority)", pid, not_niced)
+        else:
+            log.info("report process %d validates and stores reports (nice +%d)", pid, self.nice)
 
     @property
     def ready(self) -> bool:
@@ -166,13 +169,24 @@ class ReportProcess:
 # --- in the child ---------------------------------------------------------------------------------------------------
 
 _store: TelemetryStore | None = None
+_not_niced = ""  # why os.nice failed, if it did
 
 
 def _start_child(spec: StoreSpec, nice: int, daemon: int) -> None:
-    global _store
+    global _store, _not_niced
     threading.Thread(target=_exit_with, args=(daemon,), name="report-process-parent", daemon=True).start()
-    os.nice(nice)
+    _not_niced = lower_priority(nice)
     _store = TelemetryStore(client_for(spec.url, spec.timeout_seconds, spec.tls), spec.store, time.time)
+
+
+def lower_priority(nice: int) -> str:
+    """Lower this process's priority by ``nice``; "" when done, else why not (a seccomp filter without
+    setpriority: the process runs on at its priority)."""
+    try:
+        os.nice(nice)
+    except OSError as e:
+        return f"not niced: {e}"
+    return ""
 
 
 def _exit_with(parent: int) -> None:
@@ -185,6 +199,11 @@ def _exit_with(parent: int) -> None:
 
 def _pid() -> int:
     return os.getpid()
+
+
+def _started() -> tuple[int, str]:
+    """The child's pid, and why it is not niced ("" when it is)."""
+    return os.getpid(), _not_niced
 
 
 def _ingest(data: bytes, steps: Steps) -> Stored | Invalid | str:

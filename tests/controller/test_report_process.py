@@ -179,3 +179,11 @@ def _value(client: redis.Redis, key: str) -> object:
     if kind == "string":
         return client.get(key)
     return kind
+
+
+def test_a_report_process_the_os_will_not_nice_runs_on_and_says_why(monkeypatch) -> None:
+    def refused(increment: int) -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "nice", refused)
+    assert report_process.lower_priority(10) == "not niced: [Errno 1] Operation not permitted"
