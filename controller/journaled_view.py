@@ -12,7 +12,7 @@ journal, the snapshot and this view change together (controller/learner.py).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -39,25 +39,28 @@ class JournaledView:
 
     def withdrawn(self, report_id: str, counts: ReportCounts) -> None:
         """A report shown by ``journaled`` could not be written to the journal after all: take it off (the worker
-        keeps it and retries)."""
+        keeps it and retries). One no longer shown (a replay of an earlier copy took it) is left alone."""
         shown = self._shown.pop(report_id, 0)
+        if not shown:
+            return
         if shown > 1:
             self._shown[report_id] = shown - 1
-        ReportCounts(self._unnamed(counts), counts.costs).add_to(self.counts, weight=-1.0)
-        clamp(self.counts)
+        self._take_off(counts, Counter(counts.segments.keys()))
 
-    def _unnamed(self, counts: ReportCounts) -> dict[str, dict[str, float]]:
-        """A report leaves the view: its segments that another shown report names (their increments, to take off);
-        a segment no other names leaves the view whole (no zeros left: it was never counted)."""
+    def _take_off(self, counts: ReportCounts, naming: Counter[str]) -> None:
+        """Reports leave the view (``counts``, which name each segment ``naming`` times): a segment another shown
+        report still names has their increments taken off; one no other names leaves the view whole (no zeros left:
+        it was never counted)."""
         kept = {}
-        self._naming.subtract(counts.segments.keys())
+        self._naming.subtract(naming)
         for segment, increments in counts.segments.items():
             if self._naming[segment] > 0:
                 kept[segment] = increments
             else:
                 del self._naming[segment]
                 self.counts.segments.pop(segment, None)
-        return kept
+        ReportCounts(kept, counts.costs).add_to(self.counts, weight=-1.0)
+        clamp(self.counts, kept)
 
     def shows(self, report_id: str) -> bool:
         """Is the report shown here (journaled by this run, not yet replayed as many times)?"""
@@ -73,9 +76,19 @@ class JournaledView:
             self._shown[report_id] = shown - 1
         self._replayed.append(counts)
 
-    def snapshot_installed(self, journal_empty: bool) -> set[str]:
-        """A snapshot that holds every replayed report is in place: take those reports off. With the journal empty,
-        nothing is left to show (and no rounding left by subtractions). Returns the segments whose counts moved."""
+    def replayed_counts(self) -> Replayed:
+        """What the replayed reports add up to, made without the learner's lock: only the refresh's thread replays
+        (``replayed``) and installs (``snapshot_installed``), so the list does not move meanwhile (after an outage,
+        hundreds of reports taken off one by one under the lock every Decide reads under stalled the event loop)."""
+        return Replayed.of(self._replayed)
+
+    def snapshot_installed(self, journal_empty: bool, replayed: Replayed | None = None) -> set[str]:
+        """A snapshot that holds every replayed report (``replayed``: ``replayed_counts``, made beforehand) is in
+        place: take those reports off. With the journal empty, nothing is left to show (and no rounding left by
+        subtractions). Returns the segments whose counts moved."""
+        if replayed is None:
+            replayed = self.replayed_counts()
+        del self._replayed[: replayed.reports]
         if journal_empty:
             moved = set(self.counts.segments)
             self.counts = Snapshot()
@@ -83,14 +96,9 @@ class JournaledView:
             self._replayed = []
             self._naming.clear()
             return moved
-        moved = set()
-        for counts in self._replayed:
-            ReportCounts(self._unnamed(counts), counts.costs).add_to(self.counts, weight=-1.0)
-            moved |= set(counts.segments)
-        if self._replayed:
-            clamp(self.counts)
-        self._replayed = []
-        return moved
+        if replayed.reports:
+            self._take_off(replayed.counts, replayed.naming)
+        return set(replayed.counts.segments)
 
     def segment(self, segment: str) -> SegmentCounts | None:
         return self.counts.segments.get(segment)
@@ -118,14 +126,42 @@ class ReportCounts:
         snapshot.costs.add_fields(self.costs, weight)
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """Replayed reports' counts added up: ``reports`` of them, naming each segment ``naming`` times."""
+
+    counts: ReportCounts
+    naming: Counter[str]
+    reports: int
+
+    @classmethod
+    def of(cls, parts: Sequence[ReportCounts]) -> Replayed:
+        segments: dict[str, dict[str, float]] = {}
+        costs: dict[str, float] = {}
+        naming: Counter[str] = Counter()
+        for part in parts:
+            for segment, increments in part.segments.items():
+                _add_into(segments.setdefault(segment, {}), increments)
+            _add_into(costs, part.costs)
+            naming.update(part.segments.keys())
+        return cls(ReportCounts(segments, costs), naming, len(parts))
+
+
+def _add_into(total: dict[str, float], increments: Mapping[str, float]) -> None:
+    for name, value in increments.items():
+        total[name] = total.get(name, 0.0) + value
+
+
 def report_counts(aggregates: Sequence[Aggregate]) -> ReportCounts:
     served = [a for a in aggregates if not a.calibration]  # the worker's start-up timings: costs only, in no segment
     return ReportCounts(segment_increments(served), cost_increments(aggregates))
 
 
-def clamp(snapshot: Snapshot) -> None:
-    """Counts left by subtractions can be off by a rounding error; one below zero is zero (never a negative count)."""
-    for counts in snapshot.segments.values():
+def clamp(snapshot: Snapshot, segments: Iterable[str] | None = None) -> None:
+    """Counts left by subtractions can be off by a rounding error; one below zero is zero (never a negative count).
+    ``segments``: only these segments' (and the costs), else every one's."""
+    chosen = snapshot.segments.values() if segments is None else (snapshot.segments[s] for s in segments)
+    for counts in chosen:
         for table in (counts.by_k, counts.positions, counts.counterfactual):
             for item in table.values():
                 for f in fields(item):

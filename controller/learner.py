@@ -114,6 +114,8 @@ class Learner:
             with self._lock:  # not stored: off the view again
                 self._journaled.withdrawn(report_id, counts)
                 self._moved(moved)
+            self._install_cost_model()  # what a move meanwhile computed with it is computed again
+            self._next_version()
             raise
         finally:
             with self._lock:
@@ -191,12 +193,15 @@ class Learner:
         moved = _changed_segments(self._snapshot, snapshot)  # outside the lock: only a refresh replaces the snapshot
         decayed = {s for s in moved if _decayed_only(self._snapshot, snapshot, s)}
         stepped = _steps_between(self._snapshot.decay_at, snapshot.decay_at, self.store.config.decay_step_seconds)
+        replayed = self._journaled.replayed_counts()  # added up before the lock (this thread alone replays)
         with self._lock:  # report() journals under this lock too: the journal and the view change together
             self._snapshot = snapshot
             self.decay_steps += stepped
             # The replayed reports are in this snapshot now: they leave the journaled view; what is still journaled
             # (reports that arrived during the replay) stays on top.
-            journaled = self._journaled.snapshot_installed(journal_empty=not len(self.journal) and not self._appending)
+            journaled = self._journaled.snapshot_installed(
+                journal_empty=not len(self.journal) and not self._appending, replayed=replayed
+            )
             self._stale = False
             self._moved(moved | journaled, decayed - journaled)
         changed = bool(moved) | self._install_cost_model()
@@ -282,8 +287,10 @@ class Learner:
         return result
 
     def _fleet_tables(self) -> list[SegmentCounts]:
+        """Every segment's counts: the snapshot's (replaced, never changed) and copies of the journaled view's (a
+        report journaled meanwhile changes those in place)."""
         with self._lock:
-            return [*self._snapshot.segments.values(), *self._journaled.counts.segments.values()]
+            return [*self._snapshot.segments.values(), *map(_copy, self._journaled.counts.segments.values())]
 
     def _next_version(self) -> None:
         """Move the version, with the fleet's figures for every drafter computed first: at 1,000 segments they take
@@ -326,12 +333,11 @@ class Learner:
         with self._lock:
             version = self._segment_versions.get(segment, 0)
             base, pending = self._snapshot.segments.get(segment), self._journaled.segment(segment)
-        if pending is None:
-            return version, base or SegmentCounts()
-        merged = SegmentCounts()
-        for part in (base, pending):
-            if part is not None:
-                merged.add(part)
+            if pending is None:
+                return version, base or SegmentCounts()
+            merged = _copy(pending)  # under the lock: a report journaled meanwhile changes it in place
+        if base is not None:
+            merged.add(base)
         return version, merged
 
     def costs(self) -> CostCounts:
@@ -388,3 +394,9 @@ FLEET_FIGURES: dict[str, Callable[[list[SegmentCounts], str], tuple[float, float
     "acceptance": fleet_acceptance,
     "calibration": fleet_calibration,
 }
+
+
+def _copy(counts: SegmentCounts) -> SegmentCounts:
+    copy = SegmentCounts()
+    copy.add(counts)
+    return copy

@@ -46,6 +46,10 @@ from specd_api.v1 import controller_pb2 as pb
 log = logging.getLogger("specd.controller.reports")
 NICE = 10  # the child's niceness over the daemon's: the OS gives the daemon's threads the cores first
 PARENT_POLL_SECONDS = 1.0  # how soon a child whose daemon was killed exits
+# A report at the bounds takes the child ~0.25 s; one not answered within this is the daemon's (one child stores the
+# reports one at a time: a Redis that drops packets makes each wait its timeout, and they queue)
+ANSWER_SECONDS = 2.0
+FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS = 1.0, 60.0  # a child that did not start is tried again, backing off
 Steps = dict[tuple[str, int], float]  # (segment, batch bucket) -> a plain step's seconds there (0: not known)
 
 
@@ -97,6 +101,7 @@ class ReportProcess:
         self._pool: futures.ProcessPoolExecutor | None = None
         self._ready = False  # the current child has answered its first call
         self._closed = False
+        self._retry_seconds = FIRST_RETRY_SECONDS / 2  # doubled before each wait for a child that did not start
         self.restarts = 0
 
     def start(self) -> None:
@@ -109,15 +114,30 @@ class ReportProcess:
                 1, context, initializer=_start_child, initargs=(self.spec, self.nice, os.getpid())
             )
             self._pool, self._ready = pool, False
-        pool.submit(_started).add_done_callback(lambda done: self._answered(pool, done))
+        try:
+            pool.submit(_started).add_done_callback(lambda done: self._answered(pool, done))
+        except RuntimeError:  # closed meanwhile
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _answered(self, pool: futures.ProcessPoolExecutor, done: futures.Future[tuple[int, str]]) -> None:
         try:
             pid, not_niced = done.result()
-        except Exception as e:  # it could not start (Redis settings it cannot use): the daemon keeps every report
-            log.warning("the report process did not start (%s): reports are validated and stored in the daemon", e)
+        except Exception as e:  # it could not start (killed, a cluster's seed not answering): try again later
+            with self._lock:
+                if self._pool is not pool or self._closed:
+                    return
+                self._pool = None
+                self._retry_seconds = min(2 * self._retry_seconds, MAX_RETRY_SECONDS)
+                wait = self._retry_seconds
+            log.warning("the report process did not start (%s): reports are validated and stored in the daemon; "
+                        "trying again in %g s", e, wait)  # fmt: skip
+            pool.shutdown(wait=False, cancel_futures=True)
+            retry = threading.Timer(wait, self.start)
+            retry.daemon = True
+            retry.start()
             return
         with self._lock:
+            self._retry_seconds = FIRST_RETRY_SECONDS / 2
             if self._pool is pool:
                 self._ready = True
         if not_niced:
@@ -131,17 +151,20 @@ class ReportProcess:
 
     def ingest(self, request: pb.ReportRoundsRequest, steps: Steps) -> Stored | Invalid | None:
         """The child's answer; None when the daemon must do the report itself: the child is not ready, it died (a
-        new one is started), or Redis failed (the daemon tries it again, then journals it)."""
+        new one is started), it has not answered within ANSWER_SECONDS (reports queued behind a slow Redis, a
+        stopped child: if it stores the report later, the daemon's copy is a duplicate, counted once), or Redis
+        failed (the daemon tries it again, then journals it)."""
         with self._lock:
             pool = self._pool if self._ready else None
         if pool is None:
             return None
         try:
-            outcome: Stored | Invalid | str = pool.submit(_ingest, request.SerializeToString(), steps).result()
+            call = pool.submit(_ingest, request.SerializeToString(), steps)
+            outcome: Stored | Invalid | str = call.result(ANSWER_SECONDS)
         except BrokenProcessPool:
             self._replace(pool)
             return None
-        except RuntimeError:  # shut down meanwhile (the daemon is stopping)
+        except (RuntimeError, futures.CancelledError, TimeoutError):  # shut down meanwhile; or too slow
             return None
         if isinstance(outcome, str):
             log.debug("the report process could not store a report (%s): the daemon does", outcome)

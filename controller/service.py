@@ -352,8 +352,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         daemon must do it: there is none (or it is not ready), the journal holds a backlog the report queues
         behind, or Redis failed there. A report it finds invalid is refused here."""
         learner = self.controller.learner
-        if self.reports is None or len(learner.journal):
-            return None
+        if self.reports is None or not self.reports.ready or len(learner.journal) or learner.stale:
+            return None  # (stale: Redis did not answer the last refresh; the daemon journals the report at once)
+        if len(request.aggregates) > MAX_AGGREGATES:
+            return None  # refused at once by the daemon's validation, before any lookup per aggregate
         answer = self.reports.ingest(request, report_steps(request, learner.step_seconds))
         if isinstance(answer, Invalid):
             self._invalid(span, context, ValueError(answer.reason))

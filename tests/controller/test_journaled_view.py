@@ -66,3 +66,31 @@ def test_counts_never_go_below_zero_after_subtractions() -> None:
     assert counts is not None
     assert all(item.rounds >= 0 for item in counts.by_k.values())
     assert all(value >= 0 for value in view.costs().drafted.values())
+
+
+def test_a_withdrawn_report_a_replay_already_took_off_is_not_taken_off_twice() -> None:
+    """A previous run's copy of report X is replayed while this run's retry of X is being written; the write then
+    fails: the view must not lose another shown report's counts."""
+    view = JournaledView()
+    view.journaled("other", report_counts([aggregate(5, "chat")]))
+    retry = report_counts([aggregate(3, "chat")])
+    view.journaled("x", retry)
+    view.replayed("x", retry)  # the earlier copy, replayed: this run's shown copy leaves with the next snapshot
+    view.snapshot_installed(journal_empty=False)
+    assert rounds(view, "chat") == 5
+    view.withdrawn("x", retry)  # the retry's write failed after all: nothing of it is shown any more
+    assert rounds(view, "chat") == 5 and view.segments() == {"chat"}
+
+
+def test_replayed_reports_are_taken_off_as_one_sum() -> None:
+    view = JournaledView()
+    view.journaled("a", report_counts([aggregate(2, "chat"), aggregate(1, "code")]))
+    view.journaled("b", report_counts([aggregate(3, "chat")]))
+    view.journaled("c", report_counts([aggregate(4, "chat")]))
+    view.replayed("a", report_counts([aggregate(2, "chat"), aggregate(1, "code")]))
+    view.replayed("b", report_counts([aggregate(3, "chat")]))
+    replayed = view.replayed_counts()
+    assert (replayed.reports, dict(replayed.naming)) == (2, {"chat": 2, "code": 1})
+    assert view.snapshot_installed(journal_empty=False, replayed=replayed) == {"chat", "code"}
+    assert rounds(view, "chat") == 4 and view.segments() == {"chat"}  # c's alone; code left whole
+    assert view.replayed_counts().reports == 0

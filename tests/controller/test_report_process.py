@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ import redis
 
 from controller import report_process, validation
 from controller.journal import Journal
-from controller.report_process import Invalid, Stored, report_steps
+from controller.report_process import Invalid, ReportProcess, Stored, StoreSpec, report_steps
 from controller.server import ControllerDaemon
 from controller.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
@@ -117,14 +118,71 @@ def _gone(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] == "Z"
 
 
-def test_a_report_redis_refused_in_the_child_is_journaled_by_the_daemon(tmp_path) -> None:
+def test_a_report_redis_refused_in_the_child_is_journaled_by_the_daemon(tmp_path, monkeypatch) -> None:
+    """Redis fails in the child while the daemon's last refresh still found it (not stale): the daemon tries the
+    report itself and journals it. (While stale, the child is not asked at all.)"""
     with running(daemon_config(UNREACHABLE_URL, tmp_path / "down", redis_timeout_seconds=0.2)) as daemon:
         assert daemon.reports is not None
         wait_for("the report process to answer", lambda: daemon.reports is not None and daemon.reports.ready)
+        learner = daemon.controller.learner
+        asked: list[str] = []
+        ingest = daemon.reports.ingest
+
+        def counted(request, steps):
+            asked.append(request.report_id)
+            return ingest(request, steps)
+
+        monkeypatch.setattr(daemon.reports, "ingest", counted)
         with connected(daemon) as channel:
-            answer = pb_grpc.ControllerStub(channel).ReportRounds(report(draft_aggregate("redis-down")), timeout=10)
+            stub = pb_grpc.ControllerStub(channel)
+            answer = stub.ReportRounds(report(draft_aggregate("redis-down")), timeout=10)
+            assert learner.stale and asked == [], "asked the child while Redis is known to be down"
+            assert (answer.rounds_accepted, answer.journaled) == (10, True)
+            learner.journal.replay(lambda *report: None)  # the backlog gone: the next report may go to the child
+            monkeypatch.setattr(type(learner), "stale", property(lambda self: False))
+            request = report(draft_aggregate("redis-down"))
+            answer = stub.ReportRounds(request, timeout=10)
+        assert asked == [request.report_id], "the child was not asked"
         assert (answer.rounds_accepted, answer.journaled) == (10, True)
-        assert len(daemon.controller.learner.journal) == 1
+        assert len(learner.journal) == 1
+
+
+def test_a_report_the_child_does_not_answer_in_time_is_the_daemons_and_counted_once(
+    daemon, stub, in_daemon, monkeypatch
+) -> None:
+    """A stopped child (or one queued behind a slow Redis): past ANSWER_SECONDS the daemon stores the report itself;
+    when the child goes on and stores its copy too, that copy is a duplicate (same report id), counted once."""
+    monkeypatch.setattr(report_process, "ANSWER_SECONDS", 0.5)
+    pid = daemon.reports._pool.submit(report_process._pid).result(timeout=10)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        request = report(draft_aggregate("child-stopped"))
+        started = time.monotonic()
+        assert stub.ReportRounds(request, timeout=10).rounds_accepted == 10
+        assert time.monotonic() - started < 5
+        assert in_daemon == [request.report_id]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert daemon.reports._pool.submit(report_process._pid).result(timeout=10) == pid  # it went on: same child
+    learner = daemon.controller.learner
+    wait_for("the report counted", lambda: learner.segment_counts("child-stopped").rounds == 10)
+    time.sleep(0.5)  # a refresh or two after the child's copy
+    assert learner.segment_counts("child-stopped").rounds == 10, "counted twice"
+
+
+def test_a_child_that_could_not_start_is_tried_again(embedded_redis_url, caplog) -> None:
+    good = StoreSpec(embedded_redis_url, 0.5, None, StoreConfig(prefix="restart-test"))
+    reports = ReportProcess(replace(good, url="notascheme://nowhere"))
+    try:
+        reports.start()  # its store cannot be built: the child fails to start
+        wait_for("the failed start", lambda: reports._retry_seconds >= report_process.FIRST_RETRY_SECONDS)
+        assert not reports.ready and "did not start" in caplog.text
+        reports.spec = good  # whatever stopped it has passed
+        wait_for("the child, on a later try", lambda: reports.ready)
+        request = report(draft_aggregate("restarted"))
+        assert reports.ingest(request, {}) == Stored(request.report_id, 10, False)
+    finally:
+        reports.close()
 
 
 def test_the_child_stores_what_the_daemon_would_have(redis_client: redis.Redis, prefix: str, monkeypatch) -> None:
