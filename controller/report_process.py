@@ -220,10 +220,6 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
-def _pid() -> int:
-    return os.getpid()
-
-
 def _started() -> tuple[int, str]:
     """The child's pid, and why it is not niced ("" when it is)."""
     return os.getpid(), _not_niced

@@ -350,7 +350,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     ) -> tuple[str, ReportOutcome] | None:
         """The report validated and stored by the report process (controller/report_process.py), or None when the
         daemon must do it: there is none (or it is not ready), the journal holds a backlog the report queues
-        behind, or Redis failed there. A report it finds invalid is refused here."""
+        behind, Redis is known to be down (stale), the report is over the size bound, or the child did not store it
+        (``ReportProcess.ingest``: it died, answered late, or Redis failed there). A report it finds invalid is
+        refused here."""
         learner = self.controller.learner
         if self.reports is None or not self.reports.ready or len(learner.journal) or learner.stale:
             return None  # (stale: Redis did not answer the last refresh; the daemon journals the report at once)

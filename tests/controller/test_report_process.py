@@ -72,7 +72,7 @@ def test_the_child_stores_a_report_and_a_retry_of_it_is_a_duplicate(daemon, stub
     again = stub.ReportRounds(request, timeout=10)  # the worker's retry: same id
     assert (again.rounds_accepted, again.duplicate) == (0, True)
     assert in_daemon == [], "the daemon's learner did the report itself"
-    child = daemon.reports._pool.submit(report_process._pid).result(timeout=10)
+    child = daemon.reports._pool.submit(report_process._started).result(timeout=10)[0]
     assert os.getpriority(os.PRIO_PROCESS, child) == os.getpriority(os.PRIO_PROCESS, 0) + report_process.NICE
     wait_for("the refresh to show it", lambda: daemon.controller.learner.segment_counts("child-stored").rounds == 20)
 
@@ -94,7 +94,7 @@ def test_a_report_behind_the_journals_backlog_is_the_daemons(daemon, stub, in_da
 
 def test_a_child_that_dies_is_replaced_and_no_report_is_lost(daemon, stub, in_daemon) -> None:
     reports = daemon.reports
-    pid = reports._pool.submit(report_process._pid).result(timeout=10)
+    pid = reports._pool.submit(report_process._started).result(timeout=10)[0]
     restarts = reports.restarts
     os.kill(pid, signal.SIGKILL)
     wait_for("the child to be gone", lambda: _gone(pid))
@@ -102,7 +102,7 @@ def test_a_child_that_dies_is_replaced_and_no_report_is_lost(daemon, stub, in_da
     assert stub.ReportRounds(meanwhile, timeout=10).rounds_accepted == 10  # the daemon's, while it is replaced
     assert in_daemon == [meanwhile.report_id]
     wait_for("another child", lambda: reports.ready and reports.restarts == restarts + 1)
-    assert reports._pool.submit(report_process._pid).result(timeout=10) != pid
+    assert reports._pool.submit(report_process._started).result(timeout=10)[0] != pid
     after = report(draft_aggregate("child-died"))
     assert stub.ReportRounds(after, timeout=10).rounds_accepted == 10
     assert in_daemon == [meanwhile.report_id], "the new child stores the reports again"
@@ -153,7 +153,7 @@ def test_a_report_the_child_does_not_answer_in_time_is_the_daemons_and_counted_o
     """A stopped child (or one queued behind a slow Redis): past ANSWER_SECONDS the daemon stores the report itself;
     when the child goes on and stores its copy too, that copy is a duplicate (same report id), counted once."""
     monkeypatch.setattr(report_process, "ANSWER_SECONDS", 0.5)
-    pid = daemon.reports._pool.submit(report_process._pid).result(timeout=10)
+    pid = daemon.reports._pool.submit(report_process._started).result(timeout=10)[0]
     os.kill(pid, signal.SIGSTOP)
     try:
         request = report(draft_aggregate("child-stopped"))
@@ -163,7 +163,7 @@ def test_a_report_the_child_does_not_answer_in_time_is_the_daemons_and_counted_o
         assert in_daemon == [request.report_id]
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert daemon.reports._pool.submit(report_process._pid).result(timeout=10) == pid  # it went on: same child
+    assert daemon.reports._pool.submit(report_process._started).result(timeout=10)[0] == pid  # it went on: same child
     learner = daemon.controller.learner
     wait_for("the report counted", lambda: learner.segment_counts("child-stopped").rounds == 10)
     time.sleep(0.5)  # a refresh or two after the child's copy
