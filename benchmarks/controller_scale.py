@@ -30,6 +30,8 @@ failures are cut into windows by wall clock.
                  could still open one
   decide-flood   Decide back to back from --flood-threads threads for the learned segments: the control for ...
   segment-flood  ... the same with a made-up segment each call (the segment caps and caches filling)
+  busy-neighbour not an attack, the control for big-reports: a process that touches no service keeps one core busy at
+                 the report process's niceness (+10), as the report process does with big-reports; no goal
 
 big-reports, watch-streams, health-watch and the floods connect from another host than the steady client's (the
 half-open attacks, refused or held before any handler, from the same): the controller listens on
@@ -47,7 +49,7 @@ A missed goal is printed as MISSED; the exit status is 1 only on a crash.
     python -m benchmarks.controller_scale [--segments 1000] [--streams 256] [--seconds 5] [--rate 100]
         [--bucket-seconds 60]
         [--only scale,half-open,half-open-mtls,half-open-mtls-flood,half-open-read,health-watch,big-reports,
-                watch-streams,decide-flood,segment-flood]
+                watch-streams,decide-flood,segment-flood,busy-neighbour]
         [--json FILE]
 """
 
@@ -82,6 +84,7 @@ from benchmarks.controller_latency import aggregate, decide_request, percentile
 from benchmarks.decision_stream import DRAFTERS, cpu_seconds
 from benchmarks.faults import DEADLINE_MS, Controller, _usage, wait_until
 from benchmarks.half_open import HalfOpenCalls, ReconnectingCalls, attacker_tls
+from controller.report_process import NICE
 from specd_api.checks import MAX_AGGREGATES, MAX_REPORT_BYTES, MAX_REPORT_POSITIONS
 from specd_api.segments import MAX_SEGMENT_LENGTH
 from specd_api.v1 import controller_pb2 as pb
@@ -800,6 +803,36 @@ class BigReports(Loop):
                 "positions": sum(a.k for a in self.report.aggregates)}  # fmt: skip
 
 
+def spin(nice: int, stop: Any) -> None:
+    """Keep one core busy at ``nice`` until ``stop`` is set (``BusyNeighbour``'s process)."""
+    os.nice(nice)
+    while not stop.is_set():
+        for _ in range(10_000):
+            pass
+
+
+class BusyNeighbour(Attack):
+    """Not an attack: the control for big-reports. A process that touches no service keeps one core busy at the
+    report process's niceness (controller/report_process.py NICE), as the report process does with reports at the
+    bounds back to back; the steady client's ratio beside it is what these 2 cores give whatever the controller
+    does."""
+
+    what = "control: one core kept busy at nice +10 by a process that touches no service"
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._process = context.Process(target=spin, args=(NICE, self._stop), name="busy-neighbour", daemon=True)
+
+    def start(self) -> None:
+        self._process.start()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._process.join(10)
+        return {"nice": NICE}
+
+
 class DecideFlood(Loop):
     """Decide back to back for the learned segments, or (``made_up``) for a segment never seen each time."""
 
@@ -870,7 +903,9 @@ ATTACKS: dict[str, Callable[[Target, Settings], Attack]] = {
     "watch-streams": lambda t, s: WatchStreams(t, s.streams),
     "decide-flood": lambda t, s: DecideFlood(t, s.flood_threads, made_up=False),
     "segment-flood": lambda t, s: DecideFlood(t, s.flood_threads, made_up=True),
+    "busy-neighbour": lambda t, s: BusyNeighbour(),
 }
+CONTROLS = frozenset({"busy-neighbour"})  # rows that are not attacks: no goal, printed as a control
 MUTUAL_TLS = frozenset({"half-open-mtls", "half-open-mtls-flood"})  # the attacks on the mutual-TLS controller
 
 
@@ -969,6 +1004,8 @@ def missed(figures: dict[str, Any]) -> list[str]:
         if not st["all_open_within_timeout"]:
             out.append(f"scale: {st['opened']} of {st['streams']} streams open after {OPEN_TIMEOUT_S:.0f} s")
     for name, a in figures.get("attacks", {}).items():
+        if name in CONTROLS:
+            continue
         if not a["ratio"] <= RATIO_GOAL:
             out.append(f"{name}: p99 {a['p99_before_ms']:.2f} -> {a['p99_during_ms']:.2f} ms ({a['ratio']:.1f}x)")
         if a["failures_during"]:
@@ -1011,11 +1048,12 @@ def print_attacks(a: dict[str, dict[str, Any]], settings: Settings) -> None:
           f"{'>5ms':>9}  {'CPU':>11}  {'threads':>9}  {'RSS MiB':>9}")  # fmt: skip
     for name, r in a.items():
         ok = r["ratio"] <= RATIO_GOAL and not r["failures_during"]
+        flag = "  (control)" if name in CONTROLS else "" if ok else "  MISSED"
         print(f"  {name:<20} {r['p50_before_ms']:>7.2f} / {r['p50_during_ms']:>5.2f} ms  {r['p99_before_ms']:>7.2f} "
               f"/ {r['p99_during_ms']:>5.2f} ms  {r['ratio']:>4.1f}x  {r['failures_during']:>6} "
               f"{r['over_deadline_before']:>4}/{r['over_deadline_during']:<4}  {r['cpu_share_before']:>4.0%} / "
               f"{r['cpu_share_during']:<4.0%}  {r['threads_before']:>4}/{r['threads_during']:<4}  "
-              f"{r['rss_mib_before']:>4.0f}/{r['rss_mib_during']:<4.0f}{'' if ok else '  MISSED'}")  # fmt: skip
+              f"{r['rss_mib_before']:>4.0f}/{r['rss_mib_during']:<4.0f}{flag}")  # fmt: skip
         print(f"  {'':<20} slowest {r['max_before_ms']:.1f} / {r['max_during_ms']:.1f} ms, calls {r['calls_before']} / "
               f"{r['calls_during']} (a paced client held by a stall makes fewer)")  # fmt: skip
         print(f"  {'':<20} {r['what']}: {json.dumps(r['attacker'])}")

@@ -1079,6 +1079,41 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a child that could not start once leaves every report to the daemon for good",
     ),
     Mutation(
+        "report-parsed-whole-in-the-daemon",
+        "controller/service.py",
+        "answer = self.reports.ingest(request.data, report_steps(request.head, learner.step_seconds))",
+        "answer = self.reports.ingest(\n            request.message().SerializeToString(), "
+        "report_steps(request.head, learner.step_seconds)\n        )",
+        ("tests/controller/test_report_process.py",),
+        "the daemon parses and serializes 1 MiB again for every report the child stores (2.7 ms of its interpreter)",
+    ),
+    Mutation(
+        "report-rest-unparsable-in-the-child-is-unknown",
+        "controller/report_process.py",
+        "    except DecodeError as e:  # its head parsed in the daemon, the rest does not\n"
+        "        return Invalid(undecodable(METHOD, e))\n",
+        "",
+        ("tests/controller/test_report_process.py",),
+        "a report whose drafter name is not UTF-8 is answered UNKNOWN (a server error) instead of INVALID_ARGUMENT",
+    ),
+    Mutation(
+        "report-rest-unparsable-in-the-daemon-is-unknown",
+        "controller/service.py",
+        "        except DecodeError as e:  # its head parsed (on the loop), the rest does not\n"
+        "            self._invalid(span, context, ValueError(undecodable(METHOD, e)))\n",
+        "",
+        ("tests/controller/test_report_process.py",),
+        "a report whose rest does not parse, kept by the daemon (a backlog), is answered UNKNOWN",
+    ),
+    Mutation(
+        "report-head-drops-a-field",
+        "controller/report_head.py",
+        'kept = {aggregate.name: ("segment", "batch_size"), request.name: ("report_id", "aggregates")}',
+        'kept = {aggregate.name: ("segment",), request.name: ("report_id", "aggregates")}',
+        ("tests/controller/test_report_process.py",),
+        "every aggregate's batch size reads 0 in the head: the child's step times are looked up at no bucket",
+    ),
+    Mutation(
         "withdrawn-after-replay-taken-off-twice",
         "controller/journaled_view.py",
         "        if not shown:\n            return\n        if shown > 1:\n"

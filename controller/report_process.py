@@ -3,10 +3,11 @@
 A report at the bounds (1,000 aggregates, 32,768 draft positions) takes about 75 ms of Python to validate and to
 store (its Lua scripts' arguments built, its samples encoded). In the daemon that ran under the interpreter every
 Decide needs: paced into 2 ms pieces, but each Decide still waited for the interpreter at every step, and one
-client's reports at its budget tripled another client's Decide p99. Here the daemon hands the report's bytes to one
-child process, at a lower scheduling priority (``NICE``), which parses, validates and stores it in Redis with a store
-of its own (the same keys, scripts and client settings: controller replicas already share one Redis), and answers
-what the daemon answers the worker. The daemon's part is a pickle of the bytes and a wait holding no interpreter.
+client's reports at its budget tripled another client's Decide p99. Here the daemon hands the report's bytes as they
+came (it parsed only their head: controller/report_head.py) to one child process, at a lower scheduling priority
+(``NICE``), which parses, validates and stores it in Redis with a store of its own (the same keys, scripts and client
+settings: controller replicas already share one Redis), and answers what the daemon answers the worker. The daemon's
+part is a pickle of the bytes and a wait holding no interpreter.
 
 What stays in the daemon:
 
@@ -33,10 +34,14 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from google.protobuf.message import DecodeError
 
+from controller.decoding import undecodable
 from controller.redis_conn import RedisTls, client_for
+from controller.report_head import METHOD
 from controller.store import StoreConfig, TelemetryStore
 from controller.validation import report as validated_report
 from specd_api.checks import MAX_BATCH_SIZE
@@ -79,9 +84,10 @@ class Invalid:
     reason: str
 
 
-def report_steps(request: pb.ReportRoundsRequest, step_seconds: Callable[[str, int], float]) -> Steps:
-    """``step_seconds`` at each (segment, batch bucket) the report names; the aggregates are not validated yet, so a
-    batch size out of range is left out (validation refuses the report)."""
+def report_steps(request: Any, step_seconds: Callable[[str, int], float]) -> Steps:
+    """``step_seconds`` at each (segment, batch bucket) the report names (``request``: its ReportHead, or the
+    ReportRoundsRequest); the aggregates are not validated yet, so a batch size out of range is left out
+    (validation refuses the report)."""
     pairs = {(a.segment, a.batch_size) for a in request.aggregates if 1 <= a.batch_size <= MAX_BATCH_SIZE}
     steps: Steps = {}
     for segment, batch_size in pairs:
@@ -149,8 +155,9 @@ class ReportProcess:
     def ready(self) -> bool:
         return self._ready
 
-    def ingest(self, request: pb.ReportRoundsRequest, steps: Steps) -> Stored | Invalid | None:
-        """The child's answer; None when the daemon must do the report itself: the child is not ready, it died (a
+    def ingest(self, data: bytes, steps: Steps) -> Stored | Invalid | None:
+        """The child's answer to a report's bytes (``ReceivedReport.data``: the daemon never parses them whole); None
+        when the daemon must do the report itself: the child is not ready, it died (a
         new one is started), it has not answered within ANSWER_SECONDS (reports queued behind a slow Redis, a
         stopped child: if it stores the report later, the daemon's copy is a duplicate, counted once), or Redis
         failed (the daemon tries it again, then journals it)."""
@@ -159,7 +166,7 @@ class ReportProcess:
         if pool is None:
             return None
         try:
-            call = pool.submit(_ingest, request.SerializeToString(), steps)
+            call = pool.submit(_ingest, data, steps)
             outcome: Stored | Invalid | str = call.result(ANSWER_SECONDS)
         except BrokenProcessPool:
             self._replace(pool)
@@ -230,6 +237,8 @@ def _ingest(data: bytes, steps: Steps) -> Stored | Invalid | str:
     assert _store is not None, "the child's initializer builds the store"
     try:
         report_id, aggregates = validated_report(pb.ReportRoundsRequest.FromString(data))
+    except DecodeError as e:  # its head parsed in the daemon, the rest does not
+        return Invalid(undecodable(METHOD, e))
     except ValueError as e:
         return Invalid(str(e))
 

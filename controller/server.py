@@ -36,6 +36,8 @@ from controller.learner import Learner
 from controller.metrics_endpoint import MetricsServer, serve_metrics
 from controller.policy import PolicyStore, load_policy
 from controller.redis_conn import RedisHandle, connect, redact
+from controller.report_head import METHOD as REPORT_ROUNDS
+from controller.report_head import ReceivedReport
 from controller.report_process import ReportProcess, StoreSpec
 from controller.request_wait import RequestWait, WaitLimits
 from controller.service import Controller, ControllerServicer
@@ -50,7 +52,6 @@ from specd_api.v1 import controller_pb2, controller_pb2_grpc
 from specd_api.yaml_config import ConfigError
 
 log = logging.getLogger("specd.controller")
-REPORT_ROUNDS = "/specd.v1.Controller/ReportRounds"
 WATCH_DECISIONS = "/specd.v1.Controller/WatchDecisions"
 DECIDE = "/specd.v1.Controller/Decide"
 # Decide is served on the event loop, in the thread that read its request: it reads memory only (contract 3), under
@@ -204,6 +205,8 @@ class ControllerDaemon:
             )
         except ValueError as e:  # a bound in the environment that is not one
             raise StartupError(str(e)) from None
+        # a report is read as its bytes and its head; the report process parses the rest (controller/report_head.py)
+        decoding = RefuseUndecodable({REPORT_ROUNDS: ReceivedReport.parse})
         server = GrpcServer(
             # threads for handlers only: a call waiting for its request holds none. Every WatchDecisions stream holds
             # one while it waits for the next refresh: max_watchers more, so that they cannot starve Decide
@@ -211,7 +214,7 @@ class ControllerDaemon:
             # refused calls are never counted in flight and never wait for their request; a call's request has a
             # deadline, and the calls waiting for theirs a cap (controller/request_wait.py); bytes that do not parse
             # are INVALID_ARGUMENT, not INTERNAL
-            [*self._token_check(), request_wait, self._in_flight, RefuseUndecodable()],
+            [*self._token_check(), request_wait, self._in_flight, decoding],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
             # the kernel would split the connections between the two. Bind exclusively, so it fails instead.
             [

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter as PrometheusCounter
@@ -20,12 +21,14 @@ from controller import validation
 from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
 from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
+from controller.decoding import undecodable
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
 from controller.learner import Learner, ReportOutcome
 from controller.pacing import URGENT
 from controller.policy import DRAFTERS, PolicyStore, Settings
 from controller.report_budget import ReportBudget, peer_host
+from controller.report_head import METHOD, ReceivedReport
 from controller.report_process import Invalid, ReportProcess, report_steps
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
@@ -324,9 +327,11 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context.add_callback(publisher.wake)  # a stream the worker closed ends now, not at the next refresh
             return watch
 
-    def ReportRounds(self, request: pb.ReportRoundsRequest, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
+    def ReportRounds(self, request: ReceivedReport, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
+        """``request`` is the report's bytes and its head (controller/report_head.py): the report process parses the
+        rest, or the daemon does when the report stays with it."""
         with self._span("ReportRounds", context) as span:
-            self._charge_budget(request, span, context)
+            self._charge_budget(len(request.head.aggregates), span, context)
             stored = self._in_report_process(request, span, context)
             if stored is not None:
                 report_id, outcome = stored
@@ -346,7 +351,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             )
 
     def _in_report_process(
-        self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext
+        self, request: ReceivedReport, span: trace.Span, context: grpc.ServicerContext
     ) -> tuple[str, ReportOutcome] | None:
         """The report validated and stored by the report process (controller/report_process.py), or None when the
         daemon must do it: there is none (or it is not ready), the journal holds a backlog the report queues
@@ -356,9 +361,9 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         learner = self.controller.learner
         if self.reports is None or not self.reports.ready or len(learner.journal) or learner.stale:
             return None  # (stale: Redis did not answer the last refresh; the daemon journals the report at once)
-        if len(request.aggregates) > MAX_AGGREGATES:
+        if len(request.head.aggregates) > MAX_AGGREGATES:
             return None  # refused at once by the daemon's validation, before any lookup per aggregate
-        answer = self.reports.ingest(request, report_steps(request, learner.step_seconds))
+        answer = self.reports.ingest(request.data, report_steps(request.head, learner.step_seconds))
         if isinstance(answer, Invalid):
             self._invalid(span, context, ValueError(answer.reason))
         if answer is None:
@@ -366,10 +371,12 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         return answer.report_id, ReportOutcome(answer.rounds, answer.duplicate, journaled=False)
 
     def _in_daemon(
-        self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext
+        self, request: ReceivedReport, span: trace.Span, context: grpc.ServicerContext
     ) -> tuple[str, ReportOutcome]:
         try:
-            report_id, aggregates = validation.report(request)
+            report_id, aggregates = validation.report(request.message())
+        except DecodeError as e:  # its head parsed (on the loop), the rest does not
+            self._invalid(span, context, ValueError(undecodable(METHOD, e)))
         except ValueError as e:
             self._invalid(span, context, e)
         try:
@@ -380,11 +387,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"telemetry not stored, retry later: {e}")
             raise AssertionError("abort returned") from None  # it raises
 
-    def _charge_budget(self, request: pb.ReportRoundsRequest, span: trace.Span, context: grpc.ServicerContext) -> None:
-        """Spend the report's aggregates from its client host's budget, or refuse it with RESOURCE_EXHAUSTED before
-        any of its work (controller/report_budget.py). A report past the size bound is not charged: validation
-        refuses it with INVALID_ARGUMENT."""
-        cost = len(request.aggregates)
+    def _charge_budget(self, cost: int, span: trace.Span, context: grpc.ServicerContext) -> None:
+        """Spend the report's ``cost`` (its aggregates) from its client host's budget, or refuse it with
+        RESOURCE_EXHAUSTED before any of its work (controller/report_budget.py). A report past the size bound is not
+        charged: validation refuses it with INVALID_ARGUMENT."""
         if self.budget is None or cost > MAX_AGGREGATES:
             return
         over = self.budget.charge(peer_host(context.peer()), cost)

@@ -18,6 +18,7 @@ import redis
 
 from controller import report_process, validation
 from controller.journal import Journal
+from controller.report_head import ReceivedReport
 from controller.report_process import Invalid, ReportProcess, Stored, StoreSpec, report_steps
 from controller.server import ControllerDaemon
 from controller.store import StoreConfig, TelemetryStore
@@ -85,6 +86,71 @@ def test_an_invalid_report_is_refused_by_the_child_with_its_reason(daemon, stub,
     assert in_daemon == [] and not daemon.controller.learner.counted("child-invalid")
 
 
+def test_the_daemon_parses_a_reports_head_only_and_hands_the_child_its_bytes(daemon, stub, in_daemon,
+                                                                             monkeypatch) -> None:  # fmt: skip
+    """The daemon reads the report id, and each aggregate's segment and batch size (controller/report_head.py); the
+    child gets the bytes as they came and parses them whole (a parse and a serialization of 1 MiB each, in the
+    daemon's interpreter, before)."""
+    whole: list[bytes] = []
+    parse_whole = ReceivedReport.message
+    monkeypatch.setattr(ReceivedReport, "message", lambda self: whole.append(self.data) or parse_whole(self))
+    handed: list[bytes] = []
+    ingest = daemon.reports.ingest
+
+    def spied(data, steps):
+        handed.append(data)
+        return ingest(data, steps)
+
+    monkeypatch.setattr(daemon.reports, "ingest", spied)
+    request = report(draft_aggregate("head-only"), draft_aggregate("head-only", batch_size=3))
+    assert stub.ReportRounds(request, timeout=10).rounds_accepted == 20
+    assert handed == [request.SerializeToString()] and whole == [] and in_daemon == []
+    monkeypatch.setattr(Journal, "__len__", lambda self: 1)  # a backlog: the daemon's report, parsed whole there
+    later = report(draft_aggregate("head-only"))
+    assert stub.ReportRounds(later, timeout=10).rounds_accepted == 10
+    assert whole == [later.SerializeToString()] and in_daemon == [later.report_id] and len(handed) == 1
+
+
+def _not_utf8_drafter(request: pb.ReportRoundsRequest) -> bytes:
+    """``request``'s bytes with each drafter name ("draft", field 2 of an aggregate) made bytes that are not UTF-8:
+    the head (report id, segments, batch sizes) still parses, the whole request does not."""
+    data = request.SerializeToString()
+    assert data.count(b"\x12\x05draft") == len(request.aggregates)
+    return data.replace(b"\x12\x05draft", b"\x12\x05dr\xffft")
+
+
+def test_a_report_whose_rest_does_not_parse_is_invalid_argument_in_the_child_and_in_the_daemon(
+    daemon, in_daemon, monkeypatch
+) -> None:
+    data = _not_utf8_drafter(report(draft_aggregate("rest-unparsable")))
+    answers = []
+    with connected(daemon) as channel:
+        raw = channel.unary_unary("/specd.v1.Controller/ReportRounds")  # bytes in, bytes out
+        for backlog in (0, 1):  # the child's report, then (behind a backlog) the daemon's
+            monkeypatch.setattr(Journal, "__len__", lambda self, n=backlog: n)
+            with pytest.raises(grpc.RpcError) as refused:
+                raw(data, timeout=10)
+            answers.append((refused.value.code(), refused.value.details()))
+    assert answers[0] == answers[1], "the child and the daemon say it differently"
+    code, details = answers[0]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("/specd.v1.Controller/ReportRounds: the request does not parse") and "UTF-8" in details
+    assert in_daemon == [] and not daemon.controller.learner.counted("rest-unparsable")
+
+
+def test_a_reports_head_reads_the_requests_own_fields() -> None:
+    request = report(draft_aggregate("head-a", batch_size=3), draft_aggregate("head-b"), report_id="r-head")
+    head = ReceivedReport.of(request).head
+    assert head.report_id == "r-head"
+    assert [(a.segment, a.batch_size) for a in head.aggregates] == [("head-a", 3), ("head-b", 1)]
+    assert ReceivedReport.of(request).message() == request
+    for message, names in ((head, ("report_id", "aggregates")), (head.aggregates[0], ("segment", "batch_size"))):
+        full = pb.DESCRIPTOR.message_types_by_name[message.DESCRIPTOR.name]
+        assert [(f.name, f.number, f.type, f.is_repeated, f.is_packed) for f in message.DESCRIPTOR.fields] == [
+            (f.name, f.number, f.type, f.is_repeated, f.is_packed) for f in full.fields if f.name in names
+        ]
+
+
 def test_a_report_behind_the_journals_backlog_is_the_daemons(daemon, stub, in_daemon, monkeypatch) -> None:
     monkeypatch.setattr(Journal, "__len__", lambda self: 1)  # a backlog: reports queue behind it, in order
     request = report(draft_aggregate("behind-backlog"))
@@ -128,9 +194,9 @@ def test_a_report_redis_refused_in_the_child_is_journaled_by_the_daemon(tmp_path
         asked: list[str] = []
         ingest = daemon.reports.ingest
 
-        def counted(request, steps):
-            asked.append(request.report_id)
-            return ingest(request, steps)
+        def counted(data, steps):
+            asked.append(pb.ReportRoundsRequest.FromString(data).report_id)
+            return ingest(data, steps)
 
         monkeypatch.setattr(daemon.reports, "ingest", counted)
         with connected(daemon) as channel:
@@ -180,7 +246,7 @@ def test_a_child_that_could_not_start_is_tried_again(embedded_redis_url, caplog)
         reports.spec = good  # whatever stopped it has passed
         wait_for("the child, on a later try", lambda: reports.ready)
         request = report(draft_aggregate("restarted"))
-        assert reports.ingest(request, {}) == Stored(request.report_id, 10, False)
+        assert reports.ingest(request.SerializeToString(), {}) == Stored(request.report_id, 10, False)
     finally:
         reports.close()
 
