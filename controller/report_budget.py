@@ -94,8 +94,6 @@ class ReportBudget:
                              f"{max_peers}")  # fmt: skip
         self.rate, self.burst, self.max_peers, self.clock = rate, burst, max_peers, clock
         self.max_hold_seconds = max_hold_seconds  # the longest ``hold_seconds`` (0: never held, refused once read)
-        self.refused_reports = 0  # since the start
-        self.refused_aggregates = 0
         self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -117,8 +115,6 @@ class ReportBudget:
             if cost <= bucket.tokens:
                 bucket.tokens -= cost
                 return None
-            self.refused_reports += 1
-            self.refused_aggregates += cost
             log = now - bucket.logged >= LOG_EVERY_SECONDS
             if log:
                 bucket.logged = now

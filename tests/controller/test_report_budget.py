@@ -88,7 +88,6 @@ def test_a_full_bucket_passes_its_burst_then_refuses_without_spending():
     clock.now += 0.1
     assert budget.charge("a", 50) is None  # exactly when it said
     assert budget.charge("a", 1) is not None
-    assert (budget.refused_reports, budget.refused_aggregates) == (3, 101)
 
 
 def test_a_bucket_refills_at_the_rate_up_to_the_burst():
