@@ -1106,6 +1106,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a report whose rest does not parse, kept by the daemon (a backlog), is answered UNKNOWN",
     ),
     Mutation(
+        "report-rounds-needs-the-head-deserializer",
+        "controller/service.py",
+        "        if isinstance(request, pb.ReportRoundsRequest):\n            request = ReceivedReport.of(request)\n",
+        "",
+        ("tests/controller/test_tracing.py",),
+        "a server that registers the servicer as generated answers every report UNKNOWN",
+    ),
+    Mutation(
         "report-head-drops-a-field",
         "controller/report_head.py",
         'kept = {aggregate.name: ("segment", "batch_size"), request.name: ("report_id", "aggregates")}',

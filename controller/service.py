@@ -327,9 +327,14 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context.add_callback(publisher.wake)  # a stream the worker closed ends now, not at the next refresh
             return watch
 
-    def ReportRounds(self, request: ReceivedReport, context: grpc.ServicerContext) -> pb.ReportRoundsResponse:
-        """``request`` is the report's bytes and its head (controller/report_head.py): the report process parses the
-        rest, or the daemon does when the report stays with it."""
+    def ReportRounds(
+        self, request: ReceivedReport | pb.ReportRoundsRequest, context: grpc.ServicerContext
+    ) -> pb.ReportRoundsResponse:
+        """``request`` is the report's bytes and its head (controller/report_head.py: the daemon's server reads it so):
+        the report process parses the rest, or the daemon does when the report stays with it. A server that
+        registers this servicer without that deserializer hands it the whole message, taken here as if it came so."""
+        if isinstance(request, pb.ReportRoundsRequest):
+            request = ReceivedReport.of(request)
         with self._span("ReportRounds", context) as span:
             self._charge_budget(len(request.head.aggregates), span, context)
             stored = self._in_report_process(request, span, context)
