@@ -26,7 +26,7 @@ from specd_api.v1 import controller_pb2 as pb
 METHOD = "/specd.v1.Controller/ReportRounds"
 
 
-def _head_classes() -> Any:
+def _head_class() -> Any:
     """The ReportHead message class, built from ReportRoundsRequest's own descriptor: its field numbers and types
     cannot drift from the wire contract's."""
     request, aggregate = pb.ReportRoundsRequest.DESCRIPTOR, pb.RoundsAggregate.DESCRIPTOR
@@ -41,16 +41,13 @@ def _head_classes() -> Any:
         head = head_file.message_type.add(name=message.name)
         for field in message.field:
             if field.name in kept[message.name]:
-                copy = head.field.add()
-                copy.CopyFrom(field)
-                if copy.type_name:  # the aggregates: this file's own RoundsAggregate, with two fields
-                    copy.type_name = f".{package}.{aggregate.name}"
+                head.field.add().CopyFrom(field)  # the aggregates' type names this file's RoundsAggregate: same package
     pool = descriptor_pool.DescriptorPool()
     pool.Add(head_file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.{request.name}"))
 
 
-ReportHead = _head_classes()
+ReportHead = _head_class()
 
 
 @dataclass(frozen=True, eq=False)
