@@ -493,10 +493,28 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "daemon-does-not-freeze-start-up",
         "controller/server.py",
-        "        gc.freeze()\n",
+        "        freeze_startup_heap()  # the modules, the policy, the prior, the first snapshot\n",
         "        pass\n",
         ("tests/controller/test_interceptors.py",),
         "start-up's objects stay in the collector's reach: every full collection walks them (50-60 ms stalls)",
+    ),
+    Mutation(
+        "worker-does-not-freeze-start-up",
+        "decoder/worker/process.py",
+        "        freeze_startup_heap()  # the models, the tokenizer, the modules: a full collection walked them"
+        " for 0.2 s\n",
+        "        pass\n",
+        ("tests/worker/test_budgets.py",),
+        "the worker's models and modules stay in the collector's reach: a full collection held the interpreter 0.2 s "
+        "and every request on the event loop waited",
+    ),
+    Mutation(
+        "worker-answers-with-nagle",
+        "decoder/worker/connections.py",
+        "        answer_without_delay(transport)\n",
+        "",
+        ("tests/worker/test_hostile_clients.py",),
+        "accepted connections keep Nagle's algorithm: each response's body waits for the client's delayed ACK (40 ms)",
     ),
     Mutation(
         "table-build-unpaced",

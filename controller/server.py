@@ -11,7 +11,6 @@ that a call waiting for its request holds no thread; the servicer stays synchron
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import signal
 import sys
@@ -46,7 +45,7 @@ from controller.systemd import Notifier, WatchdogPinger
 from controller.table_publisher import DecisionPublisher
 from specd_api.checks import MAX_REPORT_BYTES
 from specd_api.errors import SpecdError
-from specd_api.lifecycle import Drain, Lifecycle, serve
+from specd_api.lifecycle import Drain, Lifecycle, freeze_startup_heap, serve
 from specd_api.tracing import make_exporter, make_provider, no_tracer
 from specd_api.v1 import controller_pb2, controller_pb2_grpc
 from specd_api.yaml_config import ConfigError
@@ -111,11 +110,7 @@ class ControllerDaemon:
         self.publisher = DecisionPublisher(
             self.controller, refresh, self.config.max_watchers, self.clock, self.config.max_watchers_per_host
         )
-        # What start-up made (modules, the policy, the prior, the first snapshot) lives as long as the process: out of
-        # the collector's reach, so that a full collection walks only what came since (one took 50-60 ms, every few
-        # reports at the size bound, and stalled every Decide for as long: issue 22)
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()  # the modules, the policy, the prior, the first snapshot
         # A thread that wants the interpreter waits for the running one to give it up, or for the switch interval:
         # beside a report's unpaced stretches (its Redis command built, its samples encoded: milliseconds each) a
         # Decide waited up to 5 ms at each of its thread crossings. 1 ms bounds each wait (issue 22).

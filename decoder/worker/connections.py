@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import h11
@@ -33,6 +34,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        answer_without_delay(transport)
         self._arm()  # a connection that sends nothing is held no longer than one that sends half
 
     def handle_events(self) -> None:
@@ -77,6 +79,16 @@ class DeadlineH11Protocol(H11Protocol):
 
     def _peer(self) -> str:
         return "a connection from {}:{}".format(*self.client) if self.client else "a connection"
+
+
+def answer_without_delay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on an accepted TCP connection. asyncio sets it only where the socket's protocol number is
+    IPPROTO_TCP, and a listening socket from ``socket.create_server`` has 0, as has every connection it accepts. h11
+    writes a response's head and its body as two sends, so Nagle held the body back until the client's delayed ACK:
+    40 ms on every response, /health included (44 ms against 4 ms on loopback)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def read_deadline_protocol(seconds: float) -> type[DeadlineH11Protocol]:

@@ -231,3 +231,26 @@ def test_a_dead_decode_loop_stops_the_worker_with_status_1(config: WorkerConfig)
     assert "served on" not in seen, "the worker kept serving with a dead decode loop"
     assert worker.exit_status == 1
     assert isinstance(worker.service.scheduler.failure, RuntimeError)  # type: ignore[union-attr]
+
+
+# -- the collector --------------------------------------------------------------------------------------------
+
+
+def test_the_worker_puts_what_start_up_made_out_of_the_collectors_reach(config: WorkerConfig):
+    """A full collection walked the models, the tokenizer and every module: 0.2 s holding the interpreter, set off
+    by a large prompt's tokens, and /health (every request on the event loop) waited as long. Start-up's objects
+    are frozen, so a full collection walks only what came since."""
+    import gc
+
+    gc.unfreeze()
+    worker = WorkerProcess(config.model_copy(update={"listen": "127.0.0.1:0", "warm_up": False}), "WARNING")
+    try:
+        worker.startup()
+        frozen = gc.get_freeze_count()
+        engine = worker.service.engine
+        assert engine is not None
+        assert frozen > 10_000, frozen  # the modules, the models and the tokenizer
+        assert all(tracked is not engine for tracked in gc.get_objects())  # the engine is out of the collector's reach
+    finally:
+        gc.unfreeze()
+        worker.shutdown()
