@@ -133,7 +133,10 @@ def test_each_response_leaves_at_once_on_a_kept_alive_connection(worker: Worker)
 def test_health_answers_while_the_slowest_prompt_to_classify_is_in_flight(worker: Worker):
     """The slowest prompt to classify found (tests/worker/test_segments.py), as large as the limits allow: 40,000 blank
     lines, then an ``if`` line with no colon. The old patterns rescanned the rest from every line start (minutes of
-    event loop, /health frozen). Now the classifier reads a bounded window with linear patterns, off the loop."""
+    event loop, /health frozen). Now the classifier reads a bounded window with linear patterns, off the loop.
+
+    The bound is 2 s, not a latency target: the old patterns froze /health for 16-40 s, and this machine's own stalls
+    (a second happens on a shared CI host; CI once failed a 0.5 s bound at 0.51 s) must not fail the test."""
     prompt = blank_lines_then_an_if()
     result: dict[str, object] = {}
 
@@ -144,7 +147,7 @@ def test_health_answers_while_the_slowest_prompt_to_classify_is_in_flight(worker
 
     latencies: list[float] = []
     sender = threading.Thread(target=send)
-    with worker.client(timeout=0.5) as client:  # a /health slower than this fails the test
+    with worker.client(timeout=3.0) as client:  # a /health slower than this fails the test
         sender.start()
         while sender.is_alive():
             started = time.perf_counter()
@@ -154,7 +157,7 @@ def test_health_answers_while_the_slowest_prompt_to_classify_is_in_flight(worker
     sender.join()
     # The prompt is classified, then refused by the engine: it is longer than the tiny target's context.
     assert result["status"] == 400 and "context" in str(result["text"]), result
-    assert max(latencies, default=0.0) < 0.5, latencies
+    assert max(latencies, default=0.0) < 2.0, latencies
 
 
 def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: WorkerLauncher):
