@@ -93,14 +93,18 @@ class SegmentCounts:
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
         """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age). A field the schema does
-        not know (a newer schema's, or corrupt) is ignored: stored data never breaks a read."""
+        not know (a newer schema's, or corrupt) is ignored: stored data never breaks a read. A bucket's counters of
+        one position (or one K) are made consistent before they count (``consistent``): a hand-edited or corrupt
+        bucket with more proposals than offers made a rate above 1 and a Beta with negative failures (issue 22)."""
+        # this bucket's counters per (table, drafter, index), in the dataclasses' field order, before they count
+        bucket: dict[tuple[int, str, int], list[float]] = {}
         for name, value in values.items():
             f = schema.segment_field(name)
-            target: KCounts | PositionCounts
             if isinstance(f, schema.KField):
-                target = self.by_k[(f.drafter, f.k)]
+                key, slot = (K_TABLE, f.drafter, f.k), K_SLOTS[f.counter]
             elif isinstance(f, schema.PositionField):
-                target = (self.counterfactual if f.counterfactual else self.positions)[(f.drafter, f.position)]
+                key = (SCORED_TABLE if f.counterfactual else SERVED_TABLE, f.drafter, f.position)
+                slot = POSITION_SLOTS[f.counter]
             elif isinstance(f, schema.CalibrationField):
                 self.calibration[f.drafter][f.bin] += weight * _number(value)
                 continue
@@ -113,7 +117,36 @@ class SegmentCounts:
                 continue
             else:
                 continue  # a field the schema does not read
-            setattr(target, f.counter, getattr(target, f.counter) + weight * _number(value))
+            counters = bucket.get(key)
+            if counters is None:
+                counters = bucket[key] = [0.0] * (len(K_SLOTS) if key[0] == K_TABLE else len(POSITION_SLOTS))
+            counters[slot] += _number(value)
+        tables = (self.by_k, self.positions, self.counterfactual)
+        for (table, drafter, i), counters in bucket.items():
+            consistent(counters, table == K_TABLE)
+            into = tables[table][(drafter, i)]
+            for name, v in zip(K_SLOTS if table == K_TABLE else POSITION_SLOTS, counters, strict=True):
+                if v:
+                    setattr(into, name, getattr(into, name) + weight * v)
+
+
+K_TABLE, SERVED_TABLE, SCORED_TABLE = 0, 1, 2
+K_SLOTS = {f.name: i for i, f in enumerate(fields(KCounts))}
+POSITION_SLOTS = {f.name: i for i, f in enumerate(fields(PositionCounts))}
+_OFFERED, _PROPOSED, _VERIFIED, _ACCEPTED = (POSITION_SLOTS[n] for n in ("offered", "proposed", "verified", "accepted"))
+_K_PROPOSED, _K_ACCEPTED = K_SLOTS["proposed"], K_SLOTS["accepted"]
+
+
+def consistent(counters: list[float], of_k: bool) -> None:
+    """One bucket's counters (in the order of KCounts' or PositionCounts' fields) cut down to what a report can
+    write: of a position, accepted <= verified and proposed <= offered; of a K, accepted <= proposed. Every report
+    keeps these (a token is accepted only once verified, proposed only where offered), so they change nothing a worker
+    wrote; corrupt data is cut down to them."""
+    if of_k:
+        counters[_K_ACCEPTED] = min(counters[_K_ACCEPTED], counters[_K_PROPOSED])
+    else:
+        counters[_PROPOSED] = min(counters[_PROPOSED], counters[_OFFERED])
+        counters[_ACCEPTED] = min(counters[_ACCEPTED], counters[_VERIFIED])
 
 
 def _histograms() -> defaultdict[tuple[object, int], defaultdict[int, float]]:
@@ -177,13 +210,19 @@ def _add_dataclass(into: KCounts | PositionCounts, other: KCounts | PositionCoun
         setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))
 
 
+# No counter a worker writes comes near this (a million rounds a second for 30 years); past it a value is corrupt, and
+# a few of them (1e308) added up overflowed to inf and made every rate of the segment NaN (issue 22).
+MAX_STORED_COUNT = 1e15
+
+
 def _number(value: object) -> float:
-    """A stored counter as a usable number: anything negative, infinite or not a number counts as 0."""
+    """A stored counter as a usable number: anything negative, past MAX_STORED_COUNT, infinite or not a number
+    counts as 0."""
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return 0.0
-    return x if x >= 0 and x != float("inf") else 0.0  # NaN fails the comparison
+    return x if 0 <= x <= MAX_STORED_COUNT else 0.0  # NaN fails the comparison
 
 
 def decay_weight(age_seconds: float, half_life_seconds: float) -> float:

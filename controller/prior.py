@@ -55,7 +55,16 @@ class PriorModel:
 
     @staticmethod
     def from_json(document: Mapping[str, Any]) -> PriorModel:
-        """Parse a stored model; raises ValueError on anything unexpected (it came from a shared store)."""
+        """Parse a stored model; raises ValueError on anything unexpected (it came from a shared store): a missing
+        key, a value of another type, a number out of range ("tokens": Infinity raised OverflowError, which no caller
+        expected: the controller could not start over it; issue 22)."""
+        try:
+            return PriorModel._parsed(document)
+        except (KeyError, TypeError, AttributeError, OverflowError) as e:
+            raise ValueError(f"not a readable specd.prior.v1 document ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def _parsed(document: Mapping[str, Any]) -> PriorModel:
         if document.get("format") != "specd.prior.v1" or list(document.get("features", [])) != list(FEATURES):
             raise ValueError("not a specd.prior.v1 document with the expected features")
         by_drafter = {}

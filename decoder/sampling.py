@@ -56,13 +56,23 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = _shifted_to_zero(logits) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth_largest, -math.inf)
     if params.top_p < 1.0:
         logits = _mask_outside_top_p(logits, params.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+def _shifted_to_zero(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` minus each row's largest, so that dividing by a small temperature cannot overflow: softmax, top-k and
+    top-p are all unchanged by a shift, and every entry is now <= 0 (a float16 or bfloat16 model's logits near the
+    dtype's range, over a temperature of 1e-5, were +inf and made the row NaN; issue 22). Entries at +inf (a float16
+    overflow) become 0 and the rest -inf: the row's limit, uniform over its infinite tokens."""
+    # logits: [n, vocab] float32
+    top = logits.amax(dim=-1, keepdim=True)  # [n, 1]
+    return torch.where(logits == top, 0.0, logits - top)
 
 
 def _mask_outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:

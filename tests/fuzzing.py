@@ -13,6 +13,14 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 
+# The values where a JSON double's meaning changes on its way to a tensor: float32 / bfloat16 / float16 subnormals and
+# smallest normals (1e-46 is 0 in float32), the last value under 1 each dtype holds, and each dtype's largest finite
+# value (sampling parameters at these limits once killed the worker's decode loop: issue 22)
+DTYPE_LIMITS = (
+    5e-324, 1e-46, 2.0**-149, 2.0**-150, 2.0**-126, 2.0**-133, 2.0**-24, 2.0**-14, 6e-8,
+    1 - 2.0**-53, 1 - 2.0**-24, 1 - 2.0**-8, 1 - 2.0**-11,
+    65504.0, 3.3895313892515355e38, 3.4028234663852886e38, 1.7976931348623157e308,
+)  # fmt: skip
 SCALE = float(os.environ.get("SPECD_FUZZ_SCALE", "1"))
 RANDOM = os.environ.get("SPECD_FUZZ_RANDOM", "") not in ("", "0")
 

@@ -78,7 +78,14 @@ def test_a_bucket_of_the_wrong_type_spoils_that_bucket_only(redis_client, prefix
     assert learner.refresh() is True and not learner.stale and learner.segments() == []
 
 
-def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_redis_url, tmp_path) -> None:
+INFINITE_TOKENS = (
+    b'{"format": "specd.prior.v1", "features": ["temperature", "log_prompt_tokens", "self_repetition"], '
+    b'"trained_unix": 0, "tokens": Infinity, "by_drafter": {}}'
+)  # JSON as Python writes it; int(inf) raised OverflowError, which the refresh did not expect
+
+
+@pytest.mark.parametrize("prior", [b"\x00 not json", INFINITE_TOKENS], ids=["not-json", "infinite-tokens"])
+def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_redis_url, tmp_path, prior) -> None:
     from controller.redis_conn import make_client
 
     (tmp_path / "first").mkdir()
@@ -87,7 +94,7 @@ def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_red
         prefix = daemon.config.learning.prefix
     client = make_client(embedded_redis_url, 2.0)
     try:
-        client.set(f"{prefix}:v1:prior", b"\x00 not json")
+        client.set(f"{prefix}:v1:prior", prior)
         client.rpush(f"{prefix}:v1:samples:{{#global}}", "{broken")
         started = time.monotonic()
         with running_daemon(embedded_redis_url, tmp_path / "second", DEFAULT_POLICY.read_text(),

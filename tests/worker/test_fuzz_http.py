@@ -4,7 +4,8 @@ in one field is refused naming that field; never a 500, and /health answers afte
 
 Bodies are JSON with every known field of any type (numbers huge and negative, NaN and Infinity as Python's JSON
 writes them, lone surrogates, deep nesting), unknown fields, invalid UTF-8, or random bytes. Decoding stays short:
-the worker's max_tokens limit is 8. Run counts: `pytest --hypothesis-show-statistics tests/worker/test_fuzz_http.py`.
+the worker's max_tokens limit is 8. Sampling parameters include the values at float32, bfloat16 and float16 limits
+(tests/fuzzing.py). Run counts: `pytest --hypothesis-show-statistics tests/worker/test_fuzz_http.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from starlette.testclient import TestClient
 from decoder.worker.app import build_app
 from decoder.worker.config import load_worker_config
 from decoder.worker.service import WorkerService
-from tests.fuzzing import fuzz_settings
+from tests.fuzzing import DTYPE_LIMITS, fuzz_settings
 from tests.worker.conftest import MODEL, write_config
 
 MAX_TOKENS_LIMIT = 8  # any request asking for more is refused: no example decodes long
@@ -82,9 +83,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "messages": messages,
     "model": st.sampled_from([MODEL, None, "", "other"]) | texts,
     "max_tokens": st.integers(-1, MAX_TOKENS_LIMIT + 1) | json_numbers,
-    "temperature": st.sampled_from([0, 0.0, 1, 2, 2.0001, -0.0]) | json_numbers,
-    "top_p": st.sampled_from([0, 0.5, 1, 1.5]) | json_numbers,
-    "top_k": st.sampled_from([0, 1, 5, 10**6]) | json_numbers,
+    "temperature": st.sampled_from([0, 0.0, 1, 2, 2.0001, -0.0, *DTYPE_LIMITS]) | json_numbers,
+    "top_p": st.sampled_from([0, 0.5, 1, 1.5, *DTYPE_LIMITS]) | json_numbers,
+    "top_k": st.sampled_from([0, 1, 5, 10**6, 2**31 - 1, 2**31, 2**63 - 1]) | json_numbers,
     "stop": st.one_of(texts, st.lists(texts, max_size=6)),
     "seed": st.sampled_from([0, -1, -(2**63), 2**64 - 1, 2**64]) | json_numbers,
     "stream": st.booleans(),
