@@ -236,6 +236,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stored prior that is not a JSON object stops the controller (a crash loop under systemd)",
     ),
     Mutation(
+        "skipped-entries-not-on-metrics",
+        "controller/metrics_endpoint.py",
+        "value=self.controller.learner.store.skipped.count)",
+        "value=0)",
+        (
+            "tests/controller/test_metrics_endpoint.py::test_stored_entries_the_controller_skips_are_counted_and_logged_once",
+        ),
+        "stored entries the controller skips are logged but never counted where an operator's alerts look",
+    ),
+    Mutation(
         "prior-overflow-escapes",
         "controller/prior.py",
         "        except (KeyError, TypeError, AttributeError, OverflowError) as e:",

@@ -150,6 +150,10 @@ class SegmentCollector:
                                 value=seconds)  # fmt: skip
         yield CounterMetricFamily("specd_controller_metrics_scrape_errors", "segments a scrape could not read, and "
                                   "scrapes cut short by the time bound", value=self.errors)  # fmt: skip
+        yield CounterMetricFamily("specd_controller_stored_entries_skipped", "stored entries a read of Redis could "
+                                  "not use and skipped (a key of the wrong type, a row that is not a sample, a prior "
+                                  "that is not one): counted at each read, each key logged once",
+                                  value=self.controller.learner.store.skipped.count)  # fmt: skip
 
 
 # --- the HTTP server ------------------------------------------------------------------------------------------------

@@ -292,6 +292,33 @@ def test_a_segment_that_cannot_be_read_leaves_the_rest_served(tmp_path, embedded
         assert sample(samples, "specd_controller_metrics_scrape_errors_total") == 1  # cut short: counted
 
 
+def test_stored_entries_the_controller_skips_are_counted_and_logged_once(tmp_path, embedded_redis_url, endpoints,
+                                                                          caplog):  # fmt: skip
+    """Stored data the controller cannot read is skipped, counted in /metrics and logged once per key (issue 22):
+    a prior that is a list, read at every refresh."""
+    from controller.redis_conn import make_client
+
+    caplog.set_level(logging.WARNING, logger="controller.store")
+    with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as daemon:
+        controller = daemon.controller
+        assert controller is not None
+        endpoints.append(serve_metrics(controller, MetricsConfig(listen="127.0.0.1:0"), 1001))
+        address = endpoints[-1].address
+        assert sample(scrape(address), "specd_controller_stored_entries_skipped_total") == 0
+        key = controller.learner.store.keys.prior()
+        client = make_client(embedded_redis_url, 2.0)
+        try:
+            client.rpush(key, "not a prior")
+            wait_until(lambda: controller.learner.store.skipped.count >= 3, what="three refreshes skip the prior")
+            skipped = sample(scrape(address), "specd_controller_stored_entries_skipped_total")
+            assert skipped is not None and skipped >= 3, skipped
+        finally:
+            client.delete(key)
+            client.close()
+    logged = [r for r in caplog.records if key in r.getMessage()]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
+
+
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[EmbeddedServer]:
     """A Redis of this test's own, to stop and start again (tests/controller/test_redis_outage.py)."""
