@@ -236,6 +236,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stored prior that is not a JSON object stops the controller (a crash loop under systemd)",
     ),
     Mutation(
+        "client-segments-unbudgeted",
+        "decoder/worker/client_segments.py",
+        "            if self.bounds.new_per_hour:",
+        "            if False:",
+        ("tests/worker/test_client_segments.py",),
+        "a client naming a new segment per request fills the controller's segment cap: later new segments learn "
+        "only as _overflow for an hour",
+    ),
+    Mutation(
+        "client-segment-names-unchecked",
+        "decoder/worker/client_segments.py",
+        "        if not self._names.fullmatch(name):",
+        "        if not name:",
+        ("tests/worker/test_client_segments.py",),
+        "client_segments.names is read but never applied: any name a client makes up is taken",
+    ),
+    Mutation(
         "skipped-entries-not-on-metrics",
         "controller/metrics_endpoint.py",
         "value=self.controller.learner.store.skipped.count)",

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from decoder.sampling import SamplingParams
 from decoder.worker.auth import ApiKeyCheck
+from decoder.worker.client_segments import SegmentRefused
 from decoder.worker.config import ClientSpeculation
 from decoder.worker.limits import BodyLimit, clip, quote
 from decoder.worker.openai_api import (
@@ -208,6 +209,11 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     segment = body.segment or request.headers.get(SEGMENT_HEADER)
     if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
         raise BadRequest("segment", f"{quote(segment)} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
+    if segment is not None:
+        try:
+            segment = service.client_segment(segment)  # None: served under the segment the worker infers
+        except SegmentRefused as e:
+            raise BadRequest("segment", str(e)) from None
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     check_speculation(body.speculation, cfg.client_speculation)
     return RequestSpec(

@@ -156,6 +156,25 @@ class ClientSpeculation(Strict):
     )  # fmt: skip
 
 
+class ClientSegments(Strict):
+    """Which traffic segments a client may name (the request's ``segment`` field or X-Specd-Segment header). Every
+    segment a worker reports holds one of the controller's ``learning.max_segments`` places for a whole learning
+    window: a client naming a new segment per request once filled them all, and every later new segment learned only
+    as ``_overflow`` for an hour (issue 22)."""
+
+    allowed: bool = Field(True, description="false: a request naming a segment gets 400")
+    names: list[str] = Field(
+        default_factory=lambda: ["*"], min_length=1, max_length=1000,
+        description="globs a segment a client names must match, else 400 (default: any name)",
+    )  # fmt: skip
+    new_per_hour: int = Field(
+        100, ge=0, le=100_000, description="segments this worker takes from clients for the first time in an hour; "
+        "past it, a request naming a segment not seen in the last hour is served under the segment the worker would "
+        "infer (the classifier's or default_segment), counted in specd_worker_client_segments_ignored_total "
+        "(0: no bound)",
+    )  # fmt: skip
+
+
 class MetricsSettings(Strict):
     max_segments: int = Field(
         100, ge=1, description="segment label values on /metrics; traffic of later segments is counted as _overflow"
@@ -215,6 +234,7 @@ class WorkerConfig(Strict):
     suffix: SuffixSettings = Field(default_factory=lambda: SuffixSettings())
     limits: RequestLimits = Field(default_factory=lambda: RequestLimits())
     client_speculation: ClientSpeculation = Field(default_factory=lambda: ClientSpeculation())
+    client_segments: ClientSegments = Field(default_factory=lambda: ClientSegments())
     metrics: MetricsSettings = Field(default_factory=lambda: MetricsSettings())
     controller: ControllerLink = Field(default_factory=lambda: ControllerLink())
     auth: ApiAuth = Field(default_factory=lambda: ApiAuth())

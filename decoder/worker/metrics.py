@@ -100,6 +100,10 @@ class WorkerMetrics:
         self.fallbacks = Counter("specd_controller_fallbacks", "Decisions made without the controller", ["reason"],
                                  registry=r)  # fmt: skip
         self.rejected = Counter("specd_rejected_requests", "Requests refused before decoding", ["reason"], registry=r)
+        self.client_segments_ignored = Counter(
+            "specd_worker_client_segments_ignored", "Requests that named a segment new this hour past "
+            "client_segments.new_per_hour, served under the segment the worker inferred", registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for a KV slot", registry=r)
         self.batch_size = Gauge("specd_batch_size", "Sequences being decoded", registry=r)
         self.step_batch = Histogram(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import socket
 import threading
 import time
@@ -32,11 +33,12 @@ from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
 from decoder.telemetry import RequestStats, RoundRecord
+from decoder.worker.client_segments import SegmentAdmission
 from decoder.worker.config import WorkerConfig
 from decoder.worker.fault_injection import StallPicker
 from decoder.worker.metrics import WorkerMetrics
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
-from decoder.worker.segments import WINDOW_CHARS, classify_prompt
+from decoder.worker.segments import CLASSIFIER_SEGMENTS, WINDOW_CHARS, classify_prompt
 from decoder.worker.text_stream import TextStream
 from specd_api.plan import Plan, local_plan, requested, runnable
 from specd_api.spans import plan_attributes
@@ -127,6 +129,9 @@ class WorkerService:
         self._scoring_lock = threading.Lock()
         self._scores_pending = 0
         self._suffix_due = 1.0  # counterfactual_share accumulated over the requests asked for it: score at 1
+        inferred = (config.default_segment, *CLASSIFIER_SEGMENTS)  # what the worker names itself: never counted
+        self.segment_admission = SegmentAdmission(config.client_segments, inferred)
+        self._ignored_logged_at = -math.inf
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -513,6 +518,22 @@ class WorkerService:
             scored=scored,
             expected_speedup=request.plan.model_speedup if request.plan is not None else 0.0,
         )
+
+    def client_segment(self, name: str) -> str | None:
+        """The segment a request that names ``name`` is served under: the name, or None (infer one: this hour's
+        budget of new names is spent; counted, logged at most once a minute). Raises SegmentRefused for a name
+        this worker does not take (``client_segments``)."""
+        admitted = self.segment_admission.admit(name)
+        if admitted is None:
+            self.metrics.client_segments_ignored.inc()
+            now = time.monotonic()
+            if now - self._ignored_logged_at >= 60:
+                self._ignored_logged_at = now
+                log.warning("a request named segment %r, new this hour past client_segments.new_per_hour (%d): "
+                            "served under the segment inferred from its prompt (logged at most once a minute; "
+                            "specd_worker_client_segments_ignored_total counts them)", name[:128],
+                            self.cfg.client_segments.new_per_hour)  # fmt: skip
+        return admitted
 
     def _segment_of(self, spec: RequestSpec) -> tuple[float, str]:
         """The prompt's self-repetition, and its segment: the caller's, else inferred."""

@@ -39,10 +39,12 @@ class Stack:
     def controller_state(self) -> Path:
         return self.root / "controller-state"
 
-    def start_controller(self, listen: str = "127.0.0.1:0", telemetry: dict[str, Any] | None = None) -> Service:
+    def start_controller(
+        self, listen: str = "127.0.0.1:0", telemetry: dict[str, Any] | None = None, **learning: Any
+    ) -> Service:
         """The daemon with its own state_dir (embedded Redis, journal). A half-life of 1e12 s makes decayed counts
         the raw counts: a bucket a minute old weighs 1 - 4e-11 (1e9 would leave 4e-8, too much for comparing α to
-        1e-9). A short refresh lets decisions see reports quickly."""
+        1e-9). A short refresh lets decisions see reports quickly. ``learning``: more of its ``learning`` settings."""
         policy = self.root / "policy.yaml"  # the shipped policy, plus a rule to show rules work end to end
         policy.write_text(POLICY.read_text() + FORCED_RULE)
         config = {
@@ -51,7 +53,7 @@ class Stack:
             "policy_path": str(policy),
             "state_dir": str(self.controller_state),
             "shutdown_grace_seconds": 2,
-            "learning": {"half_life_seconds": 1e12, "refresh_seconds": 0.2},
+            "learning": {"half_life_seconds": 1e12, "refresh_seconds": 0.2, **learning},
             "telemetry": telemetry or {"exporter": "none"},
         }
         path = self._write("controller", config)
@@ -63,8 +65,10 @@ class Stack:
         decide_deadline_ms: float = 5.0,
         telemetry: dict[str, Any] | None = None,
         watch_decisions: bool = False,
+        **settings: Any,
     ) -> Service:
-        """The worker on the reference pair (float32 on the CPU); ``controller`` None runs it without one."""
+        """The worker on the reference pair (float32 on the CPU); ``controller`` None runs it without one.
+        ``settings``: more of its top-level settings."""
         config = {
             "listen": "127.0.0.1:0",
             "target": str(REFERENCE / "target"),
@@ -79,6 +83,7 @@ class Stack:
                 "watch_decisions": watch_decisions,
             },
             "telemetry": telemetry or {"exporter": "none"},
+            **settings,
         }
         path = self._write("worker", config)
         args = ["worker", "--config", str(path), "--controller", controller or "none"]
