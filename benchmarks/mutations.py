@@ -263,6 +263,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         "stored entries the controller skips are logged but never counted where an operator's alerts look",
     ),
     Mutation(
+        "report-fails-on-a-wrong-type-cost-bucket",
+        "controller/store.py",
+        "claim(KEYS[3], 'hash')\n",
+        "",
+        ("tests/controller/test_stored_data.py::test_reports_over_keys_of_the_wrong_type_are_stored_not_journaled",),
+        "one cost bucket of another type fails every report with WRONGTYPE: all journaled, every Decide stale",
+    ),
+    Mutation(
+        "report-fails-on-a-field-of-no-number",
+        "controller/store.py",
+        "  local sum = redis.pcall('HINCRBYFLOAT', key, field, increment)",
+        "  local sum = redis.call('HINCRBYFLOAT', key, field, increment)",
+        ("tests/controller/test_fuzz_stored.py",),
+        "a field holding no number fails its segment's part after the dedup marker is set: the part is lost, its "
+        "retry a duplicate",
+    ),
+    Mutation(
+        "stored-json-recursion-escapes",
+        "controller/redis_schema.py",
+        "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",
+        "    except (ValueError, TypeError, UnicodeDecodeError):",
+        ("tests/controller/test_stored_data.py",),
+        "a stored prior or sample row nested 3,000 deep raises RecursionError: the controller cannot start, and at "
+        "run time every refresh fails",
+    ),
+    Mutation(
         "prior-overflow-escapes",
         "controller/prior.py",
         "        except (KeyError, TypeError, AttributeError, OverflowError) as e:",

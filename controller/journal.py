@@ -145,7 +145,7 @@ class Journal:
                 continue
             try:
                 yield offset, _parse(raw)
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
                 log.error("skipping unreadable journal entry ending at byte %d of %s: %s", offset, self.path, e)
                 yield offset, None
 

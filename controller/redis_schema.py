@@ -377,12 +377,19 @@ def encode_sample(
     )
 
 
+def stored_json(raw: object) -> object | None:
+    """A stored value read as JSON (a sample row, the prior's document), or None when it is not JSON: not text, not
+    UTF-8, not JSON, or nested deeper than the parser recurses (3,000 brackets raised RecursionError, which no reader
+    expected: the controller could not start, and at run time every refresh failed; issue 22)."""
+    try:
+        return json.loads(raw)  # type: ignore[arg-type]
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        return None
+
+
 def sample_row(raw: object) -> dict[str, Any] | None:
     """One stored training row as the prior reads it, or None when it is not one."""
-    try:
-        row = json.loads(raw)  # type: ignore[arg-type]
-    except (ValueError, TypeError, UnicodeDecodeError):
-        return None
+    row = stored_json(raw)
     if not isinstance(row, dict) or not isinstance(row.get("drafter"), str):
         return None
     for name, high in SAMPLE_NUMBERS.items():

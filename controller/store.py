@@ -42,7 +42,7 @@ from redis.exceptions import NoScriptError
 
 from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
 from controller.pacing import Pacer, no_pause
-from controller.redis_schema import Keys, encode_sample, first_position, sample_row
+from controller.redis_schema import Keys, encode_sample, first_position, sample_row, stored_json
 from controller.report_increments import cost_increments, segment_increments
 from specd_api.segments import OVERFLOW_SEGMENT, valid_segment
 
@@ -55,15 +55,46 @@ BucketFields = tuple[tuple[int, dict[str, float]], ...]  # (bucket, its hash's f
 # Decide's p99 at 1,000 segments and 256 streams was 21-27 ms (issue 22). Between chunks the refresh is paced.
 READ_CHUNK_KEYS = 32
 
-HEAD_LUA = """
+# What every write script starts with: stored data a writer cannot use never stops the writes (issue 22: one cost
+# bucket, samples list or segments set of another type, set by hand or by another program, once failed every report
+# with WRONGTYPE: all of them journaled, the controller stale, until the key went; and a segment's field holding no
+# number failed HINCRBYFLOAT after the part's dedup marker was set, so the part was lost and its retry a duplicate).
+# A key of another type than its name says holds nothing a reader can use (the reads skip it): it is deleted before
+# the script writes there. A field whose value is not a number, or whose sum would not be finite, is set to the
+# increment. The script's reply names each ('key' or 'key field'): the writer counts and logs them.
+REPAIR_LUA = """
+local repaired = {}
+local function claim(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    redis.call('DEL', key)
+    table.insert(repaired, key)
+  end
+end
+local function add(key, field, increment)
+  local sum = redis.pcall('HINCRBYFLOAT', key, field, increment)
+  if type(sum) == 'table' and sum.err then
+    redis.call('HSET', key, field, increment)
+    table.insert(repaired, key .. ' ' .. field)
+  end
+end
+"""
+
+HEAD_LUA = (
+    REPAIR_LUA
+    + """
 -- KEYS[1] the report's global dedup marker, KEYS[2] segments zset, KEYS[3] cost bucket hash, KEYS[4] samples list
 -- ARGV: report ttl, now, max segments, overflow segment, samples max, bucket ttl,
 --       the oldest report time still in the window, the report's global part as JSON
--- Returns {1, verdict} for a report id seen before, else {0, verdict}; verdict: 'segment=counted_as' for each of
--- the report's segments, separated by spaces (segment names hold neither).
+-- Returns {1, verdict, repaired} for a report id seen before, else {0, verdict, repaired}; verdict:
+-- 'segment=counted_as' for each of the report's segments, separated by spaces (segment names hold neither).
+claim(KEYS[1], 'string')
+claim(KEYS[2], 'zset')
+claim(KEYS[3], 'hash')
+claim(KEYS[4], 'list')
 local seen = redis.call('GET', KEYS[1])
 if seen then
-  return {1, seen}
+  return {1, seen, repaired}
 end
 -- the cap counts active segments: those silent for a whole window give their place back
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[7])
@@ -78,7 +109,7 @@ for i, segment in ipairs(report.segments) do
   counted_as[i] = report.segments[i] .. '=' .. segment
 end
 for name, value in pairs(report.cost) do
-  redis.call('HINCRBYFLOAT', KEYS[3], name, value)
+  add(KEYS[3], name, value)
 end
 redis.call('EXPIRE', KEYS[3], ARGV[6])
 for _, row in ipairs(report.samples) do
@@ -87,31 +118,48 @@ end
 redis.call('LTRIM', KEYS[4], 0, tonumber(ARGV[5]) - 1)
 local verdict = table.concat(counted_as, ' ')
 redis.call('SET', KEYS[1], verdict, 'EX', ARGV[1])
-return {0, verdict}
+return {0, verdict, repaired}
 """
+)
 
-SEGMENT_LUA = """
+SEGMENT_LUA = (
+    REPAIR_LUA
+    + """
 -- KEYS[1] the report's dedup marker for this segment, KEYS[2] the segment's hash in the current bucket
 -- ARGV: report ttl, now, bucket ttl, then the report's increments to the hash: field, increment, field, ...
 --       (each field once: report_increments.py sums the report's aggregates)
--- Returns 0 when this part of the report was applied before, else 1.
+-- Returns {0, repaired} when this part of the report was applied before, else {1, repaired}.
+claim(KEYS[1], 'string')
+claim(KEYS[2], 'hash')
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then
-  return 0
+  return {0, repaired}
 end
 for i = 4, #ARGV, 2 do
-  redis.call('HINCRBYFLOAT', KEYS[2], ARGV[i], ARGV[i + 1])
+  add(KEYS[2], ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[2], 'updated', ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
+return {1, repaired}
 """
+)
 
-MARK_LUA = """
+MARK_LUA = (
+    REPAIR_LUA
+    + """
 -- KEYS[1] the change marks (zset: segment -> the mark's number), KEYS[2] their state (hash: epoch, seq, trimmed)
 -- ARGV: the most marks kept, an epoch for a new state, then the segments a report changed (their parts applied)
--- Returns the mark's number.
+-- Returns {the mark's number, repaired}.
+claim(KEYS[1], 'zset')
+claim(KEYS[2], 'hash')
 redis.call('HSETNX', KEYS[2], 'epoch', ARGV[2])
-local seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
+local seq = redis.pcall('HINCRBY', KEYS[2], 'seq', 1)
+if type(seq) == 'table' and seq.err then
+  -- a seq that is no integer: the state starts again under a new epoch, which tells readers the marks were lost
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[2])
+  seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
+  table.insert(repaired, KEYS[2] .. ' seq')
+end
 for i = 3, #ARGV do
   redis.call('ZADD', KEYS[1], seq, ARGV[i])
 end
@@ -124,8 +172,9 @@ if excess > 0 then
   end
   redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1)
 end
-return seq
+return {seq, repaired}
 """
+)
 
 CHANGES_LUA = """
 -- KEYS[1] the change marks, KEYS[2] their state, KEYS[3] the segments zset; ARGV[1] the last mark the reader saw
@@ -320,7 +369,7 @@ class TelemetryStore:
             ],
         }
         c = self.config
-        seen, verdict = self._head(
+        seen, verdict, repaired = self._head(
             keys=[
                 self.keys.report(report_id),
                 self.keys.segments(),
@@ -338,7 +387,15 @@ class TelemetryStore:
                 json.dumps(payload),
             ],
         )
+        self._repaired(repaired)
         return bool(int(seen)), verdict.decode() if isinstance(verdict, bytes) else str(verdict)
+
+    def _repaired(self, names: Sequence[object]) -> None:
+        """Count and log (once per key) what a write script replaced: a key of another type, or a field that held
+        no number (``REPAIR_LUA``)."""
+        for name in names:
+            key = _text(name) or repr(name)
+            self.skipped.add(key, "unusable stored data (another type, or not a number) replaced by a report's write")
 
     def _ingest_segments(self, calls: list[tuple[list[str], list[Any]]]) -> None:
         """Run the segment parts, (keys, args) each: on one server in one pipeline, on a cluster one call each (its
@@ -347,14 +404,15 @@ class TelemetryStore:
         nothing."""
         if isinstance(self.client, RedisCluster):
             for keys, args in calls:
-                self._segment(keys=keys, args=args)  # loads the script on NOSCRIPT
+                self._repaired(self._segment(keys=keys, args=args)[1])  # loads the script on NOSCRIPT
             return
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for keys, args in calls:
                 pipe.evalsha(self._segment.sha, len(keys), *keys, *args)
             try:
-                pipe.execute()
+                for _, repaired in pipe.execute():
+                    self._repaired(repaired)
                 return
             except NoScriptError:
                 if attempt:
@@ -369,7 +427,8 @@ class TelemetryStore:
             return
         keep = 2 * (self.config.max_segments + 1)
         try:
-            self._mark(keys=[self.keys.changes(), self.keys.change_state()], args=[keep, self._epoch, *segments])
+            self._repaired(self._mark(keys=[self.keys.changes(), self.keys.change_state()],
+                                      args=[keep, self._epoch, *segments])[1])  # fmt: skip
         except redis.ResponseError as e:
             self.skipped.add(self.keys.changes(), f"change marks not written ({e})")
 
@@ -594,10 +653,7 @@ class TelemetryStore:
             return None
         if not raw:
             return None
-        try:
-            document = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            document = None
+        document = stored_json(raw)
         if not isinstance(document, dict):
             self.skipped.add(key, "not a JSON object")
             return None

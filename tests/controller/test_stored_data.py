@@ -84,7 +84,8 @@ INFINITE_TOKENS = (
 )  # JSON as Python writes it; int(inf) raised OverflowError, which the refresh did not expect
 
 
-@pytest.mark.parametrize("prior", [b"\x00 not json", INFINITE_TOKENS], ids=["not-json", "infinite-tokens"])
+@pytest.mark.parametrize("prior", [b"\x00 not json", INFINITE_TOKENS, b"[" * 3000],
+                         ids=["not-json", "infinite-tokens", "nested-past-the-recursion-limit"])  # fmt: skip
 def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_redis_url, tmp_path, prior) -> None:
     from controller.redis_conn import make_client
 
@@ -107,3 +108,40 @@ def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_red
     finally:
         client.delete(f"{prefix}:v1:prior", f"{prefix}:v1:samples:{{#global}}")
         client.close()
+
+
+def test_reports_over_keys_of_the_wrong_type_are_stored_not_journaled(embedded_redis_url, tmp_path) -> None:
+    """A cost bucket of another type (set ahead for the next minutes too), the samples list as a hash, the segments
+    set as a string: each once failed every report with WRONGTYPE, so that every report was journaled, the controller
+    was stale and every Decide said so, until the key went. Now the report's writes replace them (a daemon over gRPC,
+    its report process writing)."""
+    from controller.redis_conn import make_client
+    from tests.controller.test_calibration_service import draft_request
+
+    with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as daemon, connected(daemon) as ch:
+        assert daemon.controller is not None
+        store = daemon.controller.learner.store
+        client = make_client(embedded_redis_url, 2.0)
+        now = store.bucket(time.time())
+        try:
+            for bucket in range(now, now + 3):
+                client.set(store.keys.cost_bucket(bucket), "x")
+            client.hset(store.keys.samples(), "a", "1")
+            client.set(store.keys.segments(), "x")
+            stub = pb_grpc.ControllerStub(ch)
+            request = pb.ReportRoundsRequest(report_id="over-bad-keys", worker_id="w",
+                                             aggregates=[draft_request("over-bad-keys")])  # fmt: skip
+            reply = stub.ReportRounds(request, timeout=RPC_TIMEOUT)
+            assert not reply.journaled and not reply.duplicate and reply.rounds_accepted == 20, reply
+            deadline = time.monotonic() + 20
+            while (stats := stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment="over-bad-keys"),
+                                                 timeout=RPC_TIMEOUT)).rounds < 20:  # fmt: skip
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.05)
+            decision = stub.Decide(pb.DecideRequest(segment="over-bad-keys", batch_size=1, drafters=["draft"],
+                                                    max_new_tokens=64), timeout=RPC_TIMEOUT)  # fmt: skip
+            assert not decision.stale
+            assert client.type(store.keys.cost_bucket(store.bucket(time.time()))) == "hash"
+        finally:
+            client.delete(*(store.keys.cost_bucket(b) for b in range(now, now + 3)), store.keys.samples())
+            client.close()
