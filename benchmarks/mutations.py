@@ -280,6 +280,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "retry a duplicate",
     ),
     Mutation(
+        "secret-file-read-blocking",
+        "specd_api/security.py",
+        "        data = read_regular_file(path, MAX_FILE_BYTES + 1)",
+        "        data = path.read_bytes()[: MAX_FILE_BYTES + 1]",
+        ("tests/controller/test_auth.py::test_bad_security_settings_name_file_line_field_and_reason",),
+        "a FIFO at a token, certificate or key path blocks the start for good, before the process listens",
+    ),
+    Mutation(
+        "socket-path-in-characters",
+        "controller/redis_conn.py",
+        "    return len(os.fsencode(path.resolve()))",
+        "    return len(str(path.resolve()))",
+        ("tests/controller/test_policy_limits.py",),
+        "a state dir of few characters but many bytes passes the socket-path check: the embedded Redis cannot start",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -31,7 +31,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from controller.config import TokenAuth
-from specd_api.security import AUTHORIZATION, ServerTls, bearer_token
+from specd_api.security import AUTHORIZATION, ServerTls, bearer_token, read_checked
 from specd_api.v1 import controller_pb2
 
 log = logging.getLogger("specd.controller.auth")
@@ -55,9 +55,9 @@ def required_role(method: str) -> Role | None:
 
 def server_credentials(tls: ServerTls) -> grpc.ServerCredentials:
     """TLS with the configured certificate; with a client CA, a client must present a certificate it signed."""
-    client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file is not None else None
+    client_ca = read_checked(tls.client_ca_file) if tls.client_ca_file is not None else None
     return grpc.ssl_server_credentials(
-        [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+        [(read_checked(tls.key_file), read_checked(tls.cert_file))],
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )

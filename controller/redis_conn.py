@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import ssl
+import stat
 import tempfile
 import threading
 import time
@@ -43,8 +44,13 @@ from specd_api.security import TlsClientFiles
 
 log = logging.getLogger(__name__)
 
-# AF_UNIX paths are limited to 108 bytes on Linux; longer state dirs fall back to TCP on loopback.
+# AF_UNIX paths are limited to 108 bytes on Linux (bytes: a path of 91 characters with 60 'é' is 151 bytes); a longer
+# one under the state dir puts the socket in a short private folder instead (``short_socket_dir``).
 _MAX_UNIX_PATH = 100
+
+
+def _unix_path_bytes(path: Path) -> int:
+    return len(os.fsencode(path.resolve()))
 
 
 class RedisSetupError(SpecdError):
@@ -189,11 +195,11 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     stop_orphan(data_dir / PID_FILE)
     socket_path = data_dir / "valkey.sock"
-    if len(str(socket_path.resolve())) > _MAX_UNIX_PATH:  # too long for a Unix socket: a short private folder
+    if _unix_path_bytes(socket_path) > _MAX_UNIX_PATH:  # too long for a Unix socket: a short private folder
         socket_path = short_socket_dir(data_dir) / "valkey.sock"
-    if len(str(socket_path.resolve())) > _MAX_UNIX_PATH:
+    if _unix_path_bytes(socket_path) > _MAX_UNIX_PATH:
         raise RedisSetupError(
-            f"no Unix-socket path under {_MAX_UNIX_PATH} characters for the embedded Redis in {data_dir} (the "
+            f"no Unix-socket path under {_MAX_UNIX_PATH} bytes for the embedded Redis in {data_dir} (the "
             "temporary folder's path is too long): set a shorter state_dir"
         )
     server = ValkeyServer(
@@ -215,15 +221,27 @@ def start_embedded(data_dir: Path) -> tuple[Any, str]:
 
 def short_socket_dir(data_dir: Path) -> Path:
     """A folder for the socket of ``data_dir``'s server when the path under it is too long: in the temporary folder,
-    named by a hash of ``data_dir`` (the same at every start, so a restart keeps the URL), private to this user.
-    Never loopback TCP, which any local user could reach without a password."""
-    name = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    named by a hash of ``data_dir`` and this user's id (the same at every start, so a restart keeps the URL), private
+    to this user. A name that is taken by anything else (another local user can make it first: the name is
+    predictable) gives way to a new private folder of a random name, so that nobody can stop the start. Never
+    loopback TCP, which any local user could reach without a password."""
+    name = hashlib.sha256(f"{os.getuid()}:{data_dir.resolve()}".encode()).hexdigest()[:16]
     folder = Path(tempfile.gettempdir()) / f"specd-redis-{name}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    info = folder.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077 or not folder.is_dir() or folder.is_symlink():
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        if not _private_folder(folder):
+            log.warning("%s (for the embedded Redis's socket) is not a private folder of this user: using a new "
+                        "one", folder)  # fmt: skip
+            return Path(tempfile.mkdtemp(prefix="specd-redis-"))  # mode 0700, a name nobody could take first
+    if not _private_folder(folder):
         raise RedisSetupError(f"{folder} (for the embedded Redis's socket) is not a private folder of this user")
     return folder
+
+
+def _private_folder(folder: Path) -> bool:
+    info = folder.lstat()  # the link itself, if it is one
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
 
 
 def _start(server: Any) -> None:

@@ -30,7 +30,7 @@ from pydantic import AfterValidator, Field, PrivateAttr, ValidationInfo, model_v
 
 from specd_api.config_base import Strict
 from specd_api.targets import parse_target
-from specd_api.yaml_config import CONFIG_DIR
+from specd_api.yaml_config import CONFIG_DIR, read_regular_file
 
 AUTHORIZATION = "authorization"  # the metadata key (gRPC) and header (HTTP) a bearer token travels in
 MIN_TOKEN_CHARS = 16
@@ -50,17 +50,17 @@ def resolve_path(path: Path, info: ValidationInfo) -> Path:
 
 
 def read_checked(path: Path) -> bytes:
-    """The file's bytes; a ValueError that names the path and says what is wrong (never what the file holds)."""
+    """The file's bytes; a ValueError that names the path and says what is wrong (never what the file holds). Only a
+    regular file is read: a FIFO there once blocked the start for good, before the process listened (issue 22)."""
     try:
-        with path.open("rb") as file:
-            data = file.read(MAX_FILE_BYTES + 1)
+        data = read_regular_file(path, MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path}: is a folder, not a file") from None
     except PermissionError:
         raise ValueError(f"{path}: permission denied (this process runs as uid {os.getuid()})") from None
     except OSError as e:
+        if path.is_dir():
+            raise ValueError(f"{path}: is a folder, not a file") from None
         raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"{path}: larger than {MAX_FILE_BYTES} bytes, so not a certificate, key or token")
@@ -211,9 +211,9 @@ class ClientTls(TlsClientFiles):
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
-            root_certificates=self.ca_file.read_bytes() if self.ca_file is not None else None,
-            private_key=self.key_file.read_bytes() if self.key_file is not None else None,
-            certificate_chain=self.cert_file.read_bytes() if self.cert_file is not None else None,
+            root_certificates=read_checked(self.ca_file) if self.ca_file is not None else None,
+            private_key=read_checked(self.key_file) if self.key_file is not None else None,
+            certificate_chain=read_checked(self.cert_file) if self.cert_file is not None else None,
         )
 
 

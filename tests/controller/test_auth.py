@@ -9,9 +9,11 @@ cannot come from a broken set-up."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -472,6 +474,20 @@ def test_relative_certificate_and_token_paths_are_taken_from_the_config_folder(t
     assert config.auth.write_token is not None and config.auth.write_token.reveal() == tokens.text("write")
 
 
+def load_issue_within(path: Path, seconds: float, unblock: Path) -> str:
+    """``load_issue(path)``, failing the test if it takes longer than ``seconds`` (a reader blocked on the FIFO
+    ``unblock`` is then let go, by opening its other end, so the test ends)."""
+    answer: list[str] = []
+    loading = threading.Thread(target=lambda: answer.append(load_issue(path)), daemon=True)
+    loading.start()
+    loading.join(seconds)
+    if loading.is_alive():
+        os.close(os.open(unblock, os.O_WRONLY | os.O_NONBLOCK))
+        loading.join(seconds)
+        pytest.fail(f"loading {path} waited on a file for more than {seconds} s")
+    return answer[0]
+
+
 @pytest.mark.parametrize(
     ("body", "line", "field", "reason"),
     [
@@ -522,9 +538,42 @@ def test_relative_certificate_and_token_paths_are_taken_from_the_config_folder(t
             "auth:\n  write_token: {env: SPECD_TEST_UNSET}\n", 3, "auth.write_token", "is not set", id="unset-env"
         ),
         pytest.param("auth:\n  write_token: {}\n", 3, "auth.write_token", "exactly one of file", id="no-source"),
+        # a FIFO where a file belongs blocked the start for good, before the process listened (issue 22)
+        pytest.param(
+            "auth:\n  write_token: {file: fifo}\n",
+            3,
+            "auth.write_token",
+            "not a regular file",
+            id="token-file-is-a-fifo",
+        ),
+        pytest.param(
+            "tls:\n  cert_file: fifo\n  key_file: KEY\n",
+            3,
+            "tls.cert_file",
+            "not a regular file",
+            id="cert-file-is-a-fifo",
+        ),
+        pytest.param(
+            "tls:\n  cert_file: CERT\n  key_file: fifo\n",
+            4,
+            "tls.key_file",
+            "not a regular file",
+            id="key-file-is-a-fifo",
+        ),
+        pytest.param(
+            "tls:\n  cert_file: CERT\n  key_file: KEY\n  client_ca_file: fifo\n",
+            5,
+            "tls.client_ca_file",
+            "not a regular file",
+            id="client-ca-is-a-fifo",
+        ),
+        pytest.param(
+            "tls:\n  cert_file: .\n  key_file: KEY\n", 3, "tls.cert_file", "is a folder", id="cert-is-a-folder"
+        ),
     ],
 )
 def test_bad_security_settings_name_file_line_field_and_reason(tmp_path, pki, tokens, body, line, field, reason):
+    os.mkfifo(tmp_path / "fifo")
     (tmp_path / "short.token").write_text("abc\n")
     (tmp_path / "two.token").write_text(secrets.token_hex(16) + "\n" + secrets.token_hex(16) + "\n")
     if "ENCRYPTED" in body:
@@ -534,7 +583,7 @@ def test_bad_security_settings_name_file_line_field_and_reason(tmp_path, pki, to
             .replace("READ", str(tokens.read)).replace("WRITE", tokens.text("write"))
             .replace("SHORT", "short.token").replace("TWO", "two.token"))  # fmt: skip
     path = write_config(tmp_path, body)
-    issue = load_issue(path)
+    issue = load_issue_within(path, 5.0, unblock=tmp_path / "fifo")
     assert issue.startswith(f"{path}:{line}: {field}: "), issue
     assert reason in issue
     for secret in (tokens.text("read"), tokens.text("write")):

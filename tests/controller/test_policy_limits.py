@@ -4,8 +4,10 @@ glob rules, an embedded server whose socket path is too long."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from controller.policy import MAX_RULES, PolicyStore, file_version, load_policy, parse_policy
-from controller.redis_conn import _MAX_UNIX_PATH, make_client, start_embedded
+from controller.redis_conn import _MAX_UNIX_PATH, make_client, short_socket_dir, start_embedded
 from specd_api.yaml_config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,6 +97,44 @@ def test_an_embedded_server_with_a_long_state_dir_listens_on_a_private_socket(tm
     again, url_again = start_embedded(deep)  # a restart finds the same socket
     again.stop()
     assert url_again == url
+
+
+def test_the_socket_path_is_measured_in_bytes(tmp_path: Path) -> None:
+    """A state dir of fewer characters than the limit but more bytes (60 'é' are 120 bytes) passed the check, and the
+    server could not start: "unix socket path too long" (issue 22)."""
+    base = Path(tempfile.mkdtemp(prefix="s-"))  # short: the characters must stay under the limit
+    wide = base / ("é" * 40)
+    socket = wide / "valkey.sock"
+    assert len(str(socket)) <= _MAX_UNIX_PATH < len(os.fsencode(socket)), (len(str(socket)), len(os.fsencode(socket)))
+    try:
+        server, url = start_embedded(wide)
+        try:
+            assert url.startswith("unix://") and make_client(url, 2.0).ping()
+            assert len(os.fsencode(url.removeprefix("unix://"))) <= _MAX_UNIX_PATH
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_socket_folder_taken_by_someone_else_gives_way_to_a_new_private_one(tmp_path: Path) -> None:
+    """The short folder's name is predictable: another local user who made it first stopped the start ("not a
+    private folder"). Now a new private folder of a random name is used."""
+    deep = tmp_path / ("d" * max(1, _MAX_UNIX_PATH - len(str(tmp_path)) + 8))
+    taken = short_socket_dir(deep)
+    taken.rmdir()
+    taken.mkdir(mode=0o755)  # as another user's would be: readable by all
+    taken.chmod(0o755)
+    try:
+        server, url = start_embedded(deep)
+        try:
+            folder = Path(url.removeprefix("unix://")).parent
+            assert folder != taken and folder.stat().st_mode & 0o077 == 0 and make_client(url, 2.0).ping()
+        finally:
+            server.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        taken.rmdir()
 
 
 def _tcp_open(port: int) -> bool:
