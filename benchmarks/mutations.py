@@ -296,6 +296,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a state dir of few characters but many bytes passes the socket-path check: the embedded Redis cannot start",
     ),
     Mutation(
+        "policy-integer-past-int32",
+        "controller/policy.py",
+        '        4, ge=1, le=MAX_INT32, description="shorter requests are never speculated"',
+        '        4, ge=1, description="shorter requests are never speculated"',
+        ("tests/controller/test_policy_limits.py",),
+        "min_new_tokens: 2**31 passes the policy check, then every WatchDecisions fails (the table's int32 field)",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -17,7 +17,7 @@ from typing import Literal, cast
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from specd_api.checks import MAX_BATCH_SIZE
+from specd_api.checks import MAX_BATCH_SIZE, MAX_INT32
 from specd_api.config_base import Strict
 from specd_api.lru import LruMemory
 from specd_api.yaml_config import (
@@ -103,7 +103,9 @@ class Settings(PolicyModel):
         0.02, ge=0.0, le=0.5, description="a switched-off segment probes at least this share of its requests"
     )
     hysteresis: float = Field(0.05, ge=0.0, le=1.0, description="relative margin a change must win by")
-    min_new_tokens: int = Field(4, ge=1, description="shorter requests are never speculated")
+    min_new_tokens: int = Field(
+        4, ge=1, le=MAX_INT32, description="shorter requests are never speculated"
+    )  # bounded: 2**31 passed the check, then every WatchDecisions failed (the decision table's int32 field)
     prefill_cost_per_token: float = Field(
         0.02, ge=0.0, description="draft-model prefill cost per prompt token, in target steps × c"
     )
@@ -143,7 +145,7 @@ class SettingsOverride(PolicyModel):
     exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
     min_exploration_rate: float | None = Field(None, ge=0.0, le=0.5)
     hysteresis: float | None = Field(None, ge=0.0, le=1.0)
-    min_new_tokens: int | None = Field(None, ge=1)
+    min_new_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     prefill_cost_per_token: float | None = Field(None, ge=0.0)
     prior_strength: float | None = Field(None, gt=0.0)
     plan_prior_rounds: float | None = Field(None, ge=0.0)

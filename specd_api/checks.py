@@ -30,6 +30,7 @@ MAX_REPORT_POSITIONS = 32_768
 MAX_REPORT_BYTES = 2**20  # the controller's gRPC receive limit
 MAX_ROUNDS = 1_000_000_000  # per aggregate: far above any real request, far below float precision limits
 MAX_BATCH_SIZE = 1_000_000
+MAX_INT32 = 2**31 - 1  # what an int32 field of the wire carries: every integer a policy holds stays within it
 MAX_DRAFT_SECONDS_PER_TOKEN = 10.0  # timings beyond these are clocks sent as durations, not measurements
 MAX_VERIFY_SECONDS_PER_ROUND = 60.0
 MAX_EXPECTED_SPEEDUP = 1000.0  # a plan's expected speedup: a round emits at most MAX_K + 1 tokens

@@ -10,12 +10,24 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from pathlib import Path
 
 import pytest
 
-from controller.policy import MAX_RULES, PolicyStore, file_version, load_policy, parse_policy
+from controller.policy import (
+    MAX_RULES,
+    DrafterOverride,
+    DrafterSettings,
+    PolicyStore,
+    Settings,
+    SettingsOverride,
+    file_version,
+    load_policy,
+    parse_policy,
+)
 from controller.redis_conn import _MAX_UNIX_PATH, make_client, short_socket_dir, start_embedded
+from specd_api.checks import MAX_BATCH_SIZE, MAX_INT32
 from specd_api.yaml_config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,10 +72,60 @@ def test_specd_policy_check_refuses_a_fifo_quickly(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("where", ["defaults:\n  max_batch_size: 2147483648\n",
-                                   'segments:\n  - match: "a*"\n    max_batch_size: 99999999999\n'])  # fmt: skip
-def test_a_batch_threshold_past_int32_is_refused(where: str) -> None:
-    with pytest.raises(ConfigError, match="max_batch_size"):
+                                   'segments:\n  - match: "a*"\n    max_batch_size: 99999999999\n',
+                                   "defaults:\n  min_new_tokens: 2147483648\n",
+                                   'segments:\n  - match: "a*"\n    min_new_tokens: 2147483648\n'])  # fmt: skip
+def test_a_policy_integer_past_int32_is_refused(where: str) -> None:
+    with pytest.raises(ConfigError, match=where.split(":")[-2].split()[-1]):
         parse_policy(where)
+
+
+POLICY_MODELS = (Settings, SettingsOverride, DrafterSettings, DrafterOverride)
+
+
+@pytest.mark.parametrize("model", POLICY_MODELS, ids=lambda m: m.__name__)
+def test_every_integer_a_policy_holds_fits_the_wires_int32(model: type) -> None:
+    """The class of max_batch_size's defect: a policy integer past int32 passed the check, then broke every
+    WatchDecisions when it reached the table's int32 field (min_new_tokens: 2**31 did, found by a hostile review).
+    Every integer field has an upper bound within int32."""
+    for name, field in model.model_fields.items():
+        if int not in (*typing.get_args(field.annotation), field.annotation):
+            continue
+        bounds = [m.le for m in field.metadata if getattr(m, "le", None) is not None]
+        assert bounds and bounds[0] <= MAX_INT32, f"{model.__name__}.{name}: no upper bound within int32"
+
+
+def test_a_policy_at_every_integers_bound_serves_decisions_and_tables(embedded_redis_url, tmp_path: Path) -> None:
+    """A policy with every integer at its upper bound (and the floats at 1e308) passes the check; then Decide and a
+    WatchDecisions stream with a learned segment's table answer, over gRPC (min_new_tokens: 2**31 once failed every
+    stream with UNKNOWN "Value out of range")."""
+    from specd_api.v1 import controller_pb2 as pb
+    from specd_api.v1 import controller_pb2_grpc as pb_grpc
+    from tests.controller.test_calibration_service import draft_request
+    from tests.daemons import RPC_TIMEOUT, connected, running_daemon
+
+    text = (f"defaults:\n  max_batch_size: {MAX_BATCH_SIZE}\n  min_new_tokens: {MAX_INT32}\n  probe_rounds: 64\n"
+            "  k_headroom: 64\n  prefill_cost_per_token: 1.0e+308\n  plan_prior_rounds: 1.0e+308\n"
+            "  drafters:\n    draft: {k_min: 64, k_max: 64, cost_ratio: 1.0e+308}\n")  # fmt: skip
+    parse_policy(text)
+    with running_daemon(embedded_redis_url, tmp_path, text) as daemon, connected(daemon) as channel:
+        stub = pb_grpc.ControllerStub(channel)
+        stub.ReportRounds(
+            pb.ReportRoundsRequest(report_id="bounds", worker_id="w", aggregates=[draft_request("at-the-bounds")]),
+            timeout=RPC_TIMEOUT,
+        )
+        deadline = time.monotonic() + 20
+        while stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment="at-the-bounds"), timeout=RPC_TIMEOUT).rounds < 20:
+            assert time.monotonic() < deadline, "the report never showed"
+            time.sleep(0.05)
+        decision = stub.Decide(pb.DecideRequest(segment="at-the-bounds", batch_size=1, drafters=["draft"],
+                                                max_new_tokens=MAX_INT32), timeout=RPC_TIMEOUT)  # fmt: skip
+        assert decision.policy_version
+        stream = stub.WatchDecisions(pb.WatchDecisionsRequest(worker_id="w", drafters=["draft"]), timeout=30)
+        first = next(stream)
+        stream.cancel()
+        [table] = [t for t in first.segments if t.segment == "at-the-bounds"]
+        assert table.min_new_tokens == MAX_INT32 and table.max_batch_size == MAX_BATCH_SIZE
 
 
 def test_too_many_rules_are_refused_and_matching_is_resolved_once(tmp_path: Path) -> None:
