@@ -304,6 +304,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "min_new_tokens: 2**31 passes the policy check, then every WatchDecisions fails (the table's int32 field)",
     ),
     Mutation(
+        "waiting-calls-shared-by-every-host",
+        "controller/request_wait.py",
+        "        counted = self.waiting < limits.max_waiting and mine < limits.max_waiting_per_host",
+        "        counted = self.waiting < limits.max_waiting",
+        ("tests/controller/test_request_wait.py::test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait",),
+        "one host's waiting health checks take every place: another host's report over a slow link is refused "
+        "after 0.1 s",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -11,7 +11,8 @@ request, under a deadline:
 
 - a call whose request (its message, then the end of its request stream) is not in within ``wait_seconds`` ends with
   DEADLINE_EXCEEDED, naming the bound, and its memory is freed;
-- with ``max_waiting`` calls already waiting, a new one is not counted and waits ``OVER_CAP_WAIT_SECONDS`` (0.1 s)
+- with ``max_waiting`` calls already waiting, or ``max_waiting_per_host`` of its client host's, a new one is not
+  counted and waits ``OVER_CAP_WAIT_SECONDS`` (0.1 s)
   at most: a real client's request is in by then and is served (so a flood of waiting calls cannot refuse Decide),
   a silent call is refused with RESOURCE_EXHAUSTED. Memory is bounded by the cap, plus the calls that arrive in
   0.1 s, whatever the number of connections;
@@ -28,8 +29,8 @@ serves it) on the loop. The interceptor goes after the token check (a refused ca
 it did) and before every interceptor that wraps a unary handler (they see the handler they know).
 
 The counter of waiting calls is only touched by coroutines on the server's one event loop: no lock.
-``SPECD_REQUEST_WAIT_SECONDS`` and ``SPECD_MAX_WAITING_CALLS`` in the environment change the bounds (read once, at
-start-up; the tests use short ones).
+``SPECD_REQUEST_WAIT_SECONDS``, ``SPECD_MAX_WAITING_CALLS`` and ``SPECD_MAX_WAITING_CALLS_PER_HOST`` in the
+environment change the bounds (read once, at start-up; the tests use short ones).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ REQUEST_WAIT_SECONDS = 10.0
 # About 22 KiB each: 1,000 waiting calls hold about 22 MiB. Real calls wait a millisecond, so even 100,000 calls a
 # second keep about 100 of them waiting at once; past 1,000 the waiting ones are a flood, not traffic.
 MAX_WAITING_CALLS = 1000
+# One client host's share of them: a host past it waits like a call past the cap, so one host's flood of waiting calls
+# (health checks need no token) leaves the other hosts' calls their full wait (a report crossing a slow link took
+# 0.94 s, and was refused after 0.1 s beside another host's 1,500 waiting health checks; issue 22).
+MAX_WAITING_CALLS_PER_HOST = 250
 # Past the cap a new call is not refused before it reads: whether its request is already in (a real client sends it
 # with the headers) shows only once a read returns, and refusing it unread would let a flood of waiting calls refuse
 # every Decide. It gets this long instead (well past a Decide's own deadline of a few ms), then RESOURCE_EXHAUSTED.
@@ -65,6 +70,7 @@ OVER_CAP_WAIT_SECONDS = 0.1
 NO_MESSAGE = "the call ended its request stream without a message: this method takes one"
 SECOND_MESSAGE = "a second request message came: this method takes one"
 WAIT_ENV, MAX_WAITING_ENV = "SPECD_REQUEST_WAIT_SECONDS", "SPECD_MAX_WAITING_CALLS"
+PER_HOST_ENV = "SPECD_MAX_WAITING_CALLS_PER_HOST"
 Hold = Callable[[str], float]  # a client host -> seconds to hold its call before reading the request
 Gate = Callable[[str], str | None]  # a client host -> why its call is refused now (RESOURCE_EXHAUSTED), or None
 
@@ -73,12 +79,15 @@ Gate = Callable[[str], str | None]  # a client host -> why its call is refused n
 class WaitLimits:
     wait_seconds: float = REQUEST_WAIT_SECONDS  # for the request message and the end of the request stream
     max_waiting: int = MAX_WAITING_CALLS  # calls waiting for their request at once, every method together
+    max_waiting_per_host: int = MAX_WAITING_CALLS_PER_HOST  # ... of them from one client host
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.wait_seconds) and self.wait_seconds > 0):
             raise ValueError(f"{WAIT_ENV} must be a positive number of seconds, not {self.wait_seconds!r}")
         if self.max_waiting < 1:
             raise ValueError(f"{MAX_WAITING_ENV} must be at least 1, not {self.max_waiting!r}")
+        if self.max_waiting_per_host < 1:
+            raise ValueError(f"{PER_HOST_ENV} must be at least 1, not {self.max_waiting_per_host!r}")
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> WaitLimits:
@@ -89,11 +98,13 @@ class WaitLimits:
             wait = float(env.get(WAIT_ENV) or REQUEST_WAIT_SECONDS)
         except ValueError:
             raise ValueError(f"{WAIT_ENV} must be a number of seconds, not {env[WAIT_ENV]!r}") from None
-        try:
-            waiting = int(env.get(MAX_WAITING_ENV) or MAX_WAITING_CALLS)
-        except ValueError:
-            raise ValueError(f"{MAX_WAITING_ENV} must be a whole number, not {env[MAX_WAITING_ENV]!r}") from None
-        return cls(wait, waiting)
+        counts = {}
+        for name, default in ((MAX_WAITING_ENV, MAX_WAITING_CALLS), (PER_HOST_ENV, MAX_WAITING_CALLS_PER_HOST)):
+            try:
+                counts[name] = int(env.get(name) or default)
+            except ValueError:
+                raise ValueError(f"{name} must be a whole number, not {env[name]!r}") from None
+        return cls(wait, counts[MAX_WAITING_ENV], counts[PER_HOST_ENV])
 
 
 class RequestWait(grpc.aio.ServerInterceptor):
@@ -111,6 +122,7 @@ class RequestWait(grpc.aio.ServerInterceptor):
         self.gates = dict(gates or {})  # method -> a limit checked on the loop once the request is in (the module)
         self.on_loop = frozenset(on_loop)  # methods whose synchronous handlers run on the loop (the module)
         self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
+        self.waiting_by_host: dict[str, int] = {}  # ... by client host (a host with none has no entry)
         self._pool: futures.Executor | None = None
         self._wrapped = PerMethod(self._wrap)
 
@@ -194,12 +206,16 @@ class RequestWait(grpc.aio.ServerInterceptor):
         AbortError raised) when its request is late (RESOURCE_EXHAUSTED past the cap, else DEADLINE_EXCEEDED), or
         when there is not exactly one message."""
         limits = self.limits
-        counted = self.waiting < limits.max_waiting
-        self.waiting += counted
+        host = peer_host(context.peer())
+        mine = self.waiting_by_host.get(host, 0)
+        counted = self.waiting < limits.max_waiting and mine < limits.max_waiting_per_host
+        if counted:
+            self.waiting += 1
+            self.waiting_by_host[host] = mine + 1
         hold = self.holds.get(method)
         try:
             async with asyncio.timeout(limits.wait_seconds if counted else OVER_CAP_WAIT_SECONDS):
-                if hold is not None and (seconds := hold(peer_host(context.peer()))) > 0:
+                if hold is not None and (seconds := hold(host)) > 0:
                     await asyncio.sleep(min(seconds, MAX_HOLD_SECONDS))  # on the loop: no thread, nothing read
                 request = await context.read()  # one deadline for both reads, and no task of its own
                 extra = grpc.aio.EOF if request is grpc.aio.EOF else await context.read()
@@ -207,16 +223,23 @@ class RequestWait(grpc.aio.ServerInterceptor):
             if counted:
                 late = f"the request did not arrive within {limits.wait_seconds:g} s (REQUEST_WAIT_SECONDS)"
                 await self._refuse(context, method, grpc.StatusCode.DEADLINE_EXCEEDED, late)
-            busy = f"{limits.max_waiting} calls are waiting for their request (MAX_WAITING_CALLS): send yours with it"
+            busy = (f"{limits.max_waiting} calls, or {limits.max_waiting_per_host} of this host's, are waiting for "
+                    "their request (MAX_WAITING_CALLS, MAX_WAITING_CALLS_PER_HOST): send yours with it")  # fmt: skip
             await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
         finally:
-            self.waiting -= counted
+            if counted:
+                self.waiting -= 1
+                left = self.waiting_by_host[host] - 1
+                if left:
+                    self.waiting_by_host[host] = left
+                else:
+                    del self.waiting_by_host[host]
         if request is grpc.aio.EOF:
             await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, NO_MESSAGE)
         if extra is not grpc.aio.EOF:
             await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, SECOND_MESSAGE)
         gate = self.gates.get(method)
-        if gate is not None and (refused := gate(peer_host(context.peer()))) is not None:
+        if gate is not None and (refused := gate(host)) is not None:
             await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         return request
 

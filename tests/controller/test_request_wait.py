@@ -21,13 +21,20 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controller.request_wait import MAX_WAITING_CALLS, REQUEST_WAIT_SECONDS, RequestWait, WaitLimits
+from controller.request_wait import (
+    MAX_WAITING_CALLS,
+    MAX_WAITING_CALLS_PER_HOST,
+    REQUEST_WAIT_SECONDS,
+    RequestWait,
+    WaitLimits,
+)
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.half_open import HalfOpenCalls
 from tests.controller.test_daemon import start, write_tokened_config
 from tests.controller.test_interceptors import intercept, unary
 from tests.controller.test_service import draft_aggregate
+from tests.daemons import ipv6_loopback
 from tests.waiting import wait_until
 
 WAIT_S = 1.5
@@ -119,6 +126,40 @@ def test_past_the_cap_a_new_waiting_call_is_refused_at_once_and_decide_answers(c
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 0.45  # the client's own deadline: it waited
 
 
+def test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait(embedded_redis_url: str, tmp_path) -> None:
+    """A host's share of the waiting calls (MAX_WAITING_CALLS_PER_HOST): 30 health checks that never send their
+    message from 127.0.0.1 (no token needed) against a share of 10 and a cap of 40 take 10 places; the other 20, and
+    a further call from that host, are refused within OVER_CAP_WAIT_SECONDS naming the share, while a call from ::1
+    still gets its whole wait (the client's own 1 s deadline ends it first). Before, one host's 1,500 waiting health
+    checks left a report crossing a slow link from another host 0.1 s, and it was refused (issue 22)."""
+    if not ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine: the test needs calls from two hosts (127.0.0.1 and ::1)")
+    config, port, tokens = write_tokened_config(tmp_path, embedded_redis_url)
+    config.write_text(config.read_text().replace(f"listen: 127.0.0.1:{port}", f"listen: localhost:{port}"))
+    env = {**tokens, "SPECD_REQUEST_WAIT_SECONDS": "5", "SPECD_MAX_WAITING_CALLS": "40",
+           "SPECD_MAX_WAITING_CALLS_PER_HOST": "10"}  # fmt: skip
+    process = start(config, env)
+    v4 = Controller(f"127.0.0.1:{port}", tokens["T_READ"], tokens["T_WRITE"], process)
+    v6 = Controller(f"[::1]:{port}", tokens["T_READ"], tokens["T_WRITE"], process)
+    try:
+        with grpc.insecure_channel(v4.address) as channel:
+            decide = pb_grpc.ControllerStub(channel).Decide
+            wait_until(lambda: _answers(decide, v4), timeout=60, what="the controller answering")
+        with HalfOpenCalls(v4.address, HEALTH_CHECK, 30) as flood:
+            wait_until(lambda: flood.ended_by_server == 20, timeout=3, what="the calls past the host's share ended")
+            code, details, seconds = asyncio.run(_call_status(v4, DECIDE, messages=None))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "MAX_WAITING_CALLS_PER_HOST" in details, details
+            assert seconds < 1.0
+            code, _, seconds = asyncio.run(_call_status(v6, DECIDE, messages=None, timeout=1.0))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 0.95, (code, seconds)  # it waited
+            assert flood.ended_by_server == 20  # the host's 10 still wait
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        output = process.communicate()[0]
+    assert "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("method", [DECIDE, HEALTH_CHECK])
 def test_a_unary_call_takes_exactly_one_message(controller: Controller, method: str) -> None:
     """No message before the end of the request stream, or two: INVALID_ARGUMENT at once, never INTERNAL or
@@ -131,7 +172,8 @@ def test_a_unary_call_takes_exactly_one_message(controller: Controller, method: 
 
 
 def test_the_bounds_come_from_the_environment_once_and_are_checked() -> None:
-    assert WaitLimits.from_environment({}) == WaitLimits(REQUEST_WAIT_SECONDS, MAX_WAITING_CALLS)
+    assert WaitLimits.from_environment({}) == WaitLimits(REQUEST_WAIT_SECONDS, MAX_WAITING_CALLS,
+                                                         MAX_WAITING_CALLS_PER_HOST)  # fmt: skip
     assert WaitLimits.from_environment({"SPECD_REQUEST_WAIT_SECONDS": "2.5", "SPECD_MAX_WAITING_CALLS": "7"}) == \
         WaitLimits(2.5, 7)  # fmt: skip
     for bad in ({"SPECD_REQUEST_WAIT_SECONDS": "0"}, {"SPECD_REQUEST_WAIT_SECONDS": "nan"},
