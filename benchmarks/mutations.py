@@ -313,6 +313,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "after 0.1 s",
     ),
     Mutation(
+        "worker-connections-shared-by-every-host",
+        "decoder/worker/connections.py",
+        "        if self.per_host and held >= self.per_host:",
+        "        if False:",
+        ("tests/worker/test_hostile_clients.py::test_one_hosts_connections_leave_other_hosts_served",),
+        "one host's idle connections take every place of max_connections: every other client's request gets 503",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -23,7 +23,10 @@ def add_parser(commands: Any) -> None:
 
 
 def split_address(listen: str) -> tuple[str, int]:
+    """``host:port``, the host of an IPv6 address in brackets (``[::]:8000``, every address of both families)."""
     host, _, port = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     if not host or not port.isdigit():
         raise UsageError(f"listen address must be host:port, got {listen!r}")
     return host, int(port)

@@ -144,6 +144,11 @@ class RequestLimits(Strict):
     max_header_bytes: int = Field(16_384, ge=1024, description="a request's head (request line and headers); "
                                   "larger gets 400")  # fmt: skip
     max_connections: int = Field(4096, ge=1, description="connections served at once; a request beyond gets 503")
+    max_connections_per_host: int = Field(
+        256, ge=0, description="connections from one client address at once; one beyond gets 503 and is closed "
+        "(0: no bound). One host's 4,200 idle connections took every place of max_connections: every other client "
+        "got 503. Raise it for a proxy in front that carries every client's connections",
+    )  # fmt: skip
 
 
 class ClientSpeculation(Strict):

@@ -7,34 +7,92 @@ stopped; at a stop, each such request waited out the whole grace period and was 
 log (issue 22: thousands of them logged 52 MB in 12 s). Here a request must arrive whole within
 ``limits.request_read_seconds`` of its connection opening, or of the connection's previous response; else the
 connection is closed, with one log line. At a stop, a request still arriving is closed at once: nothing was admitted.
+
+And one client address holds at most ``limits.max_connections_per_host`` connections at once: uvicorn's
+``limit_concurrency`` counts every client's together, so one host's 4,200 idle connections made every other client's
+request a 503 (issue 22). A connection past the host's share is answered 503 at once and closed (logged at most once a
+minute), and counts nowhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
-from typing import Any
+import time
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from decoder.worker.config import RequestLimits
+from decoder.worker.openai_api import error_body
 
 log = logging.getLogger("specd.worker")
 
 _ARRIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)  # the client's side once its request (head and body) is whole
 
 
+class HostConnections:
+    """How many connections each client address holds (on the server's event loop only: no lock)."""
+
+    def __init__(self, per_host: int) -> None:
+        self.per_host = per_host  # 0: no bound
+        self.held: dict[str, int] = {}
+        self.refused = 0
+        self._logged_at = -float("inf")
+
+    def take(self, host: str) -> bool:
+        """One more connection for ``host``, or False when it holds its share already."""
+        held = self.held.get(host, 0)
+        if self.per_host and held >= self.per_host:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged_at >= 60:
+                self._logged_at = now
+                log.warning("refused a connection from %s: it holds %d already (limits.max_connections_per_host; "
+                            "logged at most once a minute)", host, held)  # fmt: skip
+            return False
+        self.held[host] = held + 1
+        return True
+
+    def give_back(self, host: str) -> None:
+        held = self.held[host] - 1
+        if held:
+            self.held[host] = held
+        else:
+            del self.held[host]
+
+
+_OVER_SHARE = json.dumps(
+    error_body("this address holds as many connections as the worker gives one client "
+               "(limits.max_connections_per_host)", "rate_limit_error")
+).encode()  # fmt: skip
+OVER_SHARE_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_OVER_SHARE), _OVER_SHARE)
+)
+
+
 class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline for each request to arrive whole (``read_deadline_protocol``)."""
+    """uvicorn's h11 protocol, with a deadline for each request to arrive whole, and each client address's share of
+    the connections (``read_deadline_protocol``)."""
 
     read_seconds = 30.0
+    hosts: ClassVar[HostConnections] = HostConnections(0)
     _deadline: asyncio.TimerHandle | None = None
+    _host: str | None = None  # the address this connection is counted under, once counted
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         answer_without_delay(transport)
+        host = self.client[0] if self.client else ""
+        if not self.hosts.take(host):
+            transport.write(OVER_SHARE_RESPONSE)
+            transport.close()
+            return
+        self._host = host
         self._arm()  # a connection that sends nothing is held no longer than one that sends half
 
     def handle_events(self) -> None:
@@ -48,6 +106,9 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._host is not None:
+            self.hosts.give_back(self._host)
+            self._host = None
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
@@ -91,15 +152,17 @@ def answer_without_delay(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def read_deadline_protocol(seconds: float) -> type[DeadlineH11Protocol]:
-    """``DeadlineH11Protocol`` with ``seconds`` for a request to arrive (uvicorn builds one per connection)."""
-    return type("DeadlineH11Protocol", (DeadlineH11Protocol,), {"read_seconds": seconds})
+def read_deadline_protocol(seconds: float, per_host: int = 0) -> type[DeadlineH11Protocol]:
+    """``DeadlineH11Protocol`` with ``seconds`` for a request to arrive and ``per_host`` connections per client
+    address (0: no bound), with a count of its own (uvicorn builds one protocol per connection)."""
+    namespace = {"read_seconds": seconds, "hosts": HostConnections(per_host)}
+    return type("DeadlineH11Protocol", (DeadlineH11Protocol,), namespace)
 
 
 def uvicorn_options(limits: RequestLimits) -> dict[str, Any]:
     """uvicorn's settings that bound what a connection holds, explicit rather than uvicorn's defaults."""
     return {
-        "http": read_deadline_protocol(limits.request_read_seconds),
+        "http": read_deadline_protocol(limits.request_read_seconds, limits.max_connections_per_host),
         "timeout_keep_alive": limits.keep_alive_seconds,  # idle between requests
         "h11_max_incomplete_event_size": limits.max_header_bytes,  # a request's head; larger: 400
         "limit_concurrency": limits.max_connections,  # connections (or requests) at once; beyond: 503

@@ -136,6 +136,7 @@ class WorkerProcess:
         freeze_startup_heap()  # the models, the tokenizer, the modules: a full collection walked them for 0.2 s
         self._socket = bind(self.cfg.listen)
         host, port = self._socket.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
         engine = self.service.engine
         drafters = ", ".join(engine.drafters) if engine else ""
         step = engine.target_pool.forward_pass if engine else None
@@ -186,10 +187,11 @@ class WorkerProcess:
 
 
 def bind(listen: str) -> socket.socket:
-    """A listening socket on ``host:port`` (port 0 picks a free one)."""
+    """A listening socket on ``host:port`` (port 0 picks a free one; ``[::]`` takes IPv4 clients too)."""
     host, port = split_address(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    both = host == "::" and socket.has_dualstack_ipv6()  # every address: IPv4 clients too, as ::ffff:a.b.c.d
     try:
-        return socket.create_server((host, port), family=family, backlog=2048)
+        return socket.create_server((host, port), family=family, backlog=2048, dualstack_ipv6=both)
     except OSError as e:
         raise UsageError(f"cannot listen on {listen}: {e.strerror or e}") from None

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from specd.launch import start
+from tests.daemons import ipv6_loopback
 from tests.worker.conftest import Worker, WorkerLauncher, assert_clean_log
 from tests.worker.test_segments import blank_lines_then_an_if
 
@@ -189,3 +190,44 @@ def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: Wo
     log = worker.log.read_text()
     assert log.count("stopping: closed a connection from 127.0.0.1:") == 3, log
     assert_clean_log(worker)
+
+
+def test_one_hosts_connections_leave_other_hosts_served(launcher: WorkerLauncher):
+    """uvicorn's limit_concurrency counts every client's connections together: one host's 4,200 idle connections
+    (past max_connections, 4,096) made every other client's request a 503 (issue 22). Each client address now holds
+    at most limits.max_connections_per_host: a connection past it is answered 503 at once and closed, and another
+    address is served. A worker listening on [::] takes calls from ::1 and from 127.0.0.1 (as ::ffff:127.0.0.1)."""
+    if not ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this machine: the test needs connections from two addresses")
+    worker = start_worker(launcher, "per-host", draft=None, listen="[::]:0",
+                          limits={"max_connections": 60, "max_connections_per_host": 20})  # fmt: skip
+    port = int(worker.service.address.rsplit(":", 1)[1])
+    held: list[socket.socket] = []
+    try:
+        for _ in range(20):  # the host's share, idle
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as over:
+            reply = _read_all(over)
+        assert reply.startswith(b"HTTP/1.1 503 "), reply[:200]
+        assert b"max_connections_per_host" in reply and b"retry-after: 1" in reply.lower()
+        with httpx.Client(base_url=f"http://[::1]:{port}", timeout=10) as other:
+            assert other.get("/health").status_code == 200
+        for sock in held[:5]:  # the host gives some back: it is served again
+            sock.close()
+        time.sleep(0.3)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as again:
+            assert again.get("/health").status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        worker.service.stop(timeout_seconds=20)
+    log = worker.log.read_text()
+    assert log.count("limits.max_connections_per_host") == 1, log[-2000:]  # logged once a minute at most
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
