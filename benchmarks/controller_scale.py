@@ -675,6 +675,7 @@ class HealthWatch(Attack):
         self._channels: list[grpc.Channel] = []
         self._calls: list[Any] = []
         self._answered = 0
+        self._refused: Counter[str] = Counter()  # past the controller's bounds (MAX_HEALTH_STREAMS_PER_HOST)
         self._reader = threading.Thread(target=self._read, name="health-watch", daemon=True)
 
     def start(self) -> None:
@@ -690,7 +691,9 @@ class HealthWatch(Attack):
             try:
                 next(call)
                 self._answered += 1
-            except (grpc.RpcError, StopIteration):
+            except grpc.RpcError as e:
+                self._refused[e.code().name] += 1  # type: ignore[attr-defined]
+            except StopIteration:
                 pass
 
     def stop(self) -> dict[str, Any]:
@@ -700,7 +703,7 @@ class HealthWatch(Attack):
         self._reader.join(10)
         for channel in self._channels:
             channel.close()
-        return {"streams": self.count, "answered": answered}
+        return {"streams": self.count, "answered": answered, "refused": dict(self._refused)}
 
 
 def report_at_the_bounds(prefix: str) -> pb.ReportRoundsRequest:

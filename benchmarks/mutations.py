@@ -321,6 +321,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "one host's idle connections take every place of max_connections: every other client's request gets 503",
     ),
     Mutation(
+        "health-watch-streams-unbounded-per-host",
+        "controller/health_streams.py",
+        "        if mine >= self.per_host:",
+        "        if False:",
+        ("tests/controller/test_host_share.py",),
+        "one client without a token opens health Watch streams without bound: 10,000 of them grew the controller "
+        "by 200 MB",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -29,6 +29,7 @@ from controller.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, 
 from controller.config import ControllerConfig
 from controller.decoding import RefuseUndecodable
 from controller.grpc_server import GrpcServer, InFlight, ServerClosed
+from controller.health_streams import BoundedHealth
 from controller.host_share import HostShares
 from controller.journal import Journal
 from controller.learner import Learner
@@ -220,7 +221,7 @@ class ControllerDaemon:
             ],
         )
         request_wait.serve_in(server.pool)  # synchronous handlers run in the server's pool, as grpc.aio runs them
-        health_servicer = health.aio.HealthServicer()  # a Watch stream waits on the loop, never in a thread
+        health_servicer = BoundedHealth()  # a Watch stream waits on the loop, never in a thread; they are bounded
 
         def register(aio_server: grpc.aio.Server) -> None:
             controller_pb2_grpc.add_ControllerServicer_to_server(servicer, aio_server)

@@ -266,3 +266,74 @@ def test_decide_is_served_on_the_event_loop_and_refuses_a_bad_request_from_there
             stub.Decide(pb.DecideRequest(segment="bad segment!", batch_size=1), timeout=5)
     assert threads == ["specd-grpc-loop"]
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "segment" in refused.value.details()
+
+
+def test_one_host_holds_its_share_of_health_watch_streams_and_another_host_still_opens_one(daemon) -> None:
+    """Health Watch needs no token: 10,000 streams from one client grew the controller by 200 MB, unbounded (issue
+    22). One host opens MAX_HEALTH_STREAMS_PER_HOST, the next is refused with RESOURCE_EXHAUSTED naming the bound, a
+    stream from the other host opens, and a stream the first host closes gives its place back."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from controller.health_streams import MAX_HEALTH_STREAMS_PER_HOST
+
+    request = health_pb2.HealthCheckRequest(service="")
+    with ExitStack() as stack:
+        channel = stack.enter_context(grpc.insecure_channel(f"[::1]:{daemon.port}"))
+        streams = [health_pb2_grpc.HealthStub(channel).Watch(request, timeout=30)
+                   for _ in range(MAX_HEALTH_STREAMS_PER_HOST)]  # fmt: skip
+        assert all(next(s).status == health_pb2.HealthCheckResponse.SERVING for s in streams)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(health_pb2_grpc.HealthStub(channel).Watch(request, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "MAX_HEALTH_STREAMS_PER_HOST" in refused.value.details() and "::1" in refused.value.details()
+        other = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{daemon.port}"))
+        another = health_pb2_grpc.HealthStub(other).Watch(request, timeout=30)
+        assert next(another).status == health_pb2.HealthCheckResponse.SERVING
+        assert health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status  # Check is not bounded
+        streams[0].cancel()
+        wait_for(
+            "the closed stream's place", lambda: daemon._health.open_by_host.get("::1", 0) < MAX_HEALTH_STREAMS_PER_HOST
+        )
+        again = health_pb2_grpc.HealthStub(channel).Watch(request, timeout=30)
+        assert next(again).status == health_pb2.HealthCheckResponse.SERVING
+        for stream in (*streams[1:], another, again):
+            stream.cancel()
+    wait_for("every stream's place", lambda: daemon._health.open == 0)
+
+
+def test_health_watch_streams_are_bounded_in_all() -> None:
+    """The total bound, on the servicer itself: past max_streams a stream is refused, whichever host opens it."""
+    from controller.health_streams import BoundedHealth
+
+    class Context:
+        def __init__(self, host: str) -> None:
+            self.host, self.written = host, 0
+
+        def peer(self) -> str:
+            return f"ipv4:{self.host}:1234"
+
+        async def write(self, _: object) -> None:
+            self.written += 1
+
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            raise grpc.RpcError(f"{code.name}: {details}")
+
+    async def run() -> None:
+        servicer = BoundedHealth(max_streams=3, per_host=2)
+        from grpc_health.v1 import health_pb2
+
+        request = health_pb2.HealthCheckRequest(service="")
+        tasks = [asyncio.create_task(servicer.Watch(request, Context(f"10.0.0.{i}"))) for i in range(3)]
+        await asyncio.sleep(0.01)
+        assert servicer.open == 3
+        with pytest.raises(grpc.RpcError, match="MAX_HEALTH_STREAMS\\)"):
+            await servicer.Watch(request, Context("10.0.0.9"))
+        tasks[0].cancel()
+        await asyncio.gather(tasks[0], return_exceptions=True)
+        assert servicer.open == 2 and "10.0.0.0" not in servicer.open_by_host
+        for task in tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert servicer.open == 0 and servicer.open_by_host == {}
+
+    asyncio.run(run())
