@@ -330,6 +330,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "by 200 MB",
     ),
     Mutation(
+        "worker-logs-every-closed-connection",
+        "decoder/worker/connections.py",
+        "        if now - self._at < self.seconds:",
+        "        if False:",
+        ("tests/worker/test_hostile_clients.py::test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks",),
+        "a line per connection a client left half-sent: thousands of connections, thousands of lines",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -149,6 +149,7 @@ class WorkerProcess:
 
     def main_loop(self) -> None:
         assert self._socket is not None
+        options = uvicorn_options(self.cfg.limits)
         config = uvicorn.Config(
             build_app(self.service),
             log_level=self.log_level.lower(),
@@ -158,9 +159,10 @@ class WorkerProcess:
             # type): ``int(grace) or None`` once let a grace under 1 s wait forever.
             timeout_graceful_shutdown=math.ceil(self.cfg.shutdown_grace_seconds) + 1,
             lifespan="off",
-            **uvicorn_options(self.cfg.limits),
+            **options,
         )
         LifecycleServer(config, self.lifecycle, drain=self._drain).run(sockets=[self._socket])
+        options["http"].sparse.flush()  # the connections closed at the stop, counted in one line
 
     def shutdown(self) -> Drain:
         if self._at_stop is None:  # uvicorn never ran (a failed start-up, or a signal during it)

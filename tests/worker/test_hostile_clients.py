@@ -164,7 +164,7 @@ def test_health_answers_while_the_slowest_prompt_to_classify_is_in_flight(worker
 def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: WorkerLauncher):
     """At SIGTERM, uvicorn waited for each half-sent request's task through the whole grace period (grace + 1 s),
     then cancelled it with a traceback each (thousands of them: 52 MB of log in 12 s). A request still arriving at a
-    stop has nothing admitted to drain: it is closed at once, with one line."""
+    stop has nothing admitted to drain: it is closed at once, in one line for all of them."""
     worker = start_worker(
         launcher, "half-sent", draft=None, shutdown_grace_seconds=5, limits={"request_read_seconds": 60}
     )
@@ -188,7 +188,9 @@ def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: Wo
     assert took < 3, f"the stop took {took:.1f} s with a grace of 5 s"
     time.sleep(0.1)
     log = worker.log.read_text()
-    assert log.count("stopping: closed a connection from 127.0.0.1:") == 3, log
+    # one line, then the others counted (a client's thousands of connections must not write thousands of lines)
+    assert log.count("stopping: closed a connection from 127.0.0.1:") == 1, log
+    assert "and 2 more like the last line" in log, log
     assert_clean_log(worker)
 
 
