@@ -306,8 +306,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "waiting-calls-shared-by-every-host",
         "controller/request_wait.py",
-        "        counted = self.waiting < limits.max_waiting and mine < limits.max_waiting_per_host",
-        "        counted = self.waiting < limits.max_waiting",
+        "        counted = waiting.total < limits.max_waiting and waiting.of(host) < limits.max_waiting_per_host",
+        "        counted = waiting.total < limits.max_waiting",
         ("tests/controller/test_request_wait.py::test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait",),
         "one host's waiting health checks take every place: another host's report over a slow link is refused "
         "after 0.1 s",
@@ -357,8 +357,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "bucket-counters-not-made-consistent",
         "controller/counts.py",
-        "                _add_dataclass(into[key], consistent(counts), weight)  # type: ignore[index]",
-        "                _add_dataclass(into[key], counts, weight)  # type: ignore[index]",
+        "            consistent(counters, table == K_TABLE)\n",
+        "",
         ("tests/controller/test_fuzz_stored.py",),
         "a corrupt bucket with more proposals than offers gives a rate above 1 and a Beta with negative failures",
     ),
@@ -752,8 +752,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "report-budget-no-hold",
         "controller/request_wait.py",
-        "                if hold is not None and (seconds := hold(peer_host(context.peer()))) > 0:",
-        "                if False and hold is not None and (seconds := hold(peer_host(context.peer()))) > 0:",
+        "                if hold is not None and (seconds := hold(host)) > 0:",
+        "                if False and hold is not None and (seconds := hold(host)) > 0:",
         ("tests/controller/test_report_budget.py",),
         "a client over its report budget is read and parsed at once, then refused: it sends 130 reports a second",
     ),
@@ -1029,8 +1029,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "request-wait-no-cap",
         "controller/request_wait.py",
-        "        counted = self.waiting < limits.max_waiting",
-        "        counted = True",
+        "counted = waiting.total < limits.max_waiting and",
+        "counted = True and",
         ("tests/controller/test_request_wait.py",),
         "any number of calls wait for their request message: only the connections bound their memory (issue 22)",
     ),
@@ -1105,7 +1105,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "stream-cap-refused-in-the-pool",
         "controller/request_wait.py",
-        "        if gate is not None and (refused := gate(peer_host(context.peer()))) is not None:",
+        "        if gate is not None and (refused := gate(host)) is not None:",
         "        if False:",
         ("tests/controller/test_host_share.py",),
         "a burst of WatchDecisions streams over their caps is refused each from a pool thread, not on the event loop "

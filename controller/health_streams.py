@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from controller.report_budget import peer_host
+from specd_api.host_counts import HostCounts
 
 MAX_HEALTH_STREAMS = 1024
 MAX_HEALTH_STREAMS_PER_HOST = 64
@@ -28,26 +29,19 @@ class BoundedHealth(health.aio.HealthServicer):
     def __init__(self, max_streams: int = MAX_HEALTH_STREAMS, per_host: int = MAX_HEALTH_STREAMS_PER_HOST) -> None:
         super().__init__()
         self.max_streams, self.per_host = max_streams, per_host
-        self.open = 0
-        self.open_by_host: dict[str, int] = {}  # a host with none has no entry
+        self.open = HostCounts()  # the Watch streams open, by client host
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
         host = peer_host(context.peer())
-        mine = self.open_by_host.get(host, 0)
-        if self.open >= self.max_streams:
+        mine = self.open.of(host)
+        if self.open.total >= self.max_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_streams} health Watch streams are "
                                 "open (MAX_HEALTH_STREAMS): use Check, or close one")  # fmt: skip
         if mine >= self.per_host:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{host} has {mine} health Watch streams open "
                                 "(MAX_HEALTH_STREAMS_PER_HOST): use Check, or close one")  # fmt: skip
-        self.open += 1
-        self.open_by_host[host] = mine + 1
+        self.open.add(host)
         try:
             await super().Watch(request, context)
         finally:
-            self.open -= 1
-            left = self.open_by_host[host] - 1
-            if left:
-                self.open_by_host[host] = left
-            else:
-                del self.open_by_host[host]
+            self.open.remove(host)

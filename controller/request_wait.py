@@ -51,6 +51,7 @@ from controller.auth import RefusalLog
 from controller.grpc_server import LoopAbort, LoopContext, PerMethod, ThreadContext, is_async
 from controller.host_share import HostShares
 from controller.report_budget import MAX_HOLD_SECONDS, peer_host
+from specd_api.host_counts import HostCounts
 
 # A client sends its request with its headers: on a loopback or a LAN it is in within a millisecond, and the largest
 # one the port accepts (MAX_REPORT_BYTES, 1 MiB) crosses a 1 Mbit/s link in 8 s. 10 s keeps every real caller and
@@ -121,8 +122,8 @@ class RequestWait(grpc.aio.ServerInterceptor):
         self.holds = dict(holds or {})  # method -> how long to hold a peer's call before reading its request
         self.gates = dict(gates or {})  # method -> a limit checked on the loop once the request is in (the module)
         self.on_loop = frozenset(on_loop)  # methods whose synchronous handlers run on the loop (the module)
-        self.waiting = 0  # calls waiting for their request now; only coroutines on the server's loop touch it
-        self.waiting_by_host: dict[str, int] = {}  # ... by client host (a host with none has no entry)
+        self.waiting = HostCounts()  # calls waiting for their request now, by client host; only the loop's
+        # coroutines touch it
         self._pool: futures.Executor | None = None
         self._wrapped = PerMethod(self._wrap)
 
@@ -207,11 +208,10 @@ class RequestWait(grpc.aio.ServerInterceptor):
         when there is not exactly one message."""
         limits = self.limits
         host = peer_host(context.peer())
-        mine = self.waiting_by_host.get(host, 0)
-        counted = self.waiting < limits.max_waiting and mine < limits.max_waiting_per_host
+        waiting = self.waiting
+        counted = waiting.total < limits.max_waiting and waiting.of(host) < limits.max_waiting_per_host
         if counted:
-            self.waiting += 1
-            self.waiting_by_host[host] = mine + 1
+            waiting.add(host)
         hold = self.holds.get(method)
         try:
             async with asyncio.timeout(limits.wait_seconds if counted else OVER_CAP_WAIT_SECONDS):
@@ -228,12 +228,7 @@ class RequestWait(grpc.aio.ServerInterceptor):
             await self._refuse(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, busy)
         finally:
             if counted:
-                self.waiting -= 1
-                left = self.waiting_by_host[host] - 1
-                if left:
-                    self.waiting_by_host[host] = left
-                else:
-                    del self.waiting_by_host[host]
+                waiting.remove(host)
         if request is grpc.aio.EOF:
             await self._refuse(context, method, grpc.StatusCode.INVALID_ARGUMENT, NO_MESSAGE)
         if extra is not grpc.aio.EOF:

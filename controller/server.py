@@ -86,7 +86,7 @@ class ControllerDaemon:
         self.shares: HostShares | None = None  # each client host's turns in the handler pool, once serving
         self._redis: RedisHandle | None = None
         self._server: GrpcServer | None = None
-        self._health: health.aio.HealthServicer | None = None
+        self._health: BoundedHealth | None = None
         self._threads: list[threading.Thread] = []
         self._provider: Any = None
         self._watchdog: WatchdogPinger | None = None

@@ -28,6 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from decoder.worker.config import RequestLimits
 from decoder.worker.openai_api import error_body
+from specd_api.host_counts import HostCounts
 
 log = logging.getLogger("specd.worker")
 
@@ -64,13 +65,13 @@ class HostConnections:
 
     def __init__(self, per_host: int) -> None:
         self.per_host = per_host  # 0: no bound
-        self.held: dict[str, int] = {}
+        self.held = HostCounts()
         self.refused = 0
         self._logged_at = -float("inf")
 
     def take(self, host: str) -> bool:
         """One more connection for ``host``, or False when it holds its share already."""
-        held = self.held.get(host, 0)
+        held = self.held.of(host)
         if self.per_host and held >= self.per_host:
             self.refused += 1
             now = time.monotonic()
@@ -79,15 +80,11 @@ class HostConnections:
                 log.warning("refused a connection from %s: it holds %d already (limits.max_connections_per_host; "
                             "logged at most once a minute)", host, held)  # fmt: skip
             return False
-        self.held[host] = held + 1
+        self.held.add(host)
         return True
 
     def give_back(self, host: str) -> None:
-        held = self.held[host] - 1
-        if held:
-            self.held[host] = held
-        else:
-            del self.held[host]
+        self.held.remove(host)
 
 
 _OVER_SHARE = json.dumps(

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controller.health_streams import MAX_HEALTH_STREAMS_PER_HOST
 from controller.request_wait import MAX_WAITING_CALLS_PER_HOST
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -21,7 +22,6 @@ from tests.controller.test_daemon import start, write_tokened_config
 from tests.daemons import DEFAULT_POLICY, connected, running_daemon
 from tests.waiting import wait_until
 
-STREAMS = 120  # well past the daemon's pool (max_workers 4 + max_watchers)
 HALF_OPEN = 300  # per kind of caller: past the default pool (max_workers 16 + max_watchers 256) the issue filled
 DECIDE = "/specd.v1.Controller/Decide"
 REPORT = "/specd.v1.Controller/ReportRounds"
@@ -29,7 +29,8 @@ REPORT = "/specd.v1.Controller/ReportRounds"
 
 def test_many_health_watch_streams_leave_decide_answering(embedded_redis_url, tmp_path) -> None:
     with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text(), max_watchers=8) as daemon:
-        pass_through = _open_watches(daemon.address, STREAMS)
+        # one host's share of health Watch streams (controller/health_streams.py), well past the pool (24 threads)
+        pass_through = _open_watches(daemon.address, MAX_HEALTH_STREAMS_PER_HOST)
         try:
             with connected(daemon) as channel:
                 stub = pb_grpc.ControllerStub(channel)

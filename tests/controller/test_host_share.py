@@ -274,7 +274,7 @@ def test_one_host_holds_its_share_of_health_watch_streams_and_another_host_still
     stream from the other host opens, and a stream the first host closes gives its place back."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from controller.health_streams import MAX_HEALTH_STREAMS_PER_HOST
+    from controller.health_streams import MAX_HEALTH_STREAMS_PER_HOST, BoundedHealth
 
     request = health_pb2.HealthCheckRequest(service="")
     with ExitStack() as stack:
@@ -291,14 +291,14 @@ def test_one_host_holds_its_share_of_health_watch_streams_and_another_host_still
         assert next(another).status == health_pb2.HealthCheckResponse.SERVING
         assert health_pb2_grpc.HealthStub(channel).Check(request, timeout=10).status  # Check is not bounded
         streams[0].cancel()
-        wait_for(
-            "the closed stream's place", lambda: daemon._health.open_by_host.get("::1", 0) < MAX_HEALTH_STREAMS_PER_HOST
-        )
+        health = daemon._health
+        assert isinstance(health, BoundedHealth)
+        wait_for("the closed stream's place", lambda: health.open.of("::1") < MAX_HEALTH_STREAMS_PER_HOST)
         again = health_pb2_grpc.HealthStub(channel).Watch(request, timeout=30)
         assert next(again).status == health_pb2.HealthCheckResponse.SERVING
         for stream in (*streams[1:], another, again):
             stream.cancel()
-    wait_for("every stream's place", lambda: daemon._health.open == 0)
+    wait_for("every stream's place", lambda: daemon._health.open.total == 0)
 
 
 def test_health_watch_streams_are_bounded_in_all() -> None:
@@ -325,15 +325,15 @@ def test_health_watch_streams_are_bounded_in_all() -> None:
         request = health_pb2.HealthCheckRequest(service="")
         tasks = [asyncio.create_task(servicer.Watch(request, Context(f"10.0.0.{i}"))) for i in range(3)]
         await asyncio.sleep(0.01)
-        assert servicer.open == 3
+        assert servicer.open.total == 3
         with pytest.raises(grpc.RpcError, match="MAX_HEALTH_STREAMS\\)"):
             await servicer.Watch(request, Context("10.0.0.9"))
         tasks[0].cancel()
         await asyncio.gather(tasks[0], return_exceptions=True)
-        assert servicer.open == 2 and "10.0.0.0" not in servicer.open_by_host
+        assert servicer.open.total == 2 and "10.0.0.0" not in servicer.open.hosts()
         for task in tasks[1:]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert servicer.open == 0 and servicer.open_by_host == {}
+        assert servicer.open.total == 0 and servicer.open.hosts() == {}
 
     asyncio.run(run())
