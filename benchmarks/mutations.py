@@ -238,16 +238,32 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "client-segments-unbudgeted",
         "decoder/worker/client_segments.py",
-        "            if self.bounds.new_per_hour:",
-        "            if False:",
+        "            if bounds.max_names and (",
+        "            if False and (",
         ("tests/worker/test_client_segments.py",),
         "a client naming a new segment per request fills the controller's segment cap: later new segments learn "
         "only as _overflow for an hour",
     ),
     Mutation(
+        "client-segments-one-host-takes-all",
+        "decoder/worker/client_segments.py",
+        "len(self._held) >= bounds.max_names or self._by_host.of(host) >= bounds.max_names_per_host",
+        "len(self._held) >= bounds.max_names",
+        ("tests/worker/test_client_segments.py",),
+        "one client's flood of names takes every place this worker holds: other clients' new names get none",
+    ),
+    Mutation(
+        "client-segments-never-given-back",
+        "decoder/worker/client_segments.py",
+        "            if now - last < self.bounds.window_seconds:",
+        "            if True:",
+        ("tests/worker/test_client_segments.py",),
+        "a client-named segment nobody names any more keeps its place for good: new names get none",
+    ),
+    Mutation(
         "client-segment-names-unchecked",
         "decoder/worker/client_segments.py",
-        "        if not self._names.fullmatch(name):",
+        "        if name not in self._always and not self._names.fullmatch(name):",
         "        if not name:",
         ("tests/worker/test_client_segments.py",),
         "client_segments.names is read but never applied: any name a client makes up is taken",
@@ -381,7 +397,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "temperature-overflows-the-logits",
         "decoder/sampling.py",
-        "    return torch.where(logits == top, 0.0, logits - top)",
+        "    return torch.where(torch.isposinf(logits), 0.0, logits - top)",
         "    return logits",
         ("tests/decoder/test_fuzz_sampling.py",),
         "logits near a float16/bfloat16 model's range over a temperature of 1e-5 overflow to inf: the row is NaN and "

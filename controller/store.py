@@ -67,7 +67,7 @@ local repaired = {}
 local function claim(key, kind)
   local found = redis.call('TYPE', key).ok
   if found ~= 'none' and found ~= kind then
-    redis.call('DEL', key)
+    redis.call('UNLINK', key)  -- freed in the background: a huge key of another type does not block Redis
     table.insert(repaired, key)
   end
 end
@@ -154,9 +154,12 @@ claim(KEYS[2], 'hash')
 redis.call('HSETNX', KEYS[2], 'epoch', ARGV[2])
 local seq = redis.pcall('HINCRBY', KEYS[2], 'seq', 1)
 if type(seq) == 'table' and seq.err then
-  -- a seq that is no integer: the state starts again under a new epoch, which tells readers the marks were lost
-  redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('HSET', KEYS[2], 'epoch', ARGV[2])
+  -- a seq that is no integer: the state starts again under a new epoch (not this writer's usual one, which is
+  -- likely the one stored: a reader that saw seq N would then skip the marks 1..N), which tells readers the marks
+  -- were lost
+  local now = redis.call('TIME')
+  redis.call('UNLINK', KEYS[1], KEYS[2])
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[2] .. ':' .. now[1] .. '.' .. now[2])
   seq = redis.call('HINCRBY', KEYS[2], 'seq', 1)
   table.insert(repaired, KEYS[2] .. ' seq')
 end

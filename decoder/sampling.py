@@ -69,10 +69,11 @@ def _shifted_to_zero(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` minus each row's largest, so that dividing by a small temperature cannot overflow: softmax, top-k and
     top-p are all unchanged by a shift, and every entry is now <= 0 (a float16 or bfloat16 model's logits near the
     dtype's range, over a temperature of 1e-5, were +inf and made the row NaN; issue 22). Entries at +inf (a float16
-    overflow) become 0 and the rest -inf: the row's limit, uniform over its infinite tokens."""
+    overflow) become 0 and the rest -inf: the row's limit, uniform over its infinite tokens. A row with every entry
+    -inf (or NaN) stays NaN: there is no distribution to draw from, and the sampler's error fails that request."""
     # logits: [n, vocab] float32
     top = logits.amax(dim=-1, keepdim=True)  # [n, 1]
-    return torch.where(logits == top, 0.0, logits - top)
+    return torch.where(torch.isposinf(logits), 0.0, logits - top)
 
 
 def _mask_outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -209,13 +209,14 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     segment = body.segment or request.headers.get(SEGMENT_HEADER)
     if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
         raise BadRequest("segment", f"{quote(segment)} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
-    if segment is not None:
-        try:
-            segment = service.client_segment(segment)  # None: served under the segment the worker infers
-        except SegmentRefused as e:
-            raise BadRequest("segment", str(e)) from None
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     check_speculation(body.speculation, cfg.client_speculation)
+    if segment is not None:  # last: a request refused for another field takes no place
+        try:
+            host = request.client.host if request.client is not None else ""
+            segment = service.client_segment(segment, host)  # None: served under the segment the worker infers
+        except SegmentRefused as e:
+            raise BadRequest("segment", str(e)) from None
     return RequestSpec(
         prompt_text=text,
         prompt_ids=ids,

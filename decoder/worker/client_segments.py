@@ -5,17 +5,21 @@ its first report and keeps it until it has been silent for a whole window (an ho
 infers are few (the classifier's five and ``default_segment``), but a client may name any: one client naming a new
 segment per request once filled every place, and each later new segment, whoever's, learned only as ``_overflow``.
 
-So a client's name is admitted here before anything else reads it:
+So a client's name is admitted here, once the rest of its request has passed every check (a refused request takes
+no place):
 
 - ``allowed: false``, or a name no glob of ``names`` matches: the request is refused (400, param ``segment``);
-- a name this worker took from a client in the last hour: admitted;
-- a new name: admitted while fewer than ``new_per_hour`` names were taken for the first time in the last hour; past
-  that, the request is served under the segment the worker would infer, as if it had named none (a segment only
-  chooses how to speculate: the output is the same), and counted. A flood of made-up names then holds at most
-  ``new_per_hour`` of the controller's places per worker, and the names already learned keep theirs.
+- a name this worker holds (taken from a client and named again within ``window_seconds``): admitted;
+- another name: taken while this worker holds fewer than ``max_names`` client-named segments, and the client address
+  that names it brought fewer than ``max_names_per_host`` of them; else the request is served under the segment the
+  worker would infer, as if it had named none (a segment only chooses how to speculate: the output is the same), and
+  counted. A name no request names for ``window_seconds`` gives its place back.
 
-The names remembered are bounded (``MAX_REMEMBERED``, least recently seen out: a name pushed out is new again), and
-the globs are compiled into one pattern when the worker starts, so a name costs one match whatever their number.
+A worker so holds at most ``max_names`` of the controller's places, however long a client keeps naming new ones or
+keeps its names alive, and one address at most ``max_names_per_host`` of them: a flood from one client leaves the
+others' new names room. Deployments size ``max_names`` x workers within the controller's ``max_segments``, and
+``window_seconds`` to its window. The globs are compiled into one pattern when the worker starts, so a name costs one
+match whatever their number.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ import fnmatch
 import re
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from decoder.worker.config import ClientSegments
+from specd_api.host_counts import HostCounts
 
-WINDOW_SECONDS = 3600.0  # "an hour": the controller's default learning window
-MAX_REMEMBERED = 10_000  # names remembered as taken (least recently seen out)
+MAX_REMEMBERED = 10_000  # names remembered when max_names is 0 (no bound): least recently named out
 
 
 class SegmentRefused(ValueError):
@@ -38,8 +42,9 @@ class SegmentRefused(ValueError):
 
 
 class SegmentAdmission:
-    """``admit(name)``: the segment a client's name is served under (the name, or None: infer one), or
-    SegmentRefused. ``always`` are names taken without counting (the ones the worker infers itself). Thread-safe."""
+    """``admit(name, host)``: the segment a request naming ``name`` from client address ``host`` is served under
+    (the name, or None: infer one), or SegmentRefused. ``always`` are names taken without a place (the ones the worker
+    infers itself). Thread-safe."""
 
     def __init__(
         self, bounds: ClientSegments, always: Iterable[str] = (), clock: Callable[[], float] = time.monotonic
@@ -48,34 +53,56 @@ class SegmentAdmission:
         self._always = frozenset(always)
         self._names = re.compile("|".join(f"(?:{fnmatch.translate(glob)})" for glob in bounds.names))
         self._clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()  # name -> last seen, least recently seen first
-        self._taken: deque[float] = deque()  # when each name of the last hour was first taken
+        self._held: OrderedDict[str, tuple[float, str]] = OrderedDict()  # name -> (last named, the address that
+        # brought it), least recently named first
+        self._by_host = HostCounts()  # the names each address brought
         self._lock = threading.Lock()
-        self.ignored = 0  # requests served under an inferred segment: the hour's budget of new names was spent
+        self.ignored = 0  # requests served under an inferred segment: no place left for their name
 
-    def admit(self, name: str) -> str | None:
+    def check(self, name: str) -> None:
+        """Raises SegmentRefused for a name this worker never takes (``allowed``, ``names``)."""
         if not self.bounds.allowed:
             raise SegmentRefused("this worker does not take a client's segment (client_segments.allowed is false)")
+        if name not in self._always and not self._names.fullmatch(name):
+            raise SegmentRefused(f"{name!r} is not among the segments this worker takes (client_segments.names)")
+
+    def admit(self, name: str, host: str) -> str | None:
+        self.check(name)
         if name in self._always:
             return name
-        if not self._names.fullmatch(name):
-            raise SegmentRefused(f"{name!r} is not among the segments this worker takes (client_segments.names)")
+        bounds = self.bounds
         now = self._clock()
         with self._lock:
-            seen = self._seen.get(name)
-            if seen is not None and now - seen < WINDOW_SECONDS:
-                self._seen[name] = now
-                self._seen.move_to_end(name)
+            self._give_back_silent(now)
+            held = self._held.get(name)
+            if held is not None:
+                self._held[name] = (now, held[1])
+                self._held.move_to_end(name)
                 return name
-            while self._taken and now - self._taken[0] >= WINDOW_SECONDS:
-                self._taken.popleft()
-            if self.bounds.new_per_hour:
-                if len(self._taken) >= self.bounds.new_per_hour:
-                    self.ignored += 1
-                    return None
-                self._taken.append(now)
-            self._seen[name] = now
-            self._seen.move_to_end(name)
-            while len(self._seen) > MAX_REMEMBERED:
-                self._seen.popitem(last=False)
+            if bounds.max_names and (
+                len(self._held) >= bounds.max_names or self._by_host.of(host) >= bounds.max_names_per_host
+            ):
+                self.ignored += 1
+                return None
+            self._held[name] = (now, host)
+            self._by_host.add(host)
+            if len(self._held) > MAX_REMEMBERED:  # no bound set: the memory still has one
+                self._drop_oldest()
             return name
+
+    def held(self) -> dict[str, int]:
+        """The names held now, by the address that brought them."""
+        with self._lock:
+            self._give_back_silent(self._clock())
+            return self._by_host.hosts()
+
+    def _give_back_silent(self, now: float) -> None:
+        while self._held:
+            last = next(iter(self._held.values()))[0]
+            if now - last < self.bounds.window_seconds:
+                return
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, (_, host) = self._held.popitem(last=False)
+        self._by_host.remove(host)

@@ -172,11 +172,18 @@ class ClientSegments(Strict):
         default_factory=lambda: ["*"], min_length=1, max_length=1000,
         description="globs a segment a client names must match, else 400 (default: any name)",
     )  # fmt: skip
-    new_per_hour: int = Field(
-        100, ge=0, le=100_000, description="segments this worker takes from clients for the first time in an hour; "
-        "past it, a request naming a segment not seen in the last hour is served under the segment the worker would "
-        "infer (the classifier's or default_segment), counted in specd_worker_client_segments_ignored_total "
-        "(0: no bound)",
+    max_names: int = Field(
+        100, ge=0, le=100_000, description="client-named segments this worker holds at once (each holds one of the "
+        "controller's learning.max_segments places); past it a request naming another is served under the segment "
+        "the worker infers, counted in specd_worker_client_segments_ignored_total (0: no bound)",
+    )  # fmt: skip
+    max_names_per_host: int = Field(
+        25, ge=1, le=100_000, description="of them, brought by one client address (raise it for a proxy in front, "
+        "which carries every client's requests)",
+    )  # fmt: skip
+    window_seconds: float = Field(
+        3600.0, gt=0, le=30 * 86_400, description="a name no request names for this long gives its place back (the "
+        "controller's learning window: window_buckets x bucket_seconds)",
     )  # fmt: skip
 
 

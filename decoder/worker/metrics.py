@@ -101,8 +101,9 @@ class WorkerMetrics:
                                  registry=r)  # fmt: skip
         self.rejected = Counter("specd_rejected_requests", "Requests refused before decoding", ["reason"], registry=r)
         self.client_segments_ignored = Counter(
-            "specd_worker_client_segments_ignored", "Requests that named a segment new this hour past "
-            "client_segments.new_per_hour, served under the segment the worker inferred", registry=r,
+            "specd_worker_client_segments_ignored", "Requests that named a segment this worker had no place for "
+            "(client_segments.max_names, or the address's max_names_per_host), served under the segment the worker "
+            "inferred", registry=r,
         )  # fmt: skip
         self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for a KV slot", registry=r)
         self.batch_size = Gauge("specd_batch_size", "Sequences being decoded", registry=r)

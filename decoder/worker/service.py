@@ -519,20 +519,21 @@ class WorkerService:
             expected_speedup=request.plan.model_speedup if request.plan is not None else 0.0,
         )
 
-    def client_segment(self, name: str) -> str | None:
-        """The segment a request that names ``name`` is served under: the name, or None (infer one: this hour's
-        budget of new names is spent; counted, logged at most once a minute). Raises SegmentRefused for a name
-        this worker does not take (``client_segments``)."""
-        admitted = self.segment_admission.admit(name)
+    def client_segment(self, name: str, host: str) -> str | None:
+        """The segment a request naming ``name`` from client address ``host`` is served under: the name, or None
+        (infer one: no place left for it, counted and logged at most once a minute). Raises SegmentRefused for a
+        name this worker does not take (``client_segments``)."""
+        admitted = self.segment_admission.admit(name, host)
         if admitted is None:
             self.metrics.client_segments_ignored.inc()
             now = time.monotonic()
             if now - self._ignored_logged_at >= 60:
                 self._ignored_logged_at = now
-                log.warning("a request named segment %r, new this hour past client_segments.new_per_hour (%d): "
-                            "served under the segment inferred from its prompt (logged at most once a minute; "
-                            "specd_worker_client_segments_ignored_total counts them)", name[:128],
-                            self.cfg.client_segments.new_per_hour)  # fmt: skip
+                bounds = self.cfg.client_segments
+                log.warning("a request from %s named segment %r, and this worker holds client_segments.max_names (%d) "
+                            "or that address max_names_per_host (%d): served under the segment inferred from its "
+                            "prompt (logged at most once a minute; specd_worker_client_segments_ignored_total counts "
+                            "them)", host, name[:128], bounds.max_names, bounds.max_names_per_host)  # fmt: skip
         return admitted
 
     def _segment_of(self, spec: RequestSpec) -> tuple[float, str]:

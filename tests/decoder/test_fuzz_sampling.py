@@ -5,7 +5,9 @@ temperature can overflow the logits it divides, and ``top_k`` can exceed the voc
 
 Whatever the parameters the worker accepts, and whatever finite-or-masked logits a model gives:
 
-- the warped distribution is finite, non-negative and sums to 1;
+- the warped distribution is finite, non-negative and sums to 1, and with the temperature alone it is softmax(x / T)
+  computed in float64;
+- a row with +inf entries (a float16 model's overflow) draws among those alone, alike;
 - a token the model masked (-inf) never gets mass, and one of the most likely tokens always keeps some;
 - a more likely token never gets less mass than a less likely one (the masks keep a prefix of the sorted order);
 - a drawn token, and the token rejection sampling emits after a draft from other logits, has mass under the target.
@@ -47,38 +49,57 @@ def logit_rows(draw: st.DrawFn) -> torch.Tensor:
     logits = (torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * scale).clamp(-largest, largest)
     masked = torch.rand(n, vocab, generator=torch.Generator().manual_seed(seed + 1)) < draw(st.sampled_from([0, 0.5]))
     masked[:, draw(st.integers(0, vocab - 1))] = False
-    return logits.masked_fill(masked, -math.inf).to(dtype)
+    logits = logits.masked_fill(masked, -math.inf)
+    if draw(st.integers(0, 7)) == 0:  # a float16 model's overflow: some entries +inf
+        overflowed = torch.rand(n, vocab, generator=torch.Generator().manual_seed(seed + 2)) < 0.2
+        overflowed[:, draw(st.integers(0, vocab - 1))] = True
+        logits = logits.masked_fill(overflowed, math.inf)
+    return logits.to(dtype)
 
 
 def params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
-def check_distribution(logits: torch.Tensor, probs: torch.Tensor, temperature: float) -> None:
+def check_distribution(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingParams) -> None:
     wide = logits.float()
     assert probs.dtype == torch.float32 and probs.shape == wide.shape
     assert torch.isfinite(probs).all() and (probs >= 0).all(), probs
     torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[0]), atol=1e-4, rtol=0)
     assert (probs[wide == -math.inf] == 0).all(), "a masked token got mass"
+    for row, p in zip(wide, probs, strict=True):
+        infinite = torch.isposinf(row)
+        if infinite.any():  # the row's limit: its +inf tokens alone, alike (top-k and top-p may keep fewer of them)
+            kept = p[p > 0]
+            assert infinite[p > 0].all() and torch.allclose(kept, kept[0].expand_as(kept)), (row, p)
+            continue
+        check_finite_row(row, p, sampling)
+
+
+def check_finite_row(row: torch.Tensor, p: torch.Tensor, sampling: SamplingParams) -> None:
     # "most likely" is after the temperature: two logits a few ulps apart can round to one value over it (a tie)
-    scaled = wide if temperature < GREEDY_BELOW else (wide - wide.amax(-1, keepdim=True)) / temperature
-    most_likely = scaled == scaled.amax(-1, keepdim=True)
-    assert ((probs > 0) & most_likely).any(-1).all(), "every most likely token lost its mass"
-    # more likely -> at least as much mass: for every pair (i, j) with scaled_i > scaled_j, probs_i >= probs_j
-    above = scaled.unsqueeze(-1) > scaled.unsqueeze(-2)  # [n, vocab, vocab]
-    assert not (above & (probs.unsqueeze(-1) < probs.unsqueeze(-2))).any(), (wide, probs)
+    scaled = row if sampling.is_greedy else (row - row.amax()) / sampling.temperature
+    assert (p[scaled == scaled.amax()] > 0).any(), "every most likely token lost its mass"
+    # more likely -> at least as much mass: for every pair (i, j) with scaled_i > scaled_j, p_i >= p_j
+    assert not ((scaled.unsqueeze(-1) > scaled.unsqueeze(-2)) & (p.unsqueeze(-1) < p.unsqueeze(-2))).any(), (row, p)
+    if not sampling.is_greedy and not sampling.top_k and sampling.top_p == 1.0:  # the warping is the temperature alone
+        reference = torch.softmax(row.double() / sampling.temperature, dim=-1)  # in float64, unshifted
+        torch.testing.assert_close(p.double(), reference, atol=1e-5, rtol=1e-4)
 
 
 @given(logits=logit_rows(), temperature=temperatures, top_k=top_ks, top_p=top_ps, seed=st.integers(0, 2**63 - 1))
 @example(logits=torch.tensor([[0.0, 1.0, 2.0]]), temperature=1.0, top_k=0, top_p=1e-46, seed=0)  # the case
 @example(logits=torch.tensor([[0.0, 1.0, 2.0]]), temperature=GREEDY_BELOW, top_k=0, top_p=1.0, seed=0)
 @example(logits=torch.tensor([[-3e38, 3e38, 0.0]]), temperature=GREEDY_BELOW, top_k=2, top_p=0.5, seed=0)
+@example(logits=torch.tensor([[0.0, 1.0, math.log(3.0) + 1]]), temperature=0.5, top_k=0, top_p=1.0, seed=0)
+@example(logits=torch.tensor([[1.0, math.inf, 0.0, math.inf]]), temperature=0.7, top_k=0, top_p=1.0, seed=0)
 @fuzz_settings(400)
 def test_any_accepted_parameters_give_a_distribution_and_a_token_it_allows(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int
 ):
-    warped = logits_to_probs(logits, params(temperature, top_k, top_p))
-    check_distribution(logits, warped, temperature)
+    sampling = params(temperature, top_k, top_p)
+    warped = logits_to_probs(logits, sampling)
+    check_distribution(logits, warped, sampling)
     drawn = sample(warped, torch.Generator().manual_seed(seed))
     assert (warped.gather(-1, drawn.unsqueeze(-1)) > 0).all(), (warped, drawn)
 

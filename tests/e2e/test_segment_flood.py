@@ -1,6 +1,6 @@
 """A flood of made-up segment names over HTTP against a real `specd worker` (the reference pair) and a real `specd
 controller` with a small segment cap (issue 22: one client naming a new segment per request filled the cap, and every
-later new segment learned only as _overflow for an hour). The worker's ``client_segments.new_per_hour`` keeps the
+later new segment learned only as _overflow for an hour). The worker's ``client_segments.max_names`` keeps the
 flood to a few places."""
 
 from __future__ import annotations
@@ -24,12 +24,17 @@ def controller_segments(address: str) -> set[str]:
 
 
 def test_a_flood_of_made_up_segments_leaves_the_controllers_cap_to_the_others(stack: Stack):
-    """Cap 12 at the controller, 4 new names an hour at the worker: 20 made-up names over HTTP take 4 places, the
-    other 16 requests are served under the segment the worker infers (and counted); the cap is not reached, so a
-    segment reported by another worker afterwards is learned under its own name, not as _overflow."""
+    """Cap 12 at the controller, 4 client-named segments a worker holds: 20 made-up names over HTTP take 4 places, the
+    other 16 requests are served under the segment the worker infers (and counted); requests refused for another
+    field take none; the cap is not reached, so a segment reported by another worker afterwards is learned under its
+    own name, not as _overflow."""
     controller = stack.start_controller(max_segments=12)
-    worker = stack.start_worker(controller.address, client_segments={"new_per_hour": 4})
+    worker = stack.start_worker(controller.address, client_segments={"max_names": 4})
     with httpx.Client(base_url=worker.url, timeout=60) as client:
+        for i in range(6):  # refused for their K (past client_speculation.max_k): they must take no place
+            speculation = {"drafter": "draft", "k": 9}
+            body = {"prompt": "x", "max_tokens": 1, "segment": f"refused-{i}", "speculation": speculation}
+            assert client.post("/v1/completions", json=body).status_code == 400
         for i in range(20):
             body = {"prompt": "def add(a, b):", "max_tokens": 2, "temperature": 0, "segment": f"made-up-{i}"}
             assert client.post("/v1/completions", json=body).status_code == 200
@@ -44,6 +49,7 @@ def test_a_flood_of_made_up_segments_leaves_the_controllers_cap_to_the_others(st
         assert time.monotonic() < deadline, seen
         time.sleep(0.2)
     assert not any(s.startswith("made-up-") and int(s.rsplit("-", 1)[1]) >= 4 for s in seen), seen
+    assert not any(s.startswith("refused-") for s in seen), seen
     assert OVERFLOW_SEGMENT not in seen and len(seen) < 12, seen
 
     other = stack.start_worker(controller.address)  # another worker's tenant, new after the flood

@@ -26,7 +26,7 @@ def worker(launcher) -> Worker:
         "limits", draft=None, segment_classifier="none", default_segment="tenant-a",
         limits={"max_request_bytes": MAX_BODY, "max_prompt_chars": MAX_CHARS, "max_prompt_tokens": MAX_TOKENS},
         metrics={"max_segments": MAX_SEGMENTS},
-        client_segments={"new_per_hour": 0},  # the metrics' own bound is tested here: every name a client sends
+        client_segments={"max_names": 0},  # the metrics' own bound is tested here: every name a client sends
     )  # fmt: skip
 
 
