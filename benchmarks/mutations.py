@@ -354,6 +354,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a line per connection a client left half-sent: thousands of connections, thousands of lines",
     ),
     Mutation(
+        "change-marks-reset-under-the-old-epoch",
+        "controller/store.py",
+        "  redis.call('HSET', KEYS[2], 'epoch', ARGV[2] .. ':' .. now[1] .. '.' .. now[2])",
+        "  redis.call('HSET', KEYS[2], 'epoch', ARGV[2])",
+        ("tests/controller/test_stored_data.py::test_unreadable_change_marks_start_again_under_a_new_epoch",),
+        "unreadable change marks start again under the writer's usual epoch: readers skip the marks 1..N and keep "
+        "stale counts",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

@@ -114,7 +114,7 @@ def test_calls_that_never_send_a_message_hold_no_thread(tmp_path: Path, embedded
     grace."""
     config, port, tokens = write_tokened_config(tmp_path, embedded_redis_url)
     read = tokens["T_READ"]
-    process = start(config, tokens)
+    process = start(config, {**tokens, "SPECD_REQUEST_WAIT_SECONDS": "60"})  # the waiting calls outlast the test
     address = f"127.0.0.1:{port}"
     try:
         with ExitStack() as stack:

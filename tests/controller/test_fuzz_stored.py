@@ -263,11 +263,26 @@ def check_everything_answers(controller: Controller, policies: PolicyStore) -> N
         assert all(math.isfinite(v) and v >= 0 for v in bucket.verify_cost), bucket
 
 
-def make_learner(client: redis.Redis, journal_dir: Path, clock: Clock) -> tuple[TelemetryStore, Learner, str]:
-    prefix = f"f{uuid.uuid4().hex[:12]}"
-    store = TelemetryStore(client, StoreConfig(prefix=prefix), clock)
-    journal = Journal(journal_dir / f"{prefix}.jsonl", 100, 2**20)
+def make_learner(
+    client: redis.Redis, journal_dir: Path, clock: Clock, prefix: str | None = None
+) -> tuple[TelemetryStore, Learner, str]:
+    """A store and learner as the daemon has them: decay read at the start of each minute's step, so that a refresh
+    keeps a segment no change mark names (the marks then decide what a refresh reads)."""
+    prefix = prefix or f"f{uuid.uuid4().hex[:12]}"
+    store = TelemetryStore(client, StoreConfig(prefix=prefix, decay_step_seconds=60.0), clock)
+    journal = Journal(journal_dir / f"{prefix}-{uuid.uuid4().hex[:6]}.jsonl", 100, 2**20)
     return store, Learner(store, journal, clock=clock, prior_retrain_seconds=0.0), prefix
+
+
+def assert_same_as_a_fresh_read(client: redis.Redis, journal_dir: Path, learner: Learner, clock: Clock) -> None:
+    """What the learner holds, read a refresh at a time from what changed, equals what a learner reading everything
+    at once finds (a change mark missed kept a segment's old counts: the reset of unreadable marks once kept the
+    epoch, and readers skipped the marks after it)."""
+    _, fresh, _ = make_learner(client, journal_dir, clock, learner.store.config.prefix)
+    assert fresh.refresh() is True
+    for segment in {*SEGMENTS, *learner.segments()} - set(learner.drift_watch.regime):
+        ours, theirs = learner.segment_counts(segment).rounds, fresh.segment_counts(segment).rounds
+        assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-9), (segment, ours, theirs)
 
 
 def remove(client: redis.Redis, prefix: str) -> None:
@@ -318,13 +333,26 @@ def test_any_stored_value_leaves_every_answer_finite_and_learning_resumes(
         learner.refit_prior()  # the samples, whatever they are, train a prior or none
         assert learner.refresh() is True
         check_everything_answers(controller, policies)
+        # a report in the same bucket and decay step, read from the change marks over whatever they hold
+        clock.now += 1.0
+        store.ingest("during", [small("beside", rounds=5, accepted=1), small("victim", rounds=5, accepted=1)])
+        assert learner.refresh() is True and not learner.stale
+        assert_same_as_a_fresh_read(client, journal_dir, learner, clock)
 
         # A report written over them (in the next bucket: a counter already past any bound stays unreadable in its
         # own) is taken whole, and every segment learns it: nothing stays poisoned, no operator needed.
         clock.now += store.config.bucket_seconds
-        result = store.ingest("after", [small(s, rounds=7, accepted=1) for s in SEGMENTS])
+        after = [small(s, rounds=7, accepted=1) for s in SEGMENTS]
+        result = store.ingest("after", after)
         assert not result.duplicate and result.rounds == 14, result
+        # the counts (a retry marks its segments changed again: the marks move)
+        counted = [k for k in (*keys.values(), store.keys.cost_bucket(store.bucket(clock())))
+                   if ":seg:" in k or ":cost:" in k]  # fmt: skip
+        written = {k: client.hgetall(k) for k in counted if client.type(k) == "hash"}
+        assert store.ingest("after", after).duplicate, "a retry over repaired keys counted twice"
+        assert {k: client.hgetall(k) for k in written} == written, "a retry over repaired keys changed them"
         assert learner.refresh() is True and not learner.stale
         for segment in SEGMENTS:
             assert learner.segment_counts(segment).rounds >= 7, (segment, bad)
+        assert_same_as_a_fresh_read(client, journal_dir, learner, clock)
         check_everything_answers(controller, policies)

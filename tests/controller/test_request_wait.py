@@ -136,7 +136,7 @@ def test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait(embedded_re
         pytest.skip("no IPv6 loopback on this machine: the test needs calls from two hosts (127.0.0.1 and ::1)")
     config, port, tokens = write_tokened_config(tmp_path, embedded_redis_url)
     config.write_text(config.read_text().replace(f"listen: 127.0.0.1:{port}", f"listen: localhost:{port}"))
-    env = {**tokens, "SPECD_REQUEST_WAIT_SECONDS": "5", "SPECD_MAX_WAITING_CALLS": "40",
+    env = {**tokens, "SPECD_REQUEST_WAIT_SECONDS": "60", "SPECD_MAX_WAITING_CALLS": "40",
            "SPECD_MAX_WAITING_CALLS_PER_HOST": "10"}  # fmt: skip
     process = start(config, env)
     v4 = Controller(f"127.0.0.1:{port}", tokens["T_READ"], tokens["T_WRITE"], process)
@@ -153,6 +153,14 @@ def test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait(embedded_re
             code, _, seconds = asyncio.run(_call_status(v6, DECIDE, messages=None, timeout=1.0))
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 0.95, (code, seconds)  # it waited
             assert flood.ended_by_server == 20  # the host's 10 still wait
+        # the flood gone, its places are given back: the host's own next call waits again (its client's deadline)
+        deadline = time.monotonic() + 10
+        while True:
+            code, _, seconds = asyncio.run(_call_status(v4, DECIDE, messages=None, timeout=1.0))
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and seconds >= 0.95, (code, seconds)
     finally:
         process.terminate()
         process.wait(timeout=30)
