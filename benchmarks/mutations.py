@@ -363,6 +363,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "stale counts",
     ),
     Mutation(
+        "ipv6-client-is-every-address",
+        "specd_api/host_counts.py",
+        "            return str(ipaddress.IPv6Network((ip, IPV6_HOST_PREFIX), strict=False))",
+        "            return str(ip)",
+        ("tests/specd_api/test_host_counts.py",),
+        "an IPv6 client is as many hosts as its subnet has addresses: every per-host share is no bound for it",
+    ),
+    Mutation(
         "stored-json-recursion-escapes",
         "controller/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",

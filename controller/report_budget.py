@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from specd_api.host_counts import client_host
+
 SHARED_PEER = "unknown"  # every peer whose address does not parse (Unix sockets among them) shares one bucket
 DEFAULT_MAX_PEERS = 4096
 LOG_EVERY_SECONDS = 60.0
@@ -39,8 +41,9 @@ MAX_HOLD_SECONDS = 5.0
 
 
 def peer_host(peer: str) -> str:
-    """The IP address of a gRPC peer string (``ipv4:ADDR:PORT``, ``ipv6:[ADDR]:PORT``, percent-encoded or not), in
-    its canonical form; ``SHARED_PEER`` for anything else."""
+    """The client host of a gRPC peer string (``ipv4:ADDR:PORT``, ``ipv6:[ADDR]:PORT``, percent-encoded or not): its
+    address in canonical form, an IPv6 one by its /64 (``specd_api.host_counts.client_host``); ``SHARED_PEER`` for
+    anything else."""
     scheme, _, rest = unquote(peer).partition(":")
     host, colon, port = rest.rpartition(":")
     if not colon or not port.isdigit():
@@ -55,9 +58,7 @@ def peer_host(peer: str) -> str:
         return SHARED_PEER
     if (scheme == "ipv4") != (address.version == 4):
         return SHARED_PEER
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)  # an IPv4 client of a dual-stack socket: the host it is over IPv4
-    return str(address)
+    return client_host(str(address))  # IPv6 by its /64; an IPv4 client of a dual-stack socket as its IPv4 address
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,27 @@ host's place). Not thread-safe: each user touches it from one event loop. Stdlib
 
 from __future__ import annotations
 
+import ipaddress
+
+IPV6_HOST_PREFIX = 64  # one client host: an IPv6 client holds a /64 (a subnet's addresses are all its own to use)
+
+
+def client_host(address: str) -> str:
+    """The client host an address counts under, in every per-host share: an IPv4 address as it is (an IPv4 client of a
+    dual-stack socket, ``::ffff:a.b.c.d``, too); an IPv6 address by its /64, since a client picks any address of its
+    subnet at no cost and would otherwise be as many hosts as it liked (loopback stays itself); anything that is not
+    an address (a Unix socket's path) as given."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of the host
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        if not ip.is_loopback:
+            return str(ipaddress.IPv6Network((ip, IPV6_HOST_PREFIX), strict=False))
+    return str(ip)
+
 
 class HostCounts:
     """``total`` and ``of(host)``; a host holding none has no entry, so the memory is the hosts holding some."""

@@ -36,6 +36,7 @@ from decoder.worker.openai_api import (
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, Speculation, WorkerService
 from specd_api.errors import SpecdError
+from specd_api.host_counts import client_host
 from specd_api.segments import SEGMENT_PATTERN
 
 SEGMENT_HEADER = "x-specd-segment"
@@ -213,7 +214,7 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     check_speculation(body.speculation, cfg.client_speculation)
     if segment is not None:  # last: a request refused for another field takes no place
         try:
-            host = request.client.host if request.client is not None else ""
+            host = client_host(request.client.host) if request.client is not None else ""
             segment = service.client_segment(segment, host)  # None: served under the segment the worker infers
         except SegmentRefused as e:
             raise BadRequest("segment", str(e)) from None

@@ -28,7 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from decoder.worker.config import RequestLimits
 from decoder.worker.openai_api import error_body
-from specd_api.host_counts import HostCounts
+from specd_api.host_counts import HostCounts, client_host
 
 log = logging.getLogger("specd.worker")
 
@@ -110,7 +110,7 @@ class DeadlineH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         answer_without_delay(transport)
-        host = self.client[0] if self.client else ""
+        host = client_host(self.client[0]) if self.client else ""
         if not self.hosts.take(host):
             transport.write(OVER_SHARE_RESPONSE)
             transport.close()

@@ -54,9 +54,9 @@ class FakeClock:
         ("ipv4:10.0.0.5:51234", "10.0.0.5"),
         ("ipv6:[::1]:5000", "::1"),
         ("ipv6:%5B::1%5D:5000", "::1"),  # the percent-encoded form newer gRPC versions write
-        ("ipv6:[2001:DB8:0:0::1]:443", "2001:db8::1"),  # canonical: one host, one spelling, one bucket
+        ("ipv6:[2001:DB8:0:0::1]:443", "2001:db8::/64"),  # canonical, by its /64: one host, one spelling, one bucket
         ("ipv6:[::ffff:10.0.0.5]:1", "10.0.0.5"),  # an IPv4 client of a dual-stack socket: the same host as over IPv4
-        ("ipv6:[fe80::1%eth0]:9", "fe80::1"),  # the zone names the interface, not the host
+        ("ipv6:[fe80::1%eth0]:9", "fe80::/64"),  # the zone names the interface, not the host
         ("unix:/run/specd.sock", SHARED_PEER),  # no address: every such client shares one bucket
         ("unix:", SHARED_PEER),
         ("", SHARED_PEER),
