@@ -40,17 +40,19 @@ class Stack:
         return self.root / "controller-state"
 
     def start_controller(
-        self, listen: str = "127.0.0.1:0", telemetry: dict[str, Any] | None = None, **learning: Any
-    ) -> Service:
+        self, listen: str = "127.0.0.1:0", telemetry: dict[str, Any] | None = None, policy: str | None = None,
+        **learning: Any,
+    ) -> Service:  # fmt: skip
         """The daemon with its own state_dir (embedded Redis, journal). A half-life of 1e12 s makes decayed counts
         the raw counts: a bucket a minute old weighs 1 - 4e-11 (1e9 would leave 4e-8, too much for comparing α to
-        1e-9). A short refresh lets decisions see reports quickly. ``learning``: more of its ``learning`` settings."""
-        policy = self.root / "policy.yaml"  # the shipped policy, plus a rule to show rules work end to end
-        policy.write_text(POLICY.read_text() + FORCED_RULE)
+        1e-9). A short refresh lets decisions see reports quickly. ``policy``: the policy's text (default: the shipped
+        one), to which a rule is added; ``learning``: more of its ``learning`` settings."""
+        path = self.root / "policy.yaml"  # the policy, plus a rule to show rules work end to end
+        path.write_text((POLICY.read_text() if policy is None else policy) + FORCED_RULE)
         config = {
             "listen": listen,
             "redis_url": None,
-            "policy_path": str(policy),
+            "policy_path": str(path),
             "state_dir": str(self.controller_state),
             "shutdown_grace_seconds": 2,
             "learning": {"half_life_seconds": 1e12, "refresh_seconds": 0.2, **learning},

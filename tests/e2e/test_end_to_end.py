@@ -24,7 +24,7 @@ import httpx
 
 from controller.policy import Policy, parse_policy
 from specd_api.speedup import MODEL_DRAFTERS
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import POLICY, Stack
 from tests.e2e.traffic import (
     ROOT,
     Metrics,
@@ -152,7 +152,13 @@ def print_timeline(replies: list[Reply]) -> None:
 
 
 def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None:
-    controller = stack.start_controller()
+    # A cold segment's expected speedup on the reference pair is about 1.11 (measured costs: c 0.185, v(4) 1.76,
+    # AMD EPYC): 6% over the shipped min_speedup of 1.05, which a loaded moment in the worker's cost calibration
+    # crossed (CI saw every cold segment off). At 1.0 the cold decisions below keep an 11% margin; nothing else here
+    # depends on the threshold (the later checks compare with the controller's own estimates).
+    shipped = POLICY.read_text()
+    assert "min_speedup: 1.05 " in shipped
+    controller = stack.start_controller(policy=shipped.replace("min_speedup: 1.05 ", "min_speedup: 1.0  "))
     # decisions from the controller: a deadline long enough that a loaded machine (a CI run beside other work) does
     # not turn them into the worker's fallbacks, which would keep the draft model off UNRULED (seen: 5 in a row)
     worker = stack.start_worker(controller.address, decide_deadline_ms=1000)
