@@ -347,10 +347,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "worker-logs-every-closed-connection",
-        "decoder/worker/connections.py",
-        "        if now - self._at < self.seconds:",
-        "        if False:",
-        ("tests/worker/test_hostile_clients.py::test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks",),
+        "specd_api/sparse_log.py",
+        "            if now - self._last < self.every_s:",
+        "            if False:",
+        (
+            "tests/worker/test_hostile_clients.py::test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks",
+            "tests/controller/test_auth.py::test_refusals_are_logged_at_most_once_per_interval",
+        ),
         "a line per connection a client left half-sent: thousands of connections, thousands of lines",
     ),
     Mutation(

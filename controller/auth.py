@@ -20,7 +20,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from controller.config import TokenAuth
 from specd_api.security import AUTHORIZATION, ServerTls, bearer_token, read_checked
+from specd_api.sparse_log import SparseLog
 from specd_api.v1 import controller_pb2
 
 log = logging.getLogger("specd.controller.auth")
@@ -107,21 +107,10 @@ class RefusalLog:
     """One warning line per ``every_s`` at most, however many calls are refused (a scan must not flood the log)."""
 
     def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self.every_s, self.clock = every_s, clock
-        self._lock = threading.Lock()
-        self._last = -float("inf")
-        self._unlogged = 0
+        self._lines = SparseLog(log, logging.WARNING, every_s, " ({n} more refused in the last {seconds:g} s)", clock)
 
     def note(self, method: str, peer: str, code: grpc.StatusCode, reason: str) -> None:
-        with self._lock:
-            self._unlogged += 1
-            now = self.clock()
-            if now - self._last < self.every_s:
-                return
-            self._last, before = now, self._unlogged - 1
-            self._unlogged = 0
-        more = f" ({before} more refused in the last {self.every_s:g} s)" if before else ""
-        log.warning("refused %s from %s: %s: %s%s", method, peer, code.name, reason, more)
+        self._lines.note("refused %s from %s: %s: %s", method, peer, code.name, reason)
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

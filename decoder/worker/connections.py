@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import socket
-import time
 from typing import Any, ClassVar
 
 import h11
@@ -29,35 +28,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from decoder.worker.config import RequestLimits
 from decoder.worker.openai_api import error_body
 from specd_api.host_counts import HostCounts, client_host
+from specd_api.sparse_log import SparseLog
 
 log = logging.getLogger("specd.worker")
 
 _ARRIVED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)  # the client's side once its request (head and body) is whole
-
-
-class Sparse:
-    """A log line at most once per ``seconds``, saying how many like it were left out since the last one: a client
-    opening thousands of connections must not write thousands of lines (issue 22: 52 MB of log in 12 s)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._at = -float("inf")
-        self._left_out = 0
-
-    def info(self, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._at < self.seconds:
-            self._left_out += 1
-            return
-        more = f" (and {self._left_out} more like it since the last such line)" if self._left_out else ""
-        self._at, self._left_out = now, 0
-        log.info(message + "%s", *args, more)
-
-    def flush(self) -> None:
-        """Say how many lines were left out since the last one (at a stop: nothing comes after)."""
-        if self._left_out:
-            log.info("and %d more like the last line", self._left_out)
-            self._left_out = 0
 
 
 class HostConnections:
@@ -67,18 +42,15 @@ class HostConnections:
         self.per_host = per_host  # 0: no bound
         self.held = HostCounts()
         self.refused = 0
-        self._logged_at = -float("inf")
+        self._refusals = SparseLog(log, logging.WARNING, 60.0)
 
     def take(self, host: str) -> bool:
         """One more connection for ``host``, or False when it holds its share already."""
         held = self.held.of(host)
         if self.per_host and held >= self.per_host:
             self.refused += 1
-            now = time.monotonic()
-            if now - self._logged_at >= 60:
-                self._logged_at = now
-                log.warning("refused a connection from %s: it holds %d already (limits.max_connections_per_host; "
-                            "logged at most once a minute)", host, held)  # fmt: skip
+            self._refusals.note("refused a connection from %s: it holds %d already (limits.max_connections_per_host; "
+                                "logged at most once a minute)", host, held)  # fmt: skip
             return False
         self.held.add(host)
         return True
@@ -103,7 +75,8 @@ class DeadlineH11Protocol(H11Protocol):
 
     read_seconds = 30.0
     hosts: ClassVar[HostConnections] = HostConnections(0)
-    sparse: ClassVar[Sparse] = Sparse(1.0)  # the log lines of connections closed for their client's doing
+    sparse: ClassVar[SparseLog] = SparseLog(log, logging.INFO, 1.0)  # lines of connections closed for their client's
+    # doing
     _deadline: asyncio.TimerHandle | None = None
     _host: str | None = None  # the address this connection is counted under, once counted
 
@@ -138,7 +111,7 @@ class DeadlineH11Protocol(H11Protocol):
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and self.conn.their_state not in _ARRIVED:
             # Its body is still arriving: nothing was admitted, and waiting would hold the stop for the whole grace.
-            self.sparse.info("stopping: closed %s, whose request had not arrived whole", self._peer())
+            self.sparse.note("stopping: closed %s, whose request had not arrived whole", self._peer())
             self.transport.close()
             return
         super().shutdown()
@@ -157,7 +130,7 @@ class DeadlineH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing() or self.conn.their_state in _ARRIVED:
             return
-        self.sparse.info("closed %s: no whole request within %gs (limits.request_read_seconds)", self._peer(),
+        self.sparse.note("closed %s: no whole request within %gs (limits.request_read_seconds)", self._peer(),
                          self.read_seconds)  # fmt: skip
         self.transport.close()
 
@@ -178,7 +151,8 @@ def answer_without_delay(transport: asyncio.BaseTransport) -> None:
 def read_deadline_protocol(seconds: float, per_host: int = 0) -> type[DeadlineH11Protocol]:
     """``DeadlineH11Protocol`` with ``seconds`` for a request to arrive and ``per_host`` connections per client
     address (0: no bound), with a count of its own (uvicorn builds one protocol per connection)."""
-    namespace = {"read_seconds": seconds, "hosts": HostConnections(per_host), "sparse": Sparse(1.0)}
+    namespace = {"read_seconds": seconds, "hosts": HostConnections(per_host),
+                 "sparse": SparseLog(log, logging.INFO, 1.0)}  # fmt: skip
     return type("DeadlineH11Protocol", (DeadlineH11Protocol,), namespace)
 
 

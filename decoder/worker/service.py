@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import math
 import socket
 import threading
 import time
@@ -42,6 +41,7 @@ from decoder.worker.segments import CLASSIFIER_SEGMENTS, WINDOW_CHARS, classify_
 from decoder.worker.text_stream import TextStream
 from specd_api.plan import Plan, local_plan, requested, runnable
 from specd_api.spans import plan_attributes
+from specd_api.sparse_log import SparseLog
 from specd_api.tracing import make_exporter, make_provider, no_tracer
 from specd_client import ClientConfig, ControllerClient, self_repetition
 
@@ -131,7 +131,7 @@ class WorkerService:
         self._suffix_due = 1.0  # counterfactual_share accumulated over the requests asked for it: score at 1
         inferred = (config.default_segment, *CLASSIFIER_SEGMENTS)  # what the worker names itself: never counted
         self.segment_admission = SegmentAdmission(config.client_segments, inferred)
-        self._ignored_logged_at = -math.inf
+        self._ignored = SparseLog(log, logging.WARNING, 60.0)  # the requests served under an inferred segment
 
     # -- lifecycle -----------------------------------------------------------------------------------------
 
@@ -526,14 +526,13 @@ class WorkerService:
         admitted = self.segment_admission.admit(name, host)
         if admitted is None:
             self.metrics.client_segments_ignored.inc()
-            now = time.monotonic()
-            if now - self._ignored_logged_at >= 60:
-                self._ignored_logged_at = now
-                bounds = self.cfg.client_segments
-                log.warning("a request from %s named segment %r, and this worker holds client_segments.max_names (%d) "
-                            "or that address max_names_per_host (%d): served under the segment inferred from its "
-                            "prompt (logged at most once a minute; specd_worker_client_segments_ignored_total counts "
-                            "them)", host, name[:128], bounds.max_names, bounds.max_names_per_host)  # fmt: skip
+            bounds = self.cfg.client_segments
+            self._ignored.note(
+                "a request from %s named segment %r, and this worker holds client_segments.max_names (%d) or that "
+                "address max_names_per_host (%d): served under the segment inferred from its prompt (logged at most "
+                "once a minute; specd_worker_client_segments_ignored_total counts them)",
+                host, name[:128], bounds.max_names, bounds.max_names_per_host,
+            )  # fmt: skip
         return admitted
 
     def _segment_of(self, spec: RequestSpec) -> tuple[float, str]:
