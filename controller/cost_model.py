@@ -1,4 +1,7 @@
-"""Measured costs from the workers' timings, per batch bucket: one target step, c per drafter, and v(n) per n.
+"""Measured costs from the workers' timings, per sampling mode and batch bucket: one target step, c per drafter, and
+v(n) per n. Each mode's are its own: a sampled round samples every drafted token and softmaxes every verified
+position, and costs several times a greedy one's (a drafted token 3x on two CPU cores); greedy ratios would price a
+sampled request's K as if drafting were cheap. Ratios are to the same mode's plain step.
 
 v(n), the time of a round that verified n drafts relative to a plain step, is kept per n as measured (never fitted
 as a line: on a CPU in float32 it is not even monotonic). An n measured in fewer than ``MIN_ROUNDS`` rounds is
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from controller.counts import CostCounts
 from controller.timing_histogram import Histogram, draw_median, median, relative_spread, total
 from specd_api.checks import MAX_K
+from specd_api.modes import GREEDY, MODES, Mode
 from specd_api.plan import batch_bucket
 
 MIN_ROUNDS = 20.0  # (decayed) rounds before a v(n) is taken as measured: a few rounds timed on a busy machine
@@ -45,6 +49,7 @@ class BucketCosts:
     rounds: tuple[float, ...] = ()  # (decayed) rounds behind each measured v(n); shorter or 0 = interpolated
     measured: bool = False
     timings: Timings | None = field(default=None, compare=False, repr=False)  # what it was read from
+    mode: Mode = GREEDY  # the sampling mode of the rounds timed
 
     def c(self, drafter: str, default: float) -> float:
         return self.cost_ratio.get(drafter, default)
@@ -54,7 +59,7 @@ class BucketCosts:
         cost measured by a few requests varies widely, so exploration can overturn it as it overturns an α."""
         if self.timings is None:
             return self
-        drawn = self.timings.costs(self.bucket, lambda t: t if isinstance(t, float) else draw_median(t, rng))
+        drawn = self.timings.costs(self.bucket, lambda t: t if isinstance(t, float) else draw_median(t, rng), self.mode)
         return self if drawn is None else replace(drawn, cost_ratio={**self.cost_ratio, **drawn.cost_ratio})
 
     def verify_table(self, k: int) -> tuple[float, ...]:
@@ -67,38 +72,47 @@ DEFAULT_BUCKET = BucketCosts(bucket=1, step_seconds=0.0)
 
 @dataclass(frozen=True)
 class CostModel:
-    buckets: Mapping[int, BucketCosts] = field(default_factory=dict)  # measured buckets only
+    buckets: Mapping[tuple[Mode, int], BucketCosts] = field(default_factory=dict)  # measured (mode, bucket) only
 
-    def at(self, batch_size: int) -> BucketCosts:
-        """The costs at ``batch_size``: its bucket's, else the nearest measured bucket's (ratios carry over better
-        than the literature's), else the defaults."""
+    def at(self, batch_size: int, mode: Mode = GREEDY) -> BucketCosts:
+        """The costs at ``batch_size`` for requests of ``mode``: its bucket's, else the nearest measured bucket's of
+        the same mode (ratios carry over better than the literature's), else the other mode's (a sampled round costs
+        more than that: the worker's start-up calibration times both modes, so this is rare), else the defaults.
+        Borrowed costs have no step seconds and are not ``measured``."""
         bucket = batch_bucket(batch_size)
-        if bucket in self.buckets:
-            return self.buckets[bucket]
-        if not self.buckets:
-            return BucketCosts(bucket=bucket, step_seconds=0.0)
-        nearest = min(self.buckets, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
-        borrowed = self.buckets[nearest]
-        return BucketCosts(bucket, 0.0, borrowed.cost_ratio, borrowed.verify, (), measured=False)
+        if (mode, bucket) in self.buckets:
+            return self.buckets[(mode, bucket)]
+        for source in (mode, *(m for m in MODES if m != mode)):
+            measured = [b for m, b in self.buckets if m == source]
+            if measured:
+                nearest = min(measured, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
+                borrowed = self.buckets[(source, nearest)]
+                return BucketCosts(bucket, 0.0, borrowed.cost_ratio, borrowed.verify, (), measured=False, mode=mode)
+        return BucketCosts(bucket=bucket, step_seconds=0.0, mode=mode)
 
 
 def build_cost_model(costs: CostCounts) -> CostModel:
-    buckets = {b for _, b in costs.verify_rounds}
-    model = {}
-    for b in sorted(buckets):
-        measured = _bucket(costs, b)
+    keys = {(m, b) for _, b, m in costs.verify_rounds}
+    model: dict[tuple[Mode, int], BucketCosts] = {}
+    for mode, b in sorted(keys):
+        measured = _bucket(costs, b, mode)
         if measured is not None:
-            model[b] = measured
-    # A drafter timed in another bucket only: borrow its nearest measured c (still better than the policy's guess).
-    for b, bc in list(model.items()):
-        missing = {d for d, _ in costs.drafted} - set(bc.cost_ratio)
+            model[(mode, b)] = measured
+    # A drafter timed in another bucket only: borrow its nearest measured c of the same mode (still better than the
+    # policy's guess).
+    for (mode, b), bc in list(model.items()):
+        missing = {d for d, _, m in costs.drafted if m == mode} - set(bc.cost_ratio)
         borrowed = dict(bc.cost_ratio)
         for d in missing:
-            others = [(abs(math.log2(o) - math.log2(b)), o) for o, oc in model.items() if d in oc.cost_ratio]
+            others = [
+                (abs(math.log2(o) - math.log2(b)), o)
+                for (m, o), oc in model.items()
+                if m == mode and d in oc.cost_ratio
+            ]
             if others:
-                borrowed[d] = model[min(others)[1]].cost_ratio[d]
+                borrowed[d] = model[(mode, min(others)[1])].cost_ratio[d]
         if borrowed != bc.cost_ratio:
-            model[b] = replace(bc, cost_ratio=borrowed)
+            model[(mode, b)] = replace(bc, cost_ratio=borrowed)
     return CostModel(model)
 
 
@@ -112,7 +126,7 @@ class Timings:
     rounds: Mapping[int, float]  # (decayed) rounds behind each verify entry
     draft: Mapping[str, Histogram | float]
 
-    def costs(self, bucket: int, pick: Callable[[Histogram | float], float]) -> BucketCosts | None:
+    def costs(self, bucket: int, pick: Callable[[Histogram | float], float], mode: Mode = GREEDY) -> BucketCosts | None:
         """The bucket's costs with each timing read by ``pick`` (its median, or a draw of it); None when no plain
         step can be derived."""
         seconds = {n: pick(t) for n, t in self.verify.items()}
@@ -132,7 +146,7 @@ class Timings:
             if _usable(c):
                 ratios[d] = c
         table_rounds = tuple(self.rounds.get(n, 0.0) if n in seconds else 0.0 for n in range(max(seconds) + 1))
-        return BucketCosts(bucket, t0, ratios, verify, table_rounds, measured=True, timings=self)
+        return BucketCosts(bucket, t0, ratios, verify, table_rounds, measured=True, timings=self, mode=mode)
 
     def spread(self) -> float:
         """The largest relative standard error among the bucket's medians (0: all points)."""
@@ -144,29 +158,29 @@ def _median_of(timing: Histogram | float) -> float:
     return timing if isinstance(timing, float) else median(timing)
 
 
-def _bucket(costs: CostCounts, bucket: int) -> BucketCosts | None:
-    """The bucket's costs, or None when it has no usable timing at all."""
+def _bucket(costs: CostCounts, bucket: int, mode: Mode = GREEDY) -> BucketCosts | None:
+    """The bucket's costs for ``mode``'s rounds, or None when it has no usable timing at all."""
     verify: dict[int, Histogram | float] = {}
     rounds: dict[int, float] = {}
-    for (n, b), r in costs.verify_rounds.items():
-        if b != bucket or not (0 <= n < TABLE_SIZE) or r < MIN_ROUNDS:
+    for (n, b, m), r in costs.verify_rounds.items():
+        if b != bucket or m != mode or not (0 <= n < TABLE_SIZE) or r < MIN_ROUNDS:
             continue
-        hist = costs.verify_hist.get((n, b), {})
-        s = costs.verify_s.get((n, b), 0.0)
+        hist = costs.verify_hist.get((n, b, m), {})
+        s = costs.verify_s.get((n, b, m), 0.0)
         if total(hist) >= MIN_REQUESTS:
             verify[n], rounds[n] = dict(hist), r
         elif _usable(s) and s > 0:
             verify[n], rounds[n] = s / r, r
     draft: dict[str, Histogram | float] = {}
-    for (d, b), drafted in costs.drafted.items():
-        if b != bucket or drafted < MIN_DRAFTED:
+    for (d, b, m), drafted in costs.drafted.items():
+        if b != bucket or m != mode or drafted < MIN_DRAFTED:
             continue
-        hist = costs.draft_hist.get((d, b), {})
+        hist = costs.draft_hist.get((d, b, m), {})
         if total(hist) >= MIN_REQUESTS:
             draft[d] = dict(hist)
         else:
-            draft[d] = costs.draft_s.get((d, b), 0.0) / drafted
-    return Timings(verify, rounds, draft).costs(bucket, _median_of)
+            draft[d] = costs.draft_s.get((d, b, m), 0.0) / drafted
+    return Timings(verify, rounds, draft).costs(bucket, _median_of, mode)
 
 
 def _interpolate(points: Mapping[int, float], n: int) -> float:

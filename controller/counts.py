@@ -15,6 +15,7 @@ from typing import Any
 
 from controller import redis_schema as schema
 from controller.timing_histogram import add_into, bin_of
+from specd_api.modes import Mode, sampling_mode
 from specd_api.plan import batch_bucket
 
 
@@ -53,6 +54,11 @@ class SegmentCounts:
     calibration: dict[str, dict[int, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     # batch bucket -> bin -> requests whose plain steps took that long: the segment's own plain pace (its contexts)
     plain_step: dict[int, dict[int, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    # (drafter, batch bucket) -> bin -> requests that speculated with it, by seconds per emitted token: what plans
+    # realised here (controller/realised.py reads them against plain_step)
+    realised: dict[tuple[str, int], dict[int, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
     last_update: float = 0.0
 
     @property
@@ -62,7 +68,9 @@ class SegmentCounts:
     @property
     def empty(self) -> bool:
         """Nothing counted: what a segment no report has named holds (every such segment decides alike)."""
-        return not (self.by_k or self.positions or self.counterfactual or self.calibration or self.plain_step)
+        return not (
+            self.by_k or self.positions or self.counterfactual or self.calibration or self.plain_step or self.realised
+        )
 
     def drafters(self) -> list[str]:
         keys = [*self.by_k, *self.positions, *self.counterfactual]
@@ -89,6 +97,7 @@ class SegmentCounts:
             _add_dataclass(self.counterfactual[key], p)
         _add_histograms(self.calibration, other.calibration)
         _add_histograms(self.plain_step, other.plain_step)
+        _add_histograms(self.realised, other.realised)
         self.last_update = max(self.last_update, other.last_update)
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
@@ -110,6 +119,9 @@ class SegmentCounts:
                 continue
             elif isinstance(f, schema.PlainStepField):
                 self.plain_step[f.batch_bucket][f.bin] += weight * _number(value)
+                continue
+            elif isinstance(f, schema.RealisedField):
+                self.realised[(f.drafter, f.batch_bucket)][f.bin] += weight * _number(value)
                 continue
             elif isinstance(f, schema.UpdatedField):
                 with contextlib.suppress(ValueError):  # not a time: ignored
@@ -155,18 +167,21 @@ def _histograms() -> defaultdict[tuple[object, int], defaultdict[int, float]]:
 
 @dataclass
 class CostCounts:
-    """Measured costs over all segments, per batch bucket: drafting time per drafter, verification time per number
-    of tokens drafted in the round (n); as sums, and as histograms of per-request timings (timing_histogram.py),
-    which the costs are read from where they exist (a minority of stalled requests cannot move their median)."""
+    """Measured costs over all segments, per sampling mode and batch bucket: drafting time per drafter, verification
+    time per number of tokens drafted in the round (n); as sums, and as histograms of per-request timings
+    (timing_histogram.py), which the costs are read from where they exist (a minority of stalled requests cannot
+    move their median)."""
 
-    draft_s: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))  # (drafter, bucket)
-    drafted: dict[tuple[str, int], float] = field(default_factory=lambda: defaultdict(float))
-    verify_s: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))  # (n, bucket)
-    verify_rounds: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
-    # (drafter, bucket) -> bin -> requests whose drafting took that many seconds per drafted token
-    draft_hist: dict[tuple[str, int], dict[int, float]] = field(default_factory=_histograms)  # type: ignore[arg-type]
-    # (n, bucket) -> bin -> requests whose rounds that drafted n took that many seconds each (their mean)
-    verify_hist: dict[tuple[int, int], dict[int, float]] = field(default_factory=_histograms)  # type: ignore[arg-type]
+    # (drafter, bucket, mode)
+    draft_s: dict[tuple[str, int, Mode], float] = field(default_factory=lambda: defaultdict(float))
+    drafted: dict[tuple[str, int, Mode], float] = field(default_factory=lambda: defaultdict(float))
+    # (n, bucket, mode)
+    verify_s: dict[tuple[int, int, Mode], float] = field(default_factory=lambda: defaultdict(float))
+    verify_rounds: dict[tuple[int, int, Mode], float] = field(default_factory=lambda: defaultdict(float))
+    # (drafter, bucket, mode) -> bin -> requests whose drafting took that many seconds per drafted token
+    draft_hist: dict[tuple[str, int, Mode], dict[int, float]] = field(default_factory=_histograms)  # type: ignore[arg-type]
+    # (n, bucket, mode) -> bin -> requests whose rounds that drafted n took that many seconds each (their mean)
+    verify_hist: dict[tuple[int, int, Mode], dict[int, float]] = field(default_factory=_histograms)  # type: ignore[arg-type]
 
     def add(self, other: CostCounts) -> None:
         for mine, theirs in (
@@ -191,13 +206,13 @@ class CostCounts:
                 continue
             v = weight * _number(value)
             if isinstance(f, schema.DraftHistField):
-                self.draft_hist[(f.drafter, f.batch_bucket)][f.bin] += v
+                self.draft_hist[(f.drafter, f.batch_bucket, f.mode)][f.bin] += v
             elif isinstance(f, schema.VerifyHistField):
-                self.verify_hist[(f.n, f.batch_bucket)][f.bin] += v
+                self.verify_hist[(f.n, f.batch_bucket, f.mode)][f.bin] += v
             elif isinstance(f, schema.DraftCostField):
-                (self.draft_s if f.quantity == "s" else self.drafted)[(f.drafter, f.batch_bucket)] += v
+                (self.draft_s if f.quantity == "s" else self.drafted)[(f.drafter, f.batch_bucket, f.mode)] += v
             else:
-                (self.verify_s if f.quantity == "s" else self.verify_rounds)[(f.n, f.batch_bucket)] += v
+                (self.verify_s if f.quantity == "s" else self.verify_rounds)[(f.n, f.batch_bucket, f.mode)] += v
 
 
 def _add_histograms(into: dict[Any, dict[int, float]], other: Mapping[Any, Mapping[int, float]]) -> None:
@@ -257,6 +272,21 @@ class Aggregate:
     request_tokens_emitted: int = 0  # the whole request's, on its calibration carrier (0: an older worker)
     request_seconds: float = 0.0
 
+    @property
+    def mode(self) -> Mode:
+        """The sampling mode of the request's rounds."""
+        return sampling_mode(self.temperature)
+
+    @property
+    def seconds_per_token(self) -> float:
+        """The request's every round's seconds over its every emitted token, on the aggregate that carries its
+        totals (0 elsewhere): what the plan realised, in the frame plain decoding is timed in (a plain step is the
+        seconds of one token)."""
+        if self.counterfactual or not self.request_tokens_emitted or not self.request_seconds > 0:
+            return 0.0
+        value = self.request_seconds / self.request_tokens_emitted
+        return value if math.isfinite(value) else 0.0
+
     def realised_speedup(self, step_seconds: float) -> float:
         """Tokens emitted per plain step's worth of time (drafting and verification), the request's when the
         aggregate carries its totals, else its own: the speedup over plain decoding at ``step_seconds`` a step; 0
@@ -296,6 +326,9 @@ class Aggregate:
         step_bin = bin_of(plain[1] / plain[0]) if plain[0] else None
         if step_bin is not None:
             fields[schema.plain_step_field(batch_bucket(self.batch_size), step_bin)] = 1.0
+        realised_bin = bin_of(self.seconds_per_token) if d != "none" else None
+        if realised_bin is not None:
+            fields[schema.realised_field(d, batch_bucket(self.batch_size), realised_bin)] = 1.0
         scored = self.counterfactual
         for i in range(k):
             fields[schema.position_field(d, i, "offered", scored)] = self.rounds
@@ -306,24 +339,24 @@ class Aggregate:
 
     def cost_fields(self) -> dict[str, float]:
         """Increments for the global cost hash: drafting time per drafted token and verification time per n, both
-        in the batch bucket the rounds ran in."""
+        in the batch bucket the rounds ran in and under their sampling mode."""
         if self.counterfactual or not self.rounds:
             return {}
-        bucket = batch_bucket(self.batch_size)
+        bucket, mode = batch_bucket(self.batch_size), self.mode
         fields: dict[str, float] = {}
         if self.drafter != "none" and self.num_drafted:
-            fields[schema.draft_cost_field(self.drafter, bucket, "s")] = self.draft_seconds
-            fields[schema.draft_cost_field(self.drafter, bucket, "n")] = float(self.num_drafted)
+            fields[schema.draft_cost_field(self.drafter, bucket, "s", mode)] = self.draft_seconds
+            fields[schema.draft_cost_field(self.drafter, bucket, "n", mode)] = float(self.num_drafted)
             b = bin_of(self.draft_seconds / self.num_drafted)
             if b is not None:
-                fields[schema.draft_hist_field(self.drafter, bucket, b)] = 1.0  # one request, one observation
+                fields[schema.draft_hist_field(self.drafter, bucket, b, mode)] = 1.0  # one request, one observation
         for n, (rounds, seconds) in enumerate(self.by_drafted):
             if rounds:
-                fields[schema.verify_cost_field(n, bucket, "s")] = seconds
-                fields[schema.verify_cost_field(n, bucket, "r")] = float(rounds)
+                fields[schema.verify_cost_field(n, bucket, "s", mode)] = seconds
+                fields[schema.verify_cost_field(n, bucket, "r", mode)] = float(rounds)
                 b = bin_of(seconds / rounds)
                 if b is not None:
-                    fields[schema.verify_hist_field(n, bucket, b)] = 1.0
+                    fields[schema.verify_hist_field(n, bucket, b, mode)] = 1.0
         return fields
 
 

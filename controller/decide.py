@@ -5,12 +5,18 @@ The order of the rules is the order of the reasons a plan can carry:
   then the learned choice: best_expected_speedup (kept for hysteresis: kept_previous), low_expected_speedup
   (speculation off), or exploration (a probe).
 
-The learned choice scores every (drafter, K) by its expected speedup under the posterior means of the per-position
-acceptance and the measured costs (specd_api.speedup), and picks the best; nothing else can veto an arm whose
-expected speedup clears ``min_speedup``. Exploration is Thompson sampling: each drafter's rates are drawn from
-their posterior, and when a draw prefers a drafter other than the chosen one, the request probes it (at most
-``exploration_rate`` of requests). A probe runs its first rounds at ``k_max``, so one probe observes every
-position for every K; as the posteriors narrow, draws stop disagreeing and probing stops by itself.
+The learned choice scores every (drafter, K) by the speedup model under the posterior means of the per-position
+acceptance and the measured costs (specd_api.speedup), scaled by its calibration: the prior of each drafter's
+speedup. Where the drafter's requests in this segment realised a speedup (controller/realised.py), that is the data:
+each arm's expected speedup is the posterior of the two, and arms are ranked by its lower credible bound, so that an
+arm seen only through its prior cannot beat one that was measured unless its prior is well clear of it. The best arm
+is chosen when its expected speedup clears ``min_speedup``; nothing else can veto it.
+
+Exploration is Thompson sampling: each drafter's rates and the costs are drawn from their posteriors, its speedup
+is the posterior that drawn model and its realised speedup make, and when a draw prefers a drafter other than the
+chosen one, the request probes it (at most ``exploration_rate`` of requests). A probe runs its first rounds at
+``k_max``, so one probe observes every position for every K; as the posteriors narrow, draws stop disagreeing and
+probing stops by itself.
 """
 
 from __future__ import annotations
@@ -24,19 +30,39 @@ from functools import cached_property
 from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
 from controller.policy import Settings
+from controller.realised import PLAIN_ROUNDS, REFERENCE_REQUESTS, Realised, posterior
+from controller.timing_histogram import Histogram, add_into
+from specd_api.modes import SAMPLED, mode_of
 from specd_api.plan import BATCH_RULE_REASON, SCORABLE, Plan, off, speculation_allowed
-from specd_api.speedup import best_k, repays_prefill, runs_draft_model, speedup_curve
+from specd_api.speedup import (
+    best_k,
+    chain_cost_ratio,
+    cost_component,
+    repays_prefill,
+    runs_draft_model,
+    speedup_curve,
+)
 
 
 @dataclass(frozen=True)
 class Request:
-    segment: str
+    segment: str  # the learning segment (specd_api.modes): the client's segment, per sampling mode
     batch_size: int
     drafters: tuple[str, ...]  # what the worker can run
     max_new_tokens: int
     prompt_tokens: int = 0
     temperature: float = 0.0
     self_repetition: float = 0.0
+
+    @classmethod
+    def neutral(cls, segment: str, batch_size: int, drafters: tuple[str, ...], max_new_tokens: int) -> Request:
+        """A request of ``segment`` with neutral features (what a decision table or a segment's statistics are made
+        for): no prompt, and the temperature of its sampling mode (0, or NEUTRAL_SAMPLED_TEMPERATURE)."""
+        temperature = NEUTRAL_SAMPLED_TEMPERATURE if mode_of(segment) == SAMPLED else 0.0
+        return cls(segment, batch_size, drafters, max_new_tokens, temperature=temperature)
+
+
+NEUTRAL_SAMPLED_TEMPERATURE = 1.0
 
 
 # Pseudo-counts past which a posterior is a point: its draw is its mean (the spread is below 1e-6). Near the float
@@ -76,6 +102,8 @@ class DrafterEstimate:
     prior_weight: float = 0.0  # pseudo-counts of the prior in each position's posterior
     calibration: float = 1.0  # realised / model speedup in this segment (calibration_factor): scales every arm
     scored_rounds: float = 0.0  # rounds scored counterfactually here (not served): what a worker's replay showed
+    realised: Realised | None = None  # what this drafter's requests realised here, at the segment's reference
+    reference_requests: float = 0.0  # (decayed) requests that timed this segment's plain step at the bucket
 
     @cached_property
     def _means(self) -> tuple[list[float], list[float]]:
@@ -128,7 +156,14 @@ def _shrunk(successes: float, trials: float, prior_mean: float, strength: float)
 class Arm:
     drafter: str
     k: int
-    speedup: float
+    speedup: float  # the expected speedup: the posterior's (realised.posterior), what a plan of this arm promises
+    lower: float = 0.0  # its lower credible bound, what arms are ranked by (0: not given, the expected speedup)
+    model: float = 0.0  # the speedup model's own (α, c, v(n)), before calibration and realised data (0: not given)
+
+    @property
+    def rank(self) -> float:
+        """What arms are compared by: the lower credible bound."""
+        return self.lower if self.lower > 0 else self.speedup
 
 
 def best_arm(
@@ -138,11 +173,13 @@ def best_arm(
     k_max: int,
     costs: BucketCosts,
 ) -> Arm:
-    """The drafter's best K in [k_min, k_max] under ``rates`` (means or a posterior draw)."""
+    """The drafter's best K in [k_min, k_max] under ``rates`` (means or a posterior draw), with the posterior of its
+    speedup: the model's value at that K, calibrated, as the prior, and what the drafter realised as the data."""
     conditional, proposal = rates
     curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, costs.verify_table(k_max))
     k, value = best_k(curve, k_min)
-    return Arm(estimate.drafter, k, value * estimate.calibration)
+    belief = posterior(value * estimate.calibration, estimate.realised)
+    return Arm(estimate.drafter, k, belief.speedup, belief.lower(), value)
 
 
 MEAN_ARMS_KEPT = 64  # per estimate: a segment's requests come in a few K bounds and batch buckets
@@ -183,6 +220,27 @@ def calibration_factor(realised_over_model: float, requests: float, toward: floa
     n0 = CALIBRATION_PRIOR_REQUESTS
     log_factor = (requests * math.log(realised_over_model) + n0 * math.log(prior)) / (requests + n0)
     return min(max(math.exp(log_factor), low), high)
+
+
+def component_histogram(tables: Mapping[str, Histogram], drafter: str) -> dict[int, float]:
+    """The histograms of every drafter sharing ``drafter``'s cost component (specd_api.speedup.cost_component), added
+    up: a chain's calibration is the draft model's, learned from the draft's and the chain's requests together."""
+    merged: dict[int, float] = {}
+    for name, histogram in tables.items():
+        if cost_component(name) == cost_component(drafter):
+            add_into(merged, histogram)
+    return merged
+
+
+def drafter_cost(drafter: str, costs: BucketCosts, default: float, lookup_hit: float) -> float:
+    """c of ``drafter`` at these costs: the measured c of its component; for a chain, the draft model's on the share
+    of rounds prompt lookup finds no match in (``lookup_hit``: lookup's proposal rate at the first position in this
+    segment); ``default`` (the policy's guess) before the component is measured."""
+    component = cost_component(drafter)
+    if component not in costs.cost_ratio:
+        return default
+    c = costs.cost_ratio[component]
+    return chain_cost_ratio(c, lookup_hit) if drafter == "chain" else c
 
 
 def repays_drafting(arm: Arm, request: Request, settings: Settings, cost_ratio: float) -> bool:
@@ -261,7 +319,7 @@ def deliberate(
     if isinstance(bounds, str):
         return Deliberation(make.off(bounds), settings)
     arms = tuple(mean_arm(estimates[d], *bounds[d], costs) for d in bounds)
-    best = max(arms, key=lambda a: a.speedup)
+    best = max(arms, key=lambda a: a.rank)
     choice = _paying_choice(
         _with_hysteresis(best, list(arms), previous, settings), arms, request, settings, estimates
     )  # fmt: skip
@@ -310,8 +368,9 @@ class _PlanMaker:
             cost_ratio=estimate.cost_ratio,
             verify_cost=self.costs.verify_table(k),
             probe_rounds=probe_rounds,
+            plain_rounds=PLAIN_ROUNDS if estimate.reference_requests < REFERENCE_REQUESTS else 0,
             counterfactual_ks=self.scored,
-            calibration=estimate.calibration,
+            calibration=arm.speedup / arm.model if arm.model > 0 else estimate.calibration,
             max_batch_size=self.settings.max_batch_size,
         )
 
@@ -367,7 +426,7 @@ def _paying_choice(
         for a in arms
         if a.speedup >= settings.min_speedup and repays_drafting(a, request, settings, estimates[a.drafter].cost_ratio)
     ]
-    return max(paying, key=lambda a: a.speedup) if paying else "request_too_short"
+    return max(paying, key=lambda a: a.rank) if paying else "request_too_short"
 
 
 def _counterfactual_ks(settings: Settings, request: Request) -> tuple[tuple[str, int], ...]:
@@ -391,7 +450,8 @@ def _learned_unprobed(drafter: str, scored: tuple[tuple[str, int], ...], estimat
 
 
 def _with_hysteresis(best: Arm, arms: list[Arm], previous: Plan | None, settings: Settings) -> Arm | None:
-    """Keep the previous drafter unless the best beats it by the margin; switch on or off only past margins."""
+    """Keep the previous drafter unless the best beats it by the margin (in rank); switch on or off only past margins
+    (in expected speedup)."""
     margin = 1.0 + settings.hysteresis
     was_on = previous is not None and previous.speculates
     threshold = settings.min_speedup if was_on or previous is None else settings.min_speedup * margin
@@ -399,7 +459,7 @@ def _with_hysteresis(best: Arm, arms: list[Arm], previous: Plan | None, settings
         return None
     if was_on and previous is not None:
         kept = next((a for a in arms if a.drafter == previous.drafter), None)
-        if kept is not None and kept.speedup * margin >= best.speedup and kept.speedup >= settings.min_speedup:
+        if kept is not None and kept.rank * margin >= best.rank and kept.speedup >= settings.min_speedup:
             return kept
     return best
 
@@ -427,11 +487,14 @@ def _thompson(
 
     def draws() -> dict[str, Arm]:
         """The posterior draw, made only when a branch reads it: the share that may probe is decided first (an
-        independent uniform, so the same probes follow in distribution), and most Decides then draw nothing."""
+        independent uniform, so the same probes follow in distribution), and most Decides then draw nothing. Each
+        drafter's model is drawn (its rates, the costs), and its speedup is the posterior that drawn model and what
+        the drafter realised make: a drafter the data pins down draws near what it realised, one known by its model
+        alone draws as its rates do."""
         if not drawn:
             drawn_costs = costs.draw(rng)
             for d in usable:
-                estimate = replace(estimates[d], cost_ratio=drawn_costs.c(d, estimates[d].cost_ratio))
+                estimate = replace(estimates[d], cost_ratio=_drawn_c(d, estimates[d], costs, drawn_costs))
                 drawn[d] = best_arm(estimate, estimates[d].sample(rng), *bounds[d], drawn_costs)
         return drawn
 
@@ -452,6 +515,16 @@ def _thompson(
             if u < 0:
                 return d
     return None
+
+
+def _drawn_c(drafter: str, estimate: DrafterEstimate, costs: BucketCosts, drawn: BucketCosts) -> float:
+    """The drafter's c under a draw of the costs: its estimate's c (the component's, as the segment runs it: a
+    chain's is the draft model's for the rounds lookup cannot serve) scaled as the draw moved the component's."""
+    component = cost_component(drafter)
+    measured, moved = costs.cost_ratio.get(component), drawn.cost_ratio.get(component)
+    if measured is None or moved is None or not measured > 0:
+        return estimate.cost_ratio
+    return estimate.cost_ratio * moved / measured
 
 
 PROBE_LOSS_SCALE = 0.1  # a probe that would run 10% slower than the exploit plan gets half the floor

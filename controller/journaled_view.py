@@ -167,7 +167,7 @@ def clamp(snapshot: Snapshot, segments: Iterable[str] | None = None) -> None:
                 for f in fields(item):
                     if getattr(item, f.name) < 0:
                         setattr(item, f.name, 0.0)
-        for hist in (*counts.calibration.values(), *counts.plain_step.values()):
+        for hist in (*counts.calibration.values(), *counts.plain_step.values(), *counts.realised.values()):
             _clamp_values(hist)
     costs = snapshot.costs
     for values in (costs.draft_s, costs.drafted, costs.verify_s, costs.verify_rounds):

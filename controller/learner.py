@@ -26,15 +26,18 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry
 
-from controller.cost_model import MIN_REQUESTS, BucketCosts, CostModel, build_cost_model
+from controller.cost_model import BucketCosts, CostModel, build_cost_model
 from controller.counts import Aggregate, CostCounts, SegmentCounts
+from controller.decide import component_histogram
 from controller.drift_watch import DriftAlarm, DriftWatch
 from controller.journal import Journal, JournalFull, entry
 from controller.journaled_view import JournaledView, report_counts
 from controller.pacing import Pacer
 from controller.prior import PriorModel, train_prior
+from controller.realised import plain_reference
 from controller.store import IngestResult, Snapshot, TelemetryStore
 from controller.timing_histogram import add_into, median, total
+from specd_api.modes import Mode, mode_of
 from specd_api.plan import DRAFTERS, batch_bucket
 from specd_api.segments import OVERFLOW_SEGMENT
 
@@ -68,6 +71,7 @@ class Learner:
         self._refresh_lock = threading.Lock()  # one refresh at a time (the loop, and shutdown's last one)
         self._appending = 0  # reports shown in the journaled view and being written to the journal (under _lock)
         self._last_prior_fit = 0.0
+        self.last_refit: object | None = None  # where the last refit ran: another process's answer, or this one
         self.cost_model = CostModel()
         # Versions move only when what decisions read moved (a refresh that read the same data leaves them): the
         # learner's as a whole, each segment's counts, and the cost model. Caches and decision tables key on them.
@@ -145,26 +149,38 @@ class Learner:
         with self._refresh_lock:
             return self._refresh_snapshot()
 
-    def refit_prior(self) -> None:
+    def refit_prior(self, elsewhere: Callable[[int], object | None] | None = None) -> None:
         """Retrain the prior from the stored samples when it is due, and store it (the next refresh loads it). The
         daemon calls this once before it listens, then in a loop of its own: training (and importing scikit-learn)
-        takes seconds, which must not hold up the refresh (replay, Redis health). A Redis error waits for the next
-        due time; the refresh reports the outage."""
+        takes seconds, which must not hold up the refresh (replay, Redis health). ``elsewhere`` does the work in
+        another process (the daemon's niced report process: ``ReportProcess.refit_prior``, given the samples to
+        read; its answer is kept in ``last_refit``), so that it never competes with a decode at normal priority;
+        when it cannot (None), this process does. A Redis error waits for the next due time; the refresh reports
+        the outage."""
         if self.clock() - self._last_prior_fit < self.prior_retrain_seconds:
             return
+        if elsewhere is not None:
+            done = elsewhere(self.store.config.samples_max)
+            if done is not None:
+                self._last_prior_fit, self.last_refit = self.clock(), done
+                return
         try:
             self._refit_prior()
+            self.last_refit = "in the daemon"
         except redis.RedisError as e:
             log.debug("prior not refitted, Redis did not answer: %s", e)
 
+    def costs_at(self, batch_size: int, segment: str) -> BucketCosts:
+        """The fleet's costs at ``batch_size`` for the sampling mode of the learning segment ``segment``."""
+        return self.cost_model.at(batch_size, mode_of(segment))
+
     def step_seconds(self, segment: str, batch_size: int) -> float:
-        """A plain step's seconds at ``batch_size`` in ``segment`` (0: not measured), what its realised speedups are
-        read at: the segment's own median where 3 requests measured it (a plain step grows with the context, and
-        segments differ in theirs), else every segment's."""
+        """A plain step's seconds at ``batch_size`` in the learning segment ``segment`` (0: not measured), what its
+        requests' realised speedups are read at: the one reference decisions read them at too
+        (``realised.plain_reference``: the segment's own plain rounds, shrunk towards the fleet's of its mode; a plain
+        step grows with the context, and segments differ in theirs)."""
         own = self.segment_counts(segment).plain_step.get(batch_bucket(batch_size), {})
-        if total(own) >= MIN_REQUESTS:
-            return median(own)
-        return self.cost_model.at(batch_size).step_seconds
+        return plain_reference(own, self.costs_at(batch_size, segment).step_seconds)
 
     def _send_journaled(self, report_id: str, aggregates: list[Aggregate]) -> None:
         self.store.ingest(report_id, aggregates, self.step_seconds)
@@ -348,7 +364,7 @@ class Learner:
         return merged
 
 
-def _point_costs(model: CostModel) -> dict[int, BucketCosts]:
+def _point_costs(model: CostModel) -> dict[tuple[Mode, int], BucketCosts]:
     return {b: replace(costs, rounds=()) for b, costs in model.buckets.items()}
 
 
@@ -383,10 +399,11 @@ def fleet_acceptance(tables: list[SegmentCounts], drafter: str) -> tuple[float, 
 
 
 def fleet_calibration(tables: list[SegmentCounts], drafter: str) -> tuple[float, float]:
-    """(median realised / expected speedup, requests) of ``drafter`` over ``tables``."""
+    """(median realised / model speedup, requests) of ``drafter``'s cost component (a chain's is the draft model's:
+    the draft's and the chain's requests together) over ``tables``."""
     merged: dict[int, float] = {}
     for counts in tables:
-        add_into(merged, counts.calibration.get(drafter, {}))
+        add_into(merged, component_histogram(counts.calibration, drafter))
     return median(merged), total(merged)
 
 

@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from specd_api.checks import MAX_BATCH_SIZE, MAX_INT32
 from specd_api.config_base import Strict
 from specd_api.lru import LruMemory
+from specd_api.modes import base_segment
 from specd_api.yaml_config import (
     DEFAULT_LIMITS,
     ConfigError,
@@ -207,8 +208,10 @@ class Policy:
                                            repr=False)  # fmt: skip
 
     def for_segment(self, segment: str) -> Settings:
-        """The settings of ``segment``: resolved once per segment (rules are matched in order, a glob each), then
-        remembered for this policy's life (bounded), so a Decide costs no rule matching."""
+        """The settings of ``segment`` (a learning segment's are its base segment's: specd_api.modes): resolved once
+        per segment (rules are matched in order, a glob each), then remembered for this policy's life (bounded), so a
+        Decide costs no rule matching."""
+        segment = base_segment(segment)
         known = self._resolved.recall(segment)
         if known is not None:
             return known

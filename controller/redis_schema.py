@@ -32,9 +32,13 @@ Segment fields (a segment bucket hash):
     q|{drafter}|{position}|{offered,proposed,verified,accepted}          counterfactually scored rounds, the same
     cal|{drafter}|{bin}        requests whose realised / expected speedup fell in that bin (timing_histogram.py)
     st|{batch bucket}|{bin}    requests whose plain rounds (n = 0) took that many seconds each
+    sp|{drafter}|{batch bucket}|{bin}
+                               requests that speculated with that drafter, by seconds per token emitted (every
+                               round's seconds over every token): what a plan realised, read against st| (realised.py)
     updated                    the time of the last report counted in the hash
 
-Cost fields (a cost bucket hash):
+Cost fields (a cost bucket hash), of greedy rounds; those of sampled rounds have the tag with an ``s`` appended
+(``es|``, ``ws|``, ``hes|``, ``hws|``): a sampled round costs more (specd_api.modes), and each mode's costs are its own:
 
     e|{drafter}|{batch bucket}|{s,n}    drafting seconds / tokens drafted
     w|{n}|{batch bucket}|{s,r}          verify seconds / rounds that verified exactly n drafts
@@ -59,6 +63,7 @@ from typing import Any, Literal, NamedTuple
 
 from controller.timing_histogram import MAX_BIN, MIN_BIN
 from specd_api.checks import MAX_K
+from specd_api.modes import GREEDY, MODES, SAMPLED, Mode
 
 VERSION = "v1"
 GLOBAL_TAG = "#global"  # the hash tag of the keys every report touches; '#' is never in a segment name
@@ -137,6 +142,7 @@ K_LEVEL = "k"
 SERVED, COUNTERFACTUAL = "p", "q"  # position fields of served rounds, and of counterfactually scored ones
 CALIBRATION = "cal"
 PLAIN_STEP = "st"
+REALISED = "sp"
 UPDATED = "updated"
 
 
@@ -171,6 +177,14 @@ class PlainStepField(NamedTuple):
     bin: int
 
 
+class RealisedField(NamedTuple):
+    """``sp|{drafter}|{batch bucket}|{bin}``"""
+
+    drafter: str
+    batch_bucket: int
+    bin: int
+
+
 class UpdatedField(NamedTuple):
     """The ``updated`` field: the time of the last report counted in the hash."""
 
@@ -178,7 +192,7 @@ class UpdatedField(NamedTuple):
 
 
 UPDATED_FIELD = UpdatedField()
-SegmentField = KField | PositionField | CalibrationField | PlainStepField | UpdatedField
+SegmentField = KField | PositionField | CalibrationField | PlainStepField | RealisedField | UpdatedField
 
 
 def k_field(drafter: str, k: int, counter: KCounter) -> str:
@@ -216,6 +230,10 @@ def plain_step_field(batch_bucket: int, b: int) -> str:
     return f"{PLAIN_STEP}|{batch_bucket}|{b}"
 
 
+def realised_field(drafter: str, batch_bucket: int, b: int) -> str:
+    return f"{REALISED}|{drafter}|{batch_bucket}|{b}"
+
+
 # A refresh parses every field of every bucket of the window, and the same few thousand names recur in all of them:
 # each name is parsed once (the fields are immutable), in a bounded cache (names nobody writes cannot grow it).
 _PARSED_NAMES = 2**14
@@ -239,6 +257,9 @@ def segment_field(name: str) -> SegmentField | None:
             if not MIN_BIN <= b <= MAX_BIN:
                 return None  # no real observation lies there
             return CalibrationField(parts[1], b) if parts[0] == CALIBRATION else PlainStepField(int(parts[1]), b)
+        if parts[0] == REALISED and len(parts) == 4:
+            b = int(parts[3])
+            return RealisedField(parts[1], int(parts[2]), b) if MIN_BIN <= b <= MAX_BIN else None
     except ValueError:
         return None  # a corrupt field name
     return UPDATED_FIELD if name == UPDATED else None  # else a field of a newer schema
@@ -260,6 +281,18 @@ def first_position(fields: Mapping[str, float]) -> list[tuple[str, float, float]
 
 DRAFT_COST, VERIFY_COST = "e", "w"
 DRAFT_HIST, VERIFY_HIST = "he", "hw"
+SAMPLED_TAG = "s"  # appended to a cost field's tag for the rounds of sampled requests
+_COST_TAGS: dict[str, tuple[str, Mode]] = {
+    tag + (SAMPLED_TAG if mode == SAMPLED else ""): (tag, mode)
+    for tag in (DRAFT_COST, VERIFY_COST, DRAFT_HIST, VERIFY_HIST)
+    for mode in MODES
+}
+
+
+def _cost_tag(tag: str, mode: Mode) -> str:
+    return tag + SAMPLED_TAG if mode == SAMPLED else tag
+
+
 DraftQuantity = Literal["s", "n"]  # seconds, tokens drafted
 VerifyQuantity = Literal["s", "r"]  # seconds, rounds
 _DRAFT_QUANTITIES: dict[str, DraftQuantity] = {"s": "s", "n": "n"}
@@ -272,6 +305,7 @@ class DraftCostField(NamedTuple):
     drafter: str
     batch_bucket: int
     quantity: DraftQuantity
+    mode: Mode = GREEDY  # the sampling mode of the rounds timed
 
 
 class VerifyCostField(NamedTuple):
@@ -280,6 +314,7 @@ class VerifyCostField(NamedTuple):
     n: int  # drafts verified in the round
     batch_bucket: int
     quantity: VerifyQuantity
+    mode: Mode = GREEDY  # the sampling mode of the rounds timed
 
 
 class DraftHistField(NamedTuple):
@@ -288,6 +323,7 @@ class DraftHistField(NamedTuple):
     drafter: str
     batch_bucket: int
     bin: int
+    mode: Mode = GREEDY  # the sampling mode of the rounds timed
 
 
 class VerifyHistField(NamedTuple):
@@ -296,48 +332,49 @@ class VerifyHistField(NamedTuple):
     n: int
     batch_bucket: int
     bin: int
+    mode: Mode = GREEDY  # the sampling mode of the rounds timed
 
 
 CostField = DraftCostField | VerifyCostField | DraftHistField | VerifyHistField
 
 
-def draft_cost_field(drafter: str, batch_bucket: int, quantity: DraftQuantity) -> str:
-    return f"{DRAFT_COST}|{drafter}|{batch_bucket}|{quantity}"
+def draft_cost_field(drafter: str, batch_bucket: int, quantity: DraftQuantity, mode: Mode = GREEDY) -> str:
+    return f"{_cost_tag(DRAFT_COST, mode)}|{drafter}|{batch_bucket}|{quantity}"
 
 
-def verify_cost_field(n: int, batch_bucket: int, quantity: VerifyQuantity) -> str:
-    return f"{VERIFY_COST}|{n}|{batch_bucket}|{quantity}"
+def verify_cost_field(n: int, batch_bucket: int, quantity: VerifyQuantity, mode: Mode = GREEDY) -> str:
+    return f"{_cost_tag(VERIFY_COST, mode)}|{n}|{batch_bucket}|{quantity}"
 
 
-def draft_hist_field(drafter: str, batch_bucket: int, b: int) -> str:
-    return f"{DRAFT_HIST}|{drafter}|{batch_bucket}|{b}"
+def draft_hist_field(drafter: str, batch_bucket: int, b: int, mode: Mode = GREEDY) -> str:
+    return f"{_cost_tag(DRAFT_HIST, mode)}|{drafter}|{batch_bucket}|{b}"
 
 
-def verify_hist_field(n: int, batch_bucket: int, b: int) -> str:
-    return f"{VERIFY_HIST}|{n}|{batch_bucket}|{b}"
+def verify_hist_field(n: int, batch_bucket: int, b: int, mode: Mode = GREEDY) -> str:
+    return f"{_cost_tag(VERIFY_HIST, mode)}|{n}|{batch_bucket}|{b}"
 
 
 @functools.lru_cache(maxsize=_PARSED_NAMES)
 def cost_field(name: str) -> CostField | None:
     """What a cost hash field counts; None for a field to ignore (module docstring)."""
     parts = name.split("|")
-    if len(parts) != 4:
-        return None
-    kind = parts[0]
+    if len(parts) != 4 or parts[0] not in _COST_TAGS:
+        return None  # another schema's field (the earlier d|/v| fields mixed round lengths)
+    kind, mode = _COST_TAGS[parts[0]]
     try:
         if kind in (DRAFT_HIST, VERIFY_HIST):
             b = int(parts[3])
             if not MIN_BIN <= b <= MAX_BIN:
                 return None  # no real timing lies there: a corrupt field
             if kind == DRAFT_HIST:
-                return DraftHistField(parts[1], int(parts[2]), b)
+                return DraftHistField(parts[1], int(parts[2]), b, mode)
             n = int(parts[1])
-            return VerifyHistField(n, int(parts[2]), b) if 0 <= n <= MAX_K else None
+            return VerifyHistField(n, int(parts[2]), b, mode) if 0 <= n <= MAX_K else None
         if kind == DRAFT_COST and (drafted := _DRAFT_QUANTITIES.get(parts[3])):
-            return DraftCostField(parts[1], int(parts[2]), drafted)
+            return DraftCostField(parts[1], int(parts[2]), drafted, mode)
         if kind == VERIFY_COST and (verified := _VERIFY_QUANTITIES.get(parts[3])):
             n = int(parts[1])
-            return VerifyCostField(n, int(parts[2]), verified) if 0 <= n <= MAX_K else None
+            return VerifyCostField(n, int(parts[2]), verified, mode) if 0 <= n <= MAX_K else None
     except ValueError:
         return None  # a corrupt field name
     return None  # another schema's field (the earlier d|/v| fields mixed round lengths)

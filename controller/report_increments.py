@@ -20,6 +20,7 @@ from controller import redis_schema as schema
 from controller.counts import Aggregate
 from controller.pacing import no_pause
 from controller.timing_histogram import bin_of, count_bins
+from specd_api.modes import Mode
 from specd_api.plan import batch_bucket
 
 StepSeconds = Callable[[str, int], float]  # a plain step's seconds in a segment at a batch size (0: not known)
@@ -44,7 +45,7 @@ def segment_increments(
 def _one_segment(segment: str, aggregates: Sequence[Aggregate], step_seconds: StepSeconds | None) -> dict[str, float]:
     k_sums: dict[tuple[str, int], list[float]] = {}  # (drafter, K) -> K_COUNTERS' sums
     position_groups: dict[tuple[str, bool], list[Aggregate]] = {}  # (drafter, counterfactual) -> its aggregates
-    observations: Counter[str] = Counter()  # histogram fields (st|, cal|): one observation per aggregate
+    observations: Counter[str] = Counter()  # histogram fields (st|, sp|, cal|): one observation per aggregate
     steps: dict[int, float] = {}  # batch size -> step_seconds(segment, batch size), asked once each
     for a in aggregates:
         if not a.calibration:
@@ -61,6 +62,9 @@ def _one_segment(segment: str, aggregates: Sequence[Aggregate], step_seconds: St
                     step_bin = bin_of(seconds / rounds)
                     if step_bin is not None:
                         observations[schema.plain_step_field(batch_bucket(a.batch_size), step_bin)] += 1
+                realised_bin = bin_of(a.seconds_per_token) if a.drafter != "none" else None
+                if realised_bin is not None:
+                    observations[schema.realised_field(a.drafter, batch_bucket(a.batch_size), realised_bin)] += 1
             if a.k:
                 position_groups.setdefault((a.drafter, a.counterfactual), []).append(a)
         if step_seconds is not None and a.drafter != "none" and a.expected_speedup > 0:
@@ -110,35 +114,35 @@ def cost_increments(aggregates: Iterable[Aggregate], pace: Callable[[], None] = 
     """The increments of the cost bucket hash: the sum of ``cost_fields()`` over ``aggregates``, in their order,
     nonzero fields only. The per-n verification timings (up to MAX_REPORT_POSITIONS + MAX_AGGREGATES of them in a
     report) are summed by column, n by n, in C. ``pace`` is called between aggregates and columns (pacing.py)."""
-    draft: dict[tuple[str, int], list[float]] = {}  # (drafter, batch bucket) -> [seconds, tokens drafted]
-    by_drafted: dict[int, list[tuple[tuple[int, float], ...]]] = {}  # batch bucket -> each aggregate's (rounds, s)
+    draft: dict[tuple[str, int, Mode], list[float]] = {}  # (drafter, bucket, mode) -> [seconds, tokens drafted]
+    by_drafted: dict[tuple[int, Mode], list[tuple[tuple[int, float], ...]]] = {}  # each aggregate's (rounds, s)
     observations: Counter[str] = Counter()  # he| fields: one observation per aggregate
     for a in aggregates:
         pace()
         if a.counterfactual or not a.rounds:
             continue
-        bucket = batch_bucket(a.batch_size)
+        bucket, mode = batch_bucket(a.batch_size), a.mode
         if a.drafter != "none" and a.num_drafted:
-            sums = draft.setdefault((a.drafter, bucket), [0.0, 0.0])
+            sums = draft.setdefault((a.drafter, bucket, mode), [0.0, 0.0])
             sums[0] += a.draft_seconds
             sums[1] += a.num_drafted
             b = bin_of(a.draft_seconds / a.num_drafted)
             if b is not None:
-                observations[schema.draft_hist_field(a.drafter, bucket, b)] += 1
-        by_drafted.setdefault(bucket, []).append(a.by_drafted)
+                observations[schema.draft_hist_field(a.drafter, bucket, b, mode)] += 1
+        by_drafted.setdefault((bucket, mode), []).append(a.by_drafted)
     fields: dict[str, float] = {}
-    for (drafter, bucket), (draft_seconds, drafted) in draft.items():
-        fields[schema.draft_cost_field(drafter, bucket, "s")] = draft_seconds
-        fields[schema.draft_cost_field(drafter, bucket, "n")] = float(drafted)
+    for (drafter, bucket, mode), (draft_seconds, drafted) in draft.items():
+        fields[schema.draft_cost_field(drafter, bucket, "s", mode)] = draft_seconds
+        fields[schema.draft_cost_field(drafter, bucket, "n", mode)] = float(drafted)
     fields.update((name, float(n)) for name, n in observations.items())
-    for bucket, rows in by_drafted.items():
+    for (bucket, mode), rows in by_drafted.items():
         for n, column in enumerate(zip_longest(*rows, fillvalue=(0, 0.0))):
             pace()
             # each aggregate's (rounds, seconds) at n, in order; one with no rounds at n adds nothing
             rounds, seconds = zip(*column, strict=True)
-            fields[schema.verify_cost_field(n, bucket, "s")] = sum(compress(seconds, rounds))
-            fields[schema.verify_cost_field(n, bucket, "r")] = float(sum(rounds))
+            fields[schema.verify_cost_field(n, bucket, "s", mode)] = sum(compress(seconds, rounds))
+            fields[schema.verify_cost_field(n, bucket, "r", mode)] = float(sum(rounds))
             # one observation per aggregate that verified n: its seconds per round
             for b, count in count_bins(map(truediv, compress(seconds, rounds), filter(None, rounds))).items():
-                fields[schema.verify_hist_field(n, bucket, b)] = float(count)
+                fields[schema.verify_hist_field(n, bucket, b, mode)] = float(count)
     return {name: value for name, value in fields.items() if value}

@@ -1,4 +1,5 @@
-"""Reports validated and stored in a child process, so that their work never holds the daemon's interpreter (issue 22).
+"""Reports validated and stored in a child process, so that their work never holds the daemon's interpreter; and the
+prior's refits trained there, so that seconds of scikit-learn never compete with a decode at normal priority.
 
 A report at the bounds (1,000 aggregates, 32,768 draft positions) takes about 75 ms of Python to validate and to
 store (its Lua scripts' arguments built, its samples encoded). In the daemon that ran under the interpreter every
@@ -17,6 +18,10 @@ What stays in the daemon:
   again and journals it;
 - each segment's plain step time, which a report's realised speedups are read at (``Learner.step_seconds``): the
   daemon looks them up for the report's (segment, batch bucket) pairs, and the child reads those.
+
+The prior's refit (``refit_prior``: read the stored samples, fit, store the model, which the daemon's next refresh
+loads) runs in the same child, between reports: a report that waits for it longer than ANSWER_SECONDS is the
+daemon's, as any late one.
 
 The child starts in the background when the daemon does (it imports the store and validation: about a second), and a
 report that comes before it has answered, or while it is being replaced after it died, is the daemon's, as before.
@@ -40,11 +45,13 @@ import redis
 from google.protobuf.message import DecodeError
 
 from controller.decoding import undecodable
+from controller.prior import train_prior
 from controller.redis_conn import RedisTls, client_for
 from controller.report_head import METHOD
 from controller.store import StoreConfig, TelemetryStore
 from controller.validation import report as validated_report
 from specd_api.checks import MAX_BATCH_SIZE
+from specd_api.modes import learning_segment
 from specd_api.plan import batch_bucket
 from specd_api.v1 import controller_pb2 as pb
 
@@ -54,6 +61,7 @@ PARENT_POLL_SECONDS = 1.0  # how soon a child whose daemon was killed exits
 # A report at the bounds takes the child ~0.25 s; one not answered within this is the daemon's (one child stores the
 # reports one at a time: a Redis that drops packets makes each wait its timeout, and they queue)
 ANSWER_SECONDS = 2.0
+REFIT_SECONDS = 60.0  # a refit (scikit-learn's import and fit over the stored samples) takes seconds
 FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS = 1.0, 60.0  # a child that did not start is tried again, backing off
 Steps = dict[tuple[str, int], float]  # (segment, batch bucket) -> a plain step's seconds there (0: not known)
 
@@ -78,6 +86,16 @@ class Stored:
 
 
 @dataclass(frozen=True)
+class Refitted:
+    """The child refitted the prior (``stored``: a model was trained and stored; too little data trains none), in the
+    process ``pid`` at niceness ``nice``."""
+
+    stored: bool
+    pid: int
+    nice: int
+
+
+@dataclass(frozen=True)
 class Invalid:
     """The report breaks the wire contract: INVALID_ARGUMENT, with this reason."""
 
@@ -85,10 +103,14 @@ class Invalid:
 
 
 def report_steps(request: Any, step_seconds: Callable[[str, int], float]) -> Steps:
-    """``step_seconds`` at each (segment, batch bucket) the report names (``request``: its ReportHead, or the
+    """``step_seconds`` at each (learning segment, batch bucket) the report names (``request``: its ReportHead, or the
     ReportRoundsRequest); the aggregates are not validated yet, so a batch size out of range is left out
     (validation refuses the report)."""
-    pairs = {(a.segment, a.batch_size) for a in request.aggregates if 1 <= a.batch_size <= MAX_BATCH_SIZE}
+    pairs = {
+        (a.segment if a.calibration else learning_segment(a.segment, a.temperature), a.batch_size)
+        for a in request.aggregates
+        if 1 <= a.batch_size <= MAX_BATCH_SIZE
+    }
     steps: Steps = {}
     for segment, batch_size in pairs:
         key = (segment, batch_bucket(batch_size))
@@ -178,6 +200,26 @@ class ReportProcess:
             return None
         return outcome
 
+    def refit_prior(self, samples_max: int, timeout_seconds: float = REFIT_SECONDS) -> Refitted | None:
+        """Refit the prior in the child (``Learner.refit_prior``'s work: the stored samples, at most ``samples_max``,
+        trained and the model stored); None when the daemon must do it: the child is not ready or died, Redis
+        failed there, or it did not finish within ``timeout_seconds``."""
+        with self._lock:
+            pool = self._pool if self._ready else None
+        if pool is None:
+            return None
+        try:
+            outcome: Refitted | str = pool.submit(_refit_prior, samples_max).result(timeout_seconds)
+        except BrokenProcessPool:
+            self._replace(pool)
+            return None
+        except (RuntimeError, futures.CancelledError, TimeoutError):
+            return None
+        if isinstance(outcome, str):
+            log.debug("the report process could not refit the prior (%s)", outcome)
+            return None
+        return outcome
+
     def _replace(self, broken: futures.ProcessPoolExecutor) -> None:
         with self._lock:
             if self._pool is not broken or self._closed:
@@ -250,3 +292,15 @@ def _ingest(data: bytes, steps: Steps) -> Stored | Invalid | str:
     except redis.RedisError as e:
         return f"{type(e).__name__}: {e}"
     return Stored(report_id, result.rounds, result.duplicate)
+
+
+def _refit_prior(samples_max: int) -> Refitted | str:
+    """Train the prior from the stored samples and store it; a string says why Redis did not answer."""
+    assert _store is not None, "the child's initializer builds the store"
+    try:
+        model = train_prior(_store.read_samples(samples_max))
+        if model is not None:
+            _store.save_prior(model.to_json())
+    except redis.RedisError as e:
+        return f"{type(e).__name__}: {e}"
+    return Refitted(model is not None, os.getpid(), os.getpriority(os.PRIO_PROCESS, 0))

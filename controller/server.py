@@ -122,7 +122,9 @@ class ControllerDaemon:
         self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher, budget, self.reports))
         self._start_loop("refresh", refresh, self._refresh, first_wait=0.0)
         self._start_loop("decision-tables", refresh, self.publisher.rebuild)
-        self._start_loop("prior", self.config.learning.refresh_seconds, learner.refit_prior)
+        reports = self.reports
+        refit_elsewhere = reports.refit_prior if reports is not None else None
+        self._start_loop("prior", self.config.learning.refresh_seconds, lambda: learner.refit_prior(refit_elsewhere))
         self._start_loop("policy-watch", self.config.policy_watch_seconds, self._reload_if_file_changed)
         interval = self.notifier.watchdog_interval()
         if interval:

@@ -20,21 +20,32 @@ from prometheus_client import Counter as PrometheusCounter
 from controller import validation
 from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
-from controller.decide import DrafterEstimate, Request, calibration_factor, decide, deliberate, estimate_drafter
+from controller.decide import (
+    DrafterEstimate,
+    Request,
+    calibration_factor,
+    component_histogram,
+    decide,
+    deliberate,
+    drafter_cost,
+    estimate_drafter,
+)
 from controller.decoding import undecodable
 from controller.drift_watch import DriftAlarm
 from controller.journal import JournalFull
 from controller.learner import Learner, ReportOutcome
 from controller.pacing import URGENT
 from controller.policy import DRAFTERS, PolicyStore, Settings
+from controller.realised import realised
 from controller.report_budget import ReportBudget, peer_host
 from controller.report_head import METHOD, ReceivedReport
 from controller.report_process import Invalid, ReportProcess, report_steps
 from controller.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.timing_histogram import median, total
 from controller.views import SegmentView, cost_model, segment_stats
-from specd_api.checks import MAX_AGGREGATES
+from specd_api.checks import MAX_AGGREGATES, count
 from specd_api.lru import LruMemory
+from specd_api.modes import validate_learning_segment
 from specd_api.plan import Plan
 from specd_api.spans import plan_attributes
 from specd_api.speedup import runs_draft_model
@@ -79,29 +90,38 @@ class Controller:
         self, settings: Settings, request: Request, costs: BucketCosts, remember: bool = True
     ) -> dict[str, DrafterEstimate]:
         """Per-drafter posteriors for this request: cached until the segment's counts or what else they are made of
-        (the priors, quantised from the request's features; the policy's settings; the costs) change, since they are
-        the bulk of a decision's work. Without ``remember`` a result is not cached (a decision table's: the table is
-        kept itself, and a build must not evict Decide's entries)."""
+        (the priors, quantised from the request's features; the policy's settings; the costs at the request's batch
+        bucket and sampling mode) change, since they are the bulk of a decision's work. Without ``remember`` a result
+        is not cached (a decision table's: the table is kept itself, and a build must not evict Decide's entries)."""
         version, counts = self.learner.versioned_counts(request.segment)  # together: the key names these counts
         made_of = tuple(
-            (d, alpha, proposal, fleet, settings.drafter(d).k_max, costs.c(d, settings.drafter(d).cost_ratio))
+            (d, alpha, proposal, fleet, settings.drafter(d).k_max, settings.drafter(d).cost_ratio)
             for d, alpha, proposal, fleet in self.estimate_inputs(settings, request)
         )
+        measured_c = tuple(sorted(costs.cost_ratio.items()))
         named = UNSEEN if counts.empty else request.segment
-        key = (named, version, settings.prior_strength, made_of)
+        key = (named, version, settings.prior_strength, made_of, costs.bucket, costs.step_seconds, measured_c)
         cached = self._estimates.get(key)
         if cached is not None:
             return cached
         n0 = settings.prior_strength
-        estimates: dict[str, DrafterEstimate] = {
-            d: replace(
-                self._posteriors_of(named, version, counts, d, k_max, alpha, proposal, n0),
-                cost_ratio=c,
-                calibration=calibration_factor(median(counts.calibration.get(d, {})),
-                                               total(counts.calibration.get(d, {})), toward=fleet),
+        posteriors = {
+            d: self._posteriors_of(named, version, counts, d, k_max, alpha, proposal, n0)
+            for d, alpha, proposal, _, k_max, _ in made_of
+        }
+        lookup = posteriors.get("prompt_lookup")
+        lookup_hit = lookup.means()[1][0] if lookup is not None and lookup.proposal else 0.0
+        plain = counts.plain_step.get(costs.bucket, {})
+        estimates: dict[str, DrafterEstimate] = {}
+        for d, _, _, fleet, _, default_c in made_of:
+            calibration = component_histogram(counts.calibration, d)
+            estimates[d] = replace(
+                posteriors[d],
+                cost_ratio=drafter_cost(d, costs, default_c, lookup_hit),
+                calibration=calibration_factor(median(calibration), total(calibration), toward=fleet),
+                realised=realised(counts.realised.get((d, costs.bucket), {}), plain, costs.step_seconds),
+                reference_requests=total(plain),
             )
-            for d, alpha, proposal, fleet, k_max, c in made_of
-        }  # fmt: skip
         if remember:
             with self._cache_lock:
                 if len(self._estimates) >= self._max_remembered:
@@ -172,7 +192,7 @@ class Controller:
         tracked = self.learner.tracked_segment(request.segment)
         if tracked != request.segment:
             request = replace(request, segment=tracked)
-        costs = self.learner.cost_model.at(request.batch_size)
+        costs = self.learner.costs_at(request.batch_size, request.segment)
         previous = self._previous.recall(request.segment)
         estimates = self.estimates(settings, request, costs)
         plan = decide(settings, policy.version, request, estimates, costs, previous, self.rng())
@@ -193,7 +213,7 @@ class Controller:
         its batch-1 plan only, so that its other buckets do not move the segment's memory at every refresh)."""
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
-        costs = self.learner.cost_model.at(request.batch_size)
+        costs = self.learner.costs_at(request.batch_size, request.segment)
         estimates = self.estimates(settings, request, costs, remember=False)
         previous = self._previous.recall(request.segment)
         deliberation = deliberate(settings, policy.version, request, estimates, costs, previous)
@@ -223,14 +243,17 @@ class Controller:
                 fresh.append(alarm)
         return fresh
 
-    def segment_view(self, segment: str) -> SegmentView:
-        """What GetSegmentStats shows of ``segment`` (the overflow segment's past the cap): its counts, estimates,
-        costs at batch 1, the decision Decide would make now, and its drift alarms."""
+    def segment_view(self, segment: str, max_new_tokens: int = 0, prompt_tokens: int = 0) -> SegmentView:
+        """What GetSegmentStats shows of the learning segment ``segment`` (the overflow segment's past the cap): its
+        counts, estimates, costs at batch 1, the decision Decide would make now for a request of ``max_new_tokens``
+        (0: TYPICAL_MAX_NEW_TOKENS) after a prompt of ``prompt_tokens``, and its drift alarms."""
         segment = self.learner.tracked_segment(segment)
         counts = self.learner.segment_counts(segment)
-        request = Request(segment, 1, DRAFTERS, TYPICAL_MAX_NEW_TOKENS)
+        request = replace(
+            Request.neutral(segment, 1, DRAFTERS, max_new_tokens or TYPICAL_MAX_NEW_TOKENS), prompt_tokens=prompt_tokens
+        )
         settings = self.policies.current.for_segment(segment)
-        costs = self.learner.cost_model.at(1)
+        costs = self.learner.costs_at(1, segment)
         estimates = self.estimates(settings, request, costs)
         decision = self.decide_quietly(request, settings, estimates, costs)
         return SegmentView(segment, counts, estimates, costs, decision, self.learner.drift(segment), self.learner.stale)
@@ -416,11 +439,17 @@ class ControllerServicer(pb_grpc.ControllerServicer):
     def GetSegmentStats(self, request: pb.GetSegmentStatsRequest, context: grpc.ServicerContext) -> pb.SegmentStats:
         with self._span("GetSegmentStats", context) as span:
             try:
-                segment = validation.validate_segment(request.segment)
+                segment = validate_learning_segment(request.segment)
             except ValueError as e:
                 self._invalid(span, context, e)
             span.set_attribute("specd.segment", segment)
-            return segment_stats(self.controller.segment_view(segment))
+            try:
+                count("max_new_tokens", request.max_new_tokens)
+                count("prompt_tokens", request.prompt_tokens)
+            except ValueError as e:
+                self._invalid(span, context, e)
+            view = self.controller.segment_view(segment, request.max_new_tokens, request.prompt_tokens)
+            return segment_stats(view)
 
     def ListSegments(self, request: pb.ListSegmentsRequest, context: grpc.ServicerContext) -> pb.ListSegmentsResponse:
         with self._span("ListSegments", context):

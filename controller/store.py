@@ -44,7 +44,8 @@ from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
 from controller.pacing import Pacer, no_pause
 from controller.redis_schema import Keys, encode_sample, first_position, sample_row, stored_json
 from controller.report_increments import cost_increments, segment_increments
-from specd_api.segments import OVERFLOW_SEGMENT, valid_segment
+from specd_api.modes import valid_learning_segment
+from specd_api.segments import OVERFLOW_SEGMENT
 
 log = logging.getLogger(__name__)
 
@@ -500,7 +501,7 @@ class TelemetryStore:
         self._scores = [float(score) for _, score in cast(list[tuple[bytes, float]], members)]
         for member, score in cast(list[tuple[bytes, float]], members):
             segment = _text(member)
-            if segment is not None and valid_segment(segment):
+            if segment is not None and valid_learning_segment(segment):
                 reported[segment] = float(score)
         self._reported, self._reported_read_at = reported, now
         return list(reported)

@@ -105,7 +105,7 @@ class TableKey:
 
 def table_key(controller: Controller, segment: str, drafters: Drafters) -> TableKey:
     settings = controller.policies.current.for_segment(segment)
-    inputs = controller.estimate_inputs(settings, Request(segment, 1, drafters, table_min_new_tokens(settings)))
+    inputs = controller.estimate_inputs(settings, Request.neutral(segment, 1, drafters, table_min_new_tokens(settings)))
     previous = controller.previous_plan(segment)  # hysteresis reads the remembered drafter and whether it was on
     memory = None if previous is None else (previous.drafter, previous.speculates)
     learner = controller.learner
@@ -149,14 +149,14 @@ def segment_table(
     )  # fmt: skip
     bucket = 1
     while bucket // 2 + 1 <= settings.max_batch_size:  # a bucket's smallest batch size is allowed to speculate
-        request = Request(segment, bucket // 2 + 1, drafters, new_tokens)  # neutral features: prompt 0, greedy
+        request = Request.neutral(segment, bucket // 2 + 1, drafters, new_tokens)
         rng = random.Random(f"{segment}|{bucket}|{','.join(drafters)}")
         plan, probes = controller.table_decisions(request, draws, rng, remember=bucket == 1)
         entry = table.buckets.add(batch_bucket=bucket, plan=plan.to_proto())
         for probe, share in probes:
             entry.probes.add(plan=probe.to_proto(), probability=share)
         bucket *= 2
-    above_request = Request(segment, settings.max_batch_size + 1, drafters, new_tokens)
+    above_request = Request.neutral(segment, settings.max_batch_size + 1, drafters, new_tokens)
     above, _ = controller.table_decisions(above_request, 0, random.Random(0))
     table.above_max_batch_size.CopyFrom(above.to_proto())
     return table

@@ -21,6 +21,7 @@ from specd_api.checks import (
     drafter_names,
     finite,
 )
+from specd_api.modes import learning_segment
 from specd_api.segments import validate_segment as validate_segment
 from specd_api.v1 import controller_pb2 as pb
 
@@ -39,7 +40,7 @@ def request_from_proto(msg: pb.DecideRequest) -> Request:
     count("max_new_tokens", msg.max_new_tokens)
     repetition = finite("prompt_features.self_repetition", msg.prompt_features.self_repetition, high=1.0)
     return Request(
-        segment=segment,
+        segment=learning_segment(segment, temperature),  # greedy and sampled requests are learned apart
         batch_size=msg.batch_size,
         drafters=tuple(dict.fromkeys(d for d in msg.drafters if d != "none")),
         max_new_tokens=msg.max_new_tokens or UNKNOWN_MAX_NEW_TOKENS,
@@ -89,7 +90,7 @@ def aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = None) -> 
         mean = round(a.num_drafted / rounds)
         by_drafted = tuple((rounds, verify_seconds) if n == mean else (0, 0.0) for n in range(mean + 1))
     return Aggregate(
-        segment=a.segment,
+        segment=a.segment if a.calibration else learning_segment(a.segment, a.temperature),
         drafter=a.drafter,
         k=a.k,
         rounds=rounds,

@@ -47,6 +47,9 @@ def segment_stats(view: SegmentView) -> pb.SegmentStats:
             )
         calibration = counts.calibration.get(d, {})
         drafter.calibration, drafter.calibration_requests = median(calibration), total(calibration)
+        realised = estimates[d].realised if d in estimates else None
+        if realised is not None:
+            drafter.realised_speedup, drafter.realised_requests = realised.speedup, realised.requests
         for i, pos in enumerate(counts.position_list(d)):
             drafter.positions.append(position_stats(i, pos))
         for i, pos in enumerate(counts.position_list(d, counterfactual=True)):
@@ -78,9 +81,10 @@ def segment_stats(view: SegmentView) -> pb.SegmentStats:
 
 def cost_model(model: CostModel, stale: bool) -> pb.CostModel:
     msg = pb.CostModel(stale=stale)
-    for bucket, bc in sorted(model.buckets.items()):
+    for (mode, bucket), bc in sorted(model.buckets.items()):
         measured_n = len(bc.rounds)
         msg.buckets.add(
+            mode=mode,
             batch_bucket=bucket,
             step_seconds=bc.step_seconds,
             cost_ratio=dict(bc.cost_ratio),

@@ -60,7 +60,8 @@ class BatchEngine(SpeculativeDecoder):
         return self.target_pool.free_slots
 
     def open(self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan) -> DecodeSession:
-        """A new sequence in a free slot, decoded as ``plan`` says, prefilled and ready for ``step``. Raises
+        """A new sequence in a free slot, decoded as ``plan`` says, prefilled: its first token emitted
+        (``session.generated``), and ready for ``step`` unless that finished it (``session.finish_reason``). Raises
         ValueError on a bad request (a drafter this engine does not offer, a prompt too long)."""
         generator = make_generator(params.seed, self.target.device)
         target_seq = self.target_pool.open()
@@ -162,6 +163,8 @@ class BatchEngine(SpeculativeDecoder):
         together: list[int] = []
         models: list[DraftModelDrafter] = []
         for i, s in enumerate(sessions):
+            if ks[i] > 0:
+                s.ready_drafter()  # its first drafting round: the drafter prefills (timed apart)
             started = time.perf_counter()
             model = s.drafter.draft_model
             if model is not None and s.drafter.drafts_with_model(s.context, ks[i]):

@@ -18,7 +18,9 @@ request's own output joins it (the worker scores first, then shares), or the dra
 it is scored against.
 
 Rounds are grouped by their ceiling, as served rounds are: the budget cuts the last rounds' K (a round cut to
-K = 0 proposes nothing and is not counted, as a served one counts as plain decoding).
+K = 0 proposes nothing and is not counted, as a served one counts as plain decoding). The first emitted token is the
+prefill's (decoder/engine.py): no round drafted it, and the replay's first round starts after it, as a served one
+does.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from decoder.drafters.base import Drafter
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from decoder.request_stop import StopConditions, draft_budget
 from specd_api.position_tally import PositionTally
+
+PREFILL_TOKENS = 1  # the first emitted token comes from the target's prefill, not a round
 
 
 @dataclass
@@ -71,7 +75,7 @@ def replay(
     scored: dict[int, Scored] = {}
     prompt = len(prompt_ids)
     propose = _proposer(drafter, [*prompt_ids, *generated], prompt)
-    done = 0  # tokens of ``generated`` the replay has emitted
+    done = PREFILL_TOKENS  # tokens of ``generated`` the replay has emitted: the prefill's first
     while done < len(generated):
         ceiling = min(k, draft_budget(prompt + done, done, rules, max_context))
         proposal = propose(prompt + done, ceiling) if ceiling else []

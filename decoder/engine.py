@@ -3,6 +3,10 @@
 A sequence runs its plan through its round policy (specd_api/round_policy.py), built when it opens: the policy holds
 the drafter and answers each round's K; the loop tells it what each round kept.
 
+The first token never waits for a drafter: the target's prefill of the whole prompt gives it (its last position's
+logits, chosen as any plain round chooses), and it is emitted then. The drafter prefills before the first round that
+drafts, timed apart (``RequestStats.draft_prefill_seconds``): a request that never drafts never pays it.
+
 Invariant between rounds: the target's KV cache holds every token of the context but the last one,
 which is fed at the head of the next verification pass together with the draft.
 
@@ -21,6 +25,7 @@ import torch
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
 from decoder.counterfactual import Scored, replay
 from decoder.drafters import (
+    EMPTY_TOKENS,
     ChainDrafter,
     Draft,
     Drafter,
@@ -104,22 +109,39 @@ class DecodeSession:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
+        self.drafter_ready = False  # the drafter has prefilled (``ready_drafter``)
 
     @property
     def drafter(self) -> Drafter:
         return self.policy.drafter
 
-    def prefill(self) -> None:
+    @torch.inference_mode()
+    def prefill(self) -> list[int]:
+        """The target's prefill of the prompt; its last logits give the first token, emitted now (returned; empty
+        when a stop string cut it). The request may be finished by it (EOS, a stop, max_new_tokens 1)."""
         start = time.perf_counter()
-        if self.context.shape[0] > 1:
-            self.target.forward(self.context[:-1], logits_to_keep=1)
-        self.drafter.prefill(self.context)
+        logits = self.target.forward(self.context, logits_to_keep=1)  # [1, vocab]: the prompt's last position
+        verdict = self._accept(EMPTY_TOKENS, None, logits)
+        emitted = self._emit([verdict.next_token])
         self.stats.prefill_seconds = time.perf_counter() - start
+        self.stats.prefill_tokens = len(emitted)
+        return emitted
+
+    def ready_drafter(self) -> None:
+        """Prefill the drafter (once, before its first round that drafts), timed apart from drafting."""
+        if self.drafter_ready:
+            return
+        start = time.perf_counter()
+        self.drafter.prefill(self.context)
+        self.drafter_ready = True
+        self.stats.draft_prefill_seconds += time.perf_counter() - start
 
     @torch.inference_mode()
     def step(self) -> list[int]:
         """Run one round, alone (a batch of one); return the tokens it emitted."""
         k = self.policy.round_k(1, self.draft_budget())
+        if k > 0:
+            self.ready_drafter()
         # 1. Draft.
         start = time.perf_counter()
         draft = self.drafter.propose(self.context, k)
@@ -167,21 +189,13 @@ class DecodeSession:
         verdict = self._accept(draft.tokens, draft.probs, logits)
 
         # 4. Emit, cut at EOS, stop strings and max_new_tokens.
-        new_tokens = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-        cut = cut_round(self.generated, new_tokens, self.rules, self._decode)
-        emitted = new_tokens[: cut.keep]
-        self.generated.extend(emitted)
-        self.context = torch.cat([self.context, torch.tensor(emitted, dtype=torch.long)])
+        emitted = self._emit([*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token])
 
         # 5. Roll both caches back to the accepted prefix; the bonus token is fed next round. The round policy
         # learns what the target kept.
         self.target.truncate(length + verdict.num_accepted)
         self.drafter.rollback(self.context)
         self.policy.observe(draft.num_tokens, verdict.num_accepted)
-        self.finish_reason = cut.finish_reason
-        max_context = self.target.lm.max_context
-        if self.finish_reason is None and max_context is not None and self.context.shape[0] >= max_context:
-            self.finish_reason = "length"  # the context is full
         self.stats.observe(
             RoundRecord(
                 drafter=self.drafter.name,
@@ -194,6 +208,19 @@ class DecodeSession:
                 batch_size=batch_size,
             )
         )
+        return emitted
+
+    def _emit(self, new_tokens: list[int]) -> list[int]:
+        """Add ``new_tokens`` to the output, cut at EOS, stop strings and max_new_tokens; set ``finish_reason`` when
+        the request is done (or the context full). Returns what was emitted."""
+        cut = cut_round(self.generated, new_tokens, self.rules, self._decode)
+        emitted = new_tokens[: cut.keep]
+        self.generated.extend(emitted)
+        self.context = torch.cat([self.context, torch.tensor(emitted, dtype=torch.long)])
+        self.finish_reason = cut.finish_reason
+        max_context = self.target.lm.max_context
+        if self.finish_reason is None and max_context is not None and self.context.shape[0] >= max_context:
+            self.finish_reason = "length"  # the context is full
         return emitted
 
     def _accept(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:

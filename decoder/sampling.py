@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-GREEDY_BELOW = 1e-5  # temperatures under this are treated as 0 (greedy)
+from specd_api.modes import GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,9 @@ class RequestStats:
     """Everything measured while decoding one request."""
 
     prompt_tokens: int
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # the target's prefill, which emits the first token
+    prefill_tokens: int = 0  # tokens the prefill emitted: the first (0 when a stop string cut it)
+    draft_prefill_seconds: float = 0.0  # the drafter's prefill, before its first round that drafted
     rounds: list[RoundRecord] = field(default_factory=list)
 
     def observe(self, record: RoundRecord) -> None:
@@ -49,7 +51,7 @@ class RequestStats:
 
     @property
     def num_new_tokens(self) -> int:
-        return sum(r.num_emitted for r in self.rounds)
+        return self.prefill_tokens + sum(r.num_emitted for r in self.rounds)
 
     @property
     def alpha(self) -> float | None:
@@ -81,7 +83,7 @@ class RequestStats:
 
     @property
     def total_seconds(self) -> float:
-        return self.prefill_seconds + self.decode_seconds
+        return self.prefill_seconds + self.draft_prefill_seconds + self.decode_seconds
 
     @property
     def tokens_per_second(self) -> float:

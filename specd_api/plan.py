@@ -54,6 +54,8 @@ class Plan:
     cost_ratio: float = 0.0  # c at the request's batch size
     verify_cost: tuple[float, ...] = ()  # v(n), n = 0..k, at the request's batch size
     probe_rounds: int = 0  # rounds run at k before adapting (a probe observes every position)
+    # plain rounds run before the first that drafts: the segment's plain step in the request's context (a reference)
+    plain_rounds: int = 0
     # (drafter, K ceiling) per drafter to score counterfactually over the request's rounds, by name; none: nothing.
     counterfactual_ks: tuple[tuple[str, int], ...] = ()
     calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
@@ -107,6 +109,7 @@ class Plan:
             cost_ratio=self.cost_ratio,
             verify_cost=self.verify_cost,
             probe_rounds=self.probe_rounds,
+            plain_rounds=self.plain_rounds,
             counterfactual_k=self.counterfactual_k,
             counterfactual_ks=dict(self.counterfactual_ks),
             calibration=self.calibration,
@@ -136,6 +139,7 @@ class Plan:
             cost_ratio=msg.cost_ratio,
             verify_cost=tuple(msg.verify_cost),
             probe_rounds=msg.probe_rounds,
+            plain_rounds=msg.plain_rounds,
             counterfactual_ks=counterfactual_ks(dict(msg.counterfactual_ks), msg.counterfactual_k),
             calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
             max_batch_size=msg.max_batch_size if msg.HasField("max_batch_size") else None,  # absent: an older one

@@ -6,8 +6,9 @@ request's own rounds so far, and each round answers with this round's K:
 
 1. above the batch threshold, 0 (DESIGN contract 6, applied as the batch grows and shrinks, every round): the
    threshold is the plan's, the policy's; the worker's own setting only when the plan carries none;
-2. the ceiling: the plan's K (or a caller's own K for this round, ``Plan.k_schedule``), cut to the budget left;
-3. under it, what the plan's per-position estimates choose against the request's own rounds (``adapted_k``).
+2. the plan's first ``plain_rounds`` rounds, 0: plain steps in the request's own context, the segment's reference;
+3. the ceiling: the plan's K (or a caller's own K for this round, ``Plan.k_schedule``), cut to the budget left;
+4. under it, what the plan's per-position estimates choose against the request's own rounds (``adapted_k``).
 
 Drafters only prefill, propose and roll back: the outcome of every round comes here (``observe``). Torch-free, so a
 worker of any make, and the controller's simulation of one, run exactly the engine's rule.
@@ -61,7 +62,7 @@ class RoundPolicy(Generic[D]):
     def round_k(self, batch_size: int, budget: int) -> int:
         """This round's K, in a batch of ``batch_size`` sequences, with room for ``budget`` drafted tokens (what the
         output budget and the context leave: ``decoder.request_stop.draft_budget``)."""
-        if not self.speculates_at(batch_size):
+        if not self.speculates_at(batch_size) or self.observed.rounds < self.plan.plain_rounds:
             return 0
         ceiling = self.ceiling
         if self.plan.k_schedule:
@@ -77,16 +78,16 @@ def adapted_k(plan: Plan, observed: PositionTally, ceiling: int) -> int:
     """The K at most ``ceiling`` (the plan's k cut to the round's budget; the caller cuts) that the plan's
     estimates choose, given ``observed``: the request's own rounds so far.
 
-    A plan without estimates runs every round at the ceiling, and so does a probe for its first ``probe_rounds``
-    rounds. Otherwise the plan's per-position acceptance is scaled by how this request has done against it: the
-    lift = (accepted + s) / (expected + s), with ``expected`` what the estimates predicted for the positions this
-    request verified and s = ``prior_strength`` pseudo-acceptances, so a few unlucky rounds move little and many
-    move a lot, at every position (deeper positions are rarely verified, but a request that does badly early does
-    badly late). K is the best of the speedup curve under that lift. A request stops drafting (K = 0, a plain
-    step: it then learns nothing more) only when no K pays even under the lift's upper 90% bound (a gamma
-    posterior, mean lift plus 1.28 of its spread); while the evidence is thin it keeps drafting.
+    A plan without estimates runs every round at the ceiling, and so does a probe for its first ``probe_rounds`` rounds
+    (after its ``plain_rounds``). Otherwise the plan's per-position acceptance is scaled by how this request has done
+    against it: the lift = (accepted + s) / (expected + s), with ``expected`` what the estimates predicted for the
+    positions this request verified and s = ``prior_strength`` pseudo-acceptances, so a few unlucky rounds move little
+    and many move a lot, at every position (deeper positions are rarely verified, but a request that does badly early
+    does badly late). K is the best of the speedup curve under that lift. A request stops drafting (K = 0, a plain step:
+    it then learns nothing more) only when no K pays even under the lift's upper 90% bound (a gamma posterior, mean lift
+    plus 1.28 of its spread); while the evidence is thin it keeps drafting.
     """
-    if ceiling <= 0 or not plan.adaptive or observed.rounds < plan.probe_rounds:
+    if ceiling <= 0 or not plan.adaptive or observed.rounds < plan.plain_rounds + plan.probe_rounds:
         return max(ceiling, 0)
     assert ceiling <= plan.k, f"the ceiling ({ceiling}) is above the plan's k ({plan.k}): the caller must cut it"
     s = max(plan.prior_strength, 0.0)

@@ -123,11 +123,25 @@ def ratio(numerator: float, denominator: float, default: float = 0.0) -> float:
 
 
 MODEL_DRAFTERS = ("draft", "chain")  # the drafters that run the draft model (a chain when lookup finds no match)
+DRAFT_MODEL = "draft"  # the component every model drafter runs: its cost and calibration are measured under this name
 
 
 def runs_draft_model(drafter: str) -> bool:
     """Does ``drafter`` run the draft model (its prefill, its stop rule, a proposal at every position)?"""
     return drafter in MODEL_DRAFTERS
+
+
+def cost_component(drafter: str) -> str:
+    """What ``drafter``'s drafting cost and calibration are those of: the draft model's (``draft``) for every drafter
+    that runs it, a chain included; the drafter's own otherwise."""
+    return DRAFT_MODEL if runs_draft_model(drafter) else drafter
+
+
+def chain_cost_ratio(draft_model_c: float, lookup_hit: float) -> float:
+    """A chain's c: the draft model's for the rounds prompt lookup finds no match in (1 - ``lookup_hit``, the share of
+    rounds lookup proposes in), lookup's ~0 for the others."""
+    hit = min(max(lookup_hit, 0.0), 1.0) if math.isfinite(lookup_hit) else 0.0
+    return max(draft_model_c, 0.0) * (1.0 - hit) if math.isfinite(draft_model_c) else 0.0
 
 
 def repays_prefill(

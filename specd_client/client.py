@@ -20,6 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from specd_api.checks import check_aggregate
+from specd_api.modes import learning_segment
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
 from specd_api.security import controller_channel
 from specd_api.spans import plan_attributes
@@ -209,9 +210,11 @@ class ControllerClient:
                 self_repetition,
             )  # fmt: skip
 
+        learned = learning_segment(segment, temperature)  # the tables and the memory are per learning segment
+
         def answer() -> Plan:
-            local = self._local(segment, drafters, batch_size, max_new_tokens, prompt_tokens)
-            return local if local is not None else self._decide(segment, batch_size, drafters, make_request)
+            local = self._local(learned, drafters, batch_size, max_new_tokens, prompt_tokens)
+            return local if local is not None else self._decide(learned, batch_size, drafters, make_request)
 
         if self._tracer is None:
             return answer()
@@ -223,7 +226,7 @@ class ControllerClient:
     def _local(
         self, segment: str, drafters: Sequence[str], batch_size: int, max_new_tokens: int, prompt_tokens: int
     ) -> Plan | None:
-        """The plan from the pushed decision tables, or None (ask Decide)."""
+        """The plan from the pushed decision tables of the learning segment ``segment``, or None (ask Decide)."""
         tables = self._tables
         if tables is None:
             return None
@@ -246,7 +249,8 @@ class ControllerClient:
     def _decide(
         self, segment: str, batch_size: int, drafters: Sequence[str], make_request: Callable[[], pb.DecideRequest]
     ) -> Plan:
-        """The call, or the fallback. ``make_request`` is called inside the guard: a bad argument (e.g. an int
+        """The call, or the fallback (the last plan remembered for the learning segment ``segment``). ``make_request``
+        is called inside the guard: a bad argument (e.g. an int
         out of int32 range) is a fallback too, not an exception."""
         start = time.perf_counter()
         stub = self._stub

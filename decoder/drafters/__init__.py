@@ -1,7 +1,7 @@
 """Drafters: what proposes tokens for the target to verify."""
 
 from decoder.choices import DRAFTER_NAMES
-from decoder.drafters.base import Draft, Drafter, NoDrafter
+from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter, NoDrafter
 from decoder.drafters.chain import ChainDrafter
 from decoder.drafters.draft_model import DraftModelDrafter
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, find_continuation
@@ -10,6 +10,7 @@ from decoder.drafters.suffix_cache import SuffixCache, SuffixConfig
 
 __all__ = [
     "DRAFTER_NAMES",
+    "EMPTY_TOKENS",
     "ChainDrafter",
     "Draft",
     "DraftModelDrafter",

@@ -256,6 +256,13 @@ class Scheduler:
             self.engine.inject_stall(job.session, job.stall_seconds, STALL_ROUND)
         self._active.append(job)
         job.on_started(time.perf_counter() - started)
+        try:  # the prefill's first token goes out now: it never waits for a round (nor its drafter)
+            job.on_tokens(list(job.session.generated))
+            if job.session.finish_reason is not None:  # EOS, a stop, or one token asked for
+                self._finish(job, JobOutcome("finished", result=job.session.result()))
+        except Exception as e:  # its result or callback raised: this request fails, the others go on
+            log.error("a request failed after its prefill: %s", _one_line(e))
+            self._finish(job, JobOutcome("failed", error=f"decoding failed: {e!r}"))
 
     def _step(self) -> None:
         batch = list(self._active)

@@ -25,13 +25,13 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from decoder.batch_engine import BatchEngine
-from decoder.calibration import CALIBRATION_SEGMENT, calibration_prompt, measure_costs
+from decoder.calibration import CALIBRATION_SEGMENT, TimedSequence, calibration_prompt, measure_costs
 from decoder.drafters import PromptLookupConfig, SuffixCache
 from decoder.engine import GenerationResult
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.telemetry import RequestStats, RoundRecord
+from decoder.telemetry import RequestStats
 from decoder.worker.client_segments import SegmentAdmission
 from decoder.worker.config import WorkerConfig
 from decoder.worker.fault_injection import StallPicker
@@ -104,6 +104,8 @@ class InFlight:
     span: trace.Span
     span_ctx: Context
     decode_span: list[trace.Span] = field(default_factory=list)
+    received: float = 0.0  # perf_counter when the request reached the worker's service (before its segment, its plan)
+    first_token: float = 0.0  # perf_counter when its first token was decoded (0: none yet)
 
 
 class WorkerService:
@@ -119,7 +121,7 @@ class WorkerService:
         self.engine: BatchEngine | None = None
         self.scheduler: Scheduler | None = None
         self.client: ControllerClient | None = None
-        self._calibration: list[list[RoundRecord]] = []  # start-up timings, reported once the client is up
+        self._calibration: list[TimedSequence] = []  # start-up timings, reported once the client is up
         self.tracer: trace.Tracer = no_tracer()
         self._provider: Any = None
         self.started_unix = time.time()
@@ -175,9 +177,9 @@ class WorkerService:
         """The start-up cost calibration, as the controller's first timings (costs only, in no segment)."""
         assert self.client is not None and self.engine is not None
         prompt_tokens = len(calibration_prompt(self.engine.target.vocab_size))
-        for rounds in self._calibration:
-            self.client.report(segment=CALIBRATION_SEGMENT, rounds=rounds, temperature=0.0, prompt_tokens=prompt_tokens,
-                               self_repetition=0.0, calibration=True)  # fmt: skip
+        for sequence in self._calibration:
+            self.client.report(segment=CALIBRATION_SEGMENT, rounds=sequence.rounds, temperature=sequence.temperature,
+                               prompt_tokens=prompt_tokens, self_repetition=0.0, calibration=True)  # fmt: skip
         self._calibration = []
 
     def _watched_drafters(self) -> tuple[str, ...]:
@@ -210,7 +212,7 @@ class WorkerService:
             started = time.perf_counter()
             self._calibration = measure_costs(engine)
             log.info("cost calibration: %d timed rounds in %.1fs (reported to the controller as its first costs)",
-                     sum(map(len, self._calibration)), time.perf_counter() - started)  # fmt: skip
+                     sum(len(s.rounds) for s in self._calibration), time.perf_counter() - started)  # fmt: skip
         return engine
 
     def shutdown(self) -> None:
@@ -287,6 +289,7 @@ class WorkerService:
 
     async def _plan(self, spec: RequestSpec) -> InFlight:
         """Step 1: the segment, the request span, and the plan (the controller's, a fallback, or the caller's)."""
+        received = time.perf_counter()
         # Off the event loop: both read the whole prompt (32,768 tokens: 30 ms of self-repetition alone).
         repetition, segment = await asyncio.to_thread(self._segment_of, spec)
         span = self.tracer.start_span("specd.worker.request", context=spec.trace_context, kind=SpanKind.SERVER)
@@ -300,7 +303,7 @@ class WorkerService:
             raise
         self._observe_decision(segment, plan)
         span.set_attributes({**plan_attributes(plan, segment), "specd.fallback_used": plan.fallback is not None})
-        return InFlight(spec, segment, repetition, plan, started, span, span_ctx)
+        return InFlight(spec, segment, repetition, plan, started, span, span_ctx, received=received)
 
     def _submit(self, request: InFlight, put: Callable[[str, Any], None]) -> Job:
         """Step 2: queue the job with the plan as this worker runs it (no speculation with a drafter it does not
@@ -321,13 +324,18 @@ class WorkerService:
             prefill.end(end_time=now)
             request.decode_span.append(self.tracer.start_span("specd.decode", context=request.span_ctx, start_time=now))
 
+        def on_tokens(tokens: list[int]) -> None:
+            if tokens and not request.first_token:
+                request.first_token = time.perf_counter()
+            put("tokens", tokens)
+
         job = Job(
             prompt_ids=spec.prompt_ids,
             params=spec.params,
             rules=StopConditions(spec.max_new_tokens, self.engine.target.eos_token_ids, spec.stop_strings),
             plan=plan,
             timeout_seconds=self.cfg.request_timeout_seconds,
-            on_tokens=lambda tokens: put("tokens", tokens),
+            on_tokens=on_tokens,
             on_started=on_started,
             on_finish=lambda outcome: put("finish", outcome),
             stall_seconds=self.stalls.draw(),
@@ -426,6 +434,8 @@ class WorkerService:
         if shares:
             self._share(request.segment, generated)
         info = response_info(request.segment, request.plan, batch_size, stats)
+        if request.first_token:
+            info["ttft_seconds"] = round(request.first_token - request.received, 6)
         attributes = span_attributes(request.segment, request.plan, info, outcome.status)
         for d in request.decode_span:
             d.set_attributes(attributes)

@@ -41,7 +41,7 @@ class DecideRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., batch_size: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., prompt_features: _Optional[_Union[PromptFeatures, _Mapping]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("drafter", "k", "reason", "policy_version", "exploration", "expected_speedup", "stale", "segment", "stop_threshold", "acceptance", "proposal", "prior_strength", "cost_ratio", "verify_cost", "probe_rounds", "counterfactual_k", "calibration", "max_batch_size", "counterfactual_ks")
+    __slots__ = ("drafter", "k", "reason", "policy_version", "exploration", "expected_speedup", "stale", "segment", "stop_threshold", "acceptance", "proposal", "prior_strength", "cost_ratio", "verify_cost", "probe_rounds", "counterfactual_k", "calibration", "max_batch_size", "counterfactual_ks", "plain_rounds")
     class CounterfactualKsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class Decision(_message.Message):
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     COUNTERFACTUAL_KS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     k: int
     reason: str
@@ -87,7 +88,8 @@ class Decision(_message.Message):
     calibration: float
     max_batch_size: int
     counterfactual_ks: _containers.ScalarMap[str, int]
-    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., counterfactual_k: _Optional[int] = ..., calibration: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., counterfactual_ks: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    plain_rounds: int
+    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., counterfactual_k: _Optional[int] = ..., calibration: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., counterfactual_ks: _Optional[_Mapping[str, int]] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
 
 class RoundsAggregate(_message.Message):
     __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual", "expected_speedup", "calibration", "request_tokens_emitted", "request_seconds")
@@ -160,10 +162,14 @@ class ReportRoundsResponse(_message.Message):
     def __init__(self, rounds_accepted: _Optional[int] = ..., duplicate: _Optional[bool] = ..., journaled: _Optional[bool] = ...) -> None: ...
 
 class GetSegmentStatsRequest(_message.Message):
-    __slots__ = ("segment",)
+    __slots__ = ("segment", "max_new_tokens", "prompt_tokens")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     segment: str
-    def __init__(self, segment: _Optional[str] = ...) -> None: ...
+    max_new_tokens: int
+    prompt_tokens: int
+    def __init__(self, segment: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PositionStats(_message.Message):
     __slots__ = ("position", "offered", "proposed", "verified", "accepted", "conditional_alpha", "alpha")
@@ -208,7 +214,7 @@ class DrafterKStats(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[float] = ..., proposed: _Optional[float] = ..., accepted: _Optional[float] = ..., alpha: _Optional[float] = ..., alpha_ci_low: _Optional[float] = ..., alpha_ci_high: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., expected_speedup: _Optional[float] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal", "calibration", "calibration_requests")
+    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal", "calibration", "calibration_requests", "realised_speedup", "realised_requests")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COST_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +224,8 @@ class DrafterStats(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REALISED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    REALISED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     positions: _containers.RepeatedCompositeFieldContainer[PositionStats]
     cost_ratio: float
@@ -227,7 +235,9 @@ class DrafterStats(_message.Message):
     proposal: _containers.RepeatedScalarFieldContainer[float]
     calibration: float
     calibration_requests: float
-    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., calibration: _Optional[float] = ..., calibration_requests: _Optional[float] = ...) -> None: ...
+    realised_speedup: float
+    realised_requests: float
+    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., calibration: _Optional[float] = ..., calibration_requests: _Optional[float] = ..., realised_speedup: _Optional[float] = ..., realised_requests: _Optional[float] = ...) -> None: ...
 
 class DriftAlarm(_message.Message):
     __slots__ = ("drafter", "direction", "since_unix", "raised_unix", "alpha_before", "alpha_since")
@@ -286,7 +296,7 @@ class GetCostsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BucketCosts(_message.Message):
-    __slots__ = ("batch_bucket", "step_seconds", "cost_ratio", "verify_cost", "verify_rounds", "measured", "spread")
+    __slots__ = ("batch_bucket", "step_seconds", "cost_ratio", "verify_cost", "verify_rounds", "measured", "spread", "mode")
     class CostRatioEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +311,7 @@ class BucketCosts(_message.Message):
     VERIFY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
     SPREAD_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     batch_bucket: int
     step_seconds: float
     cost_ratio: _containers.ScalarMap[str, float]
@@ -308,7 +319,8 @@ class BucketCosts(_message.Message):
     verify_rounds: _containers.RepeatedScalarFieldContainer[float]
     measured: bool
     spread: float
-    def __init__(self, batch_bucket: _Optional[int] = ..., step_seconds: _Optional[float] = ..., cost_ratio: _Optional[_Mapping[str, float]] = ..., verify_cost: _Optional[_Iterable[float]] = ..., verify_rounds: _Optional[_Iterable[float]] = ..., measured: _Optional[bool] = ..., spread: _Optional[float] = ...) -> None: ...
+    mode: str
+    def __init__(self, batch_bucket: _Optional[int] = ..., step_seconds: _Optional[float] = ..., cost_ratio: _Optional[_Mapping[str, float]] = ..., verify_cost: _Optional[_Iterable[float]] = ..., verify_rounds: _Optional[_Iterable[float]] = ..., measured: _Optional[bool] = ..., spread: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class CostModel(_message.Message):
     __slots__ = ("buckets", "stale")

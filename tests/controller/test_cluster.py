@@ -214,7 +214,8 @@ def test_a_retry_completes_a_report_cut_short_and_counts_each_part_once(
     assert again.duplicate
     snapshot = make_store(client, prefix).read_snapshot(["a", "b", "c"])
     assert [snapshot.segments[s].rounds for s in "abc"] == [2, 3, 5], "each part counted exactly once"
-    assert dict(snapshot.costs.drafted) == {("draft", 1): 2 * 10}, "costs (the global part) counted once: K = 2"
+    drafted = dict(snapshot.costs.drafted)
+    assert drafted == {("draft", 1, "greedy"): 2 * 10}, "costs (the global part) counted once: K = 2"
 
 
 # --- the keys spread over the cluster --------------------------------------------------------------------

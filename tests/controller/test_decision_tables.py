@@ -175,6 +175,18 @@ def test_local_decisions_equal_decide_and_follow_new_segments(embedded_redis_url
             other = client.decide(segment="tab-code", **decide_args(1, drafters=["prompt_lookup"]))
             assert other.source == "controller" and other.drafter != "draft"
 
+            # a sampled request is its segment's sampled traffic, learned apart: the greedy table does not answer it
+            sampled = client.decide(segment="tab-code", **decide_args(1, temperature=0.9))
+            assert sampled.source == "controller" and sampled.segment == "tab-code#sampled"
+            for _ in range(12):
+                client.report(segment="tab-code", rounds=[draft(4, 4, 1), draft(4, 4, 0)],
+                              **{**REPORT_ARGS, "temperature": 0.9})  # fmt: skip
+            wait_for(lambda: client.decide(segment="tab-code", **decide_args(1, temperature=0.9)).source == "table",
+                     "the sampled table")  # fmt: skip
+            sampled = client.decide(segment="tab-code", **decide_args(1, temperature=0.9))
+            assert sampled.segment == "tab-code#sampled"
+            assert sampled.acceptance != client.decide(segment="tab-code", **decide_args(1)).acceptance
+
             # a segment learned after the stream opened arrives in a later (partial) message
             teach(client, "tab-later")
             wait_for(lambda: client.decide(segment="tab-later", **decide_args(1)).source == "table", "the new segment")

@@ -128,12 +128,12 @@ class Held:
         self._lock = threading.Lock()
         view = controller.segment_view
 
-        def held(segment):
+        def held(segment, *features):
             if segment.startswith("held-"):
                 with self._lock:
                     self.inside += 1
                 self.release.wait(20)
-            return view(segment)
+            return view(segment, *features)
 
         monkeypatch.setattr(controller, "segment_view", held)
 

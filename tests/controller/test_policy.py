@@ -36,6 +36,8 @@ segments:
         ("tenant-blue", 4, None, "first matching glob"),
         ("tenant-blue-eu", 4, None, "first matching glob wins even when a later one matches too"),
         ("other", 8, None, "no rule: the defaults"),
+        ("tenant-gold#sampled", 16, None, "a segment's sampled requests follow its own rules, exact names included"),
+        ("tenant-blue-eu#sampled", 4, None, "and its globs, matched against the segment's name"),
     ],
 )
 def test_rule_resolution(segment, batch, force, why):

@@ -144,7 +144,8 @@ def test_a_reports_head_reads_the_requests_own_fields() -> None:
     assert head.report_id == "r-head"
     assert [(a.segment, a.batch_size) for a in head.aggregates] == [("head-a", 3), ("head-b", 1)]
     assert ReceivedReport.of(request).message() == request
-    for message, names in ((head, ("report_id", "aggregates")), (head.aggregates[0], ("segment", "batch_size"))):
+    kept = ("segment", "batch_size", "temperature", "calibration")
+    for message, names in ((head, ("report_id", "aggregates")), (head.aggregates[0], kept)):
         full = pb.DESCRIPTOR.message_types_by_name[message.DESCRIPTOR.name]
         assert [(f.name, f.number, f.type, f.is_repeated, f.is_packed) for f in message.DESCRIPTOR.fields] == [
             (f.name, f.number, f.type, f.is_repeated, f.is_packed) for f in full.fields if f.name in names
@@ -311,3 +312,30 @@ def test_a_report_process_the_os_will_not_nice_runs_on_and_says_why(monkeypatch)
 
     monkeypatch.setattr(os, "nice", refused)
     assert report_process.lower_priority(10) == "not niced: [Errno 1] Operation not permitted"
+
+
+def test_the_priors_refits_run_in_the_niced_child_not_beside_the_decisions(embedded_redis_url, tmp_path) -> None:
+    # Fitting the prior is seconds of scikit-learn: in the daemon, at its priority, it made a request decoding beside
+    # it run at a quarter of its speed. Once the child is up, every refit runs there, niced, never in the daemon.
+    learning = {"prior_retrain_seconds": 0.2}
+    with running_daemon(embedded_redis_url, tmp_path, learning=learning) as d:
+        assert d.reports is not None and d.controller is not None
+        wait_for("the report process to answer", lambda: d.reports is not None and d.reports.ready)
+        learner = d.controller.learner
+        in_daemon: list[float] = []
+        real = learner._refit_prior
+
+        def counted() -> None:
+            in_daemon.append(time.monotonic())
+            real()
+
+        learner._refit_prior = counted  # type: ignore[method-assign]
+        before = learner.last_refit
+        wait_for("a refit", lambda: isinstance(learner.last_refit, report_process.Refitted) and
+                 learner.last_refit is not before)  # fmt: skip
+        refit = learner.last_refit
+        assert isinstance(refit, report_process.Refitted)
+        assert refit.pid != os.getpid()
+        assert refit.nice == os.getpriority(os.PRIO_PROCESS, 0) + report_process.NICE
+        time.sleep(0.5)  # a few more refits
+        assert in_daemon == [], "no refit ran in the daemon once the child could"

@@ -130,7 +130,7 @@ def test_histogram_quantiles_and_draws() -> None:
 def test_corrupt_histogram_fields_are_ignored() -> None:
     counts = CostCounts()
     counts.add_fields({"hw|4|1|99999999": 5.0, "hw|x|1|3": 1.0, "he|draft|1|-160": float("nan"), "hw|4|1|-160": 2.0})
-    assert dict(counts.verify_hist) == {(4, 1): {-160: 2.0}}
+    assert dict(counts.verify_hist) == {(4, 1, "greedy"): {-160: 2.0}}
     assert all(w == 0.0 for h in counts.draft_hist.values() for w in h.values())
 
 

@@ -128,10 +128,11 @@ def test_snapshot_reads_back_exact_counts(redis_client: redis.Redis, prefix: str
     assert counts.last_update == T0
     # Costs: drafting 0.5 s for 11 tokens; verification of round(11 / 4) = 3 drafts at batch 3 -> bucket 4.
     # costs per batch bucket (batch 3 is in bucket 4): drafting per token, verification per number drafted n
-    assert dict(snapshot.costs.draft_s) == {("draft", 4): 0.5}
-    assert dict(snapshot.costs.drafted) == {("draft", 4): 11}
-    assert dict(snapshot.costs.verify_s) == {(2, 4): 0.125, (3, 4): 0.625}
-    assert dict(snapshot.costs.verify_rounds) == {(2, 4): 1, (3, 4): 3}
+    # (a greedy request's: each sampling mode's costs are their own)
+    assert dict(snapshot.costs.draft_s) == {("draft", 4, "greedy"): 0.5}
+    assert dict(snapshot.costs.drafted) == {("draft", 4, "greedy"): 11}
+    assert dict(snapshot.costs.verify_s) == {(2, 4, "greedy"): 0.125, (3, 4, "greedy"): 0.625}
+    assert dict(snapshot.costs.verify_rounds) == {(2, 4, "greedy"): 1, (3, 4, "greedy"): 3}
 
 
 def test_positions_pool_over_k_and_k_fields_do_not(redis_client: redis.Redis, prefix: str) -> None:

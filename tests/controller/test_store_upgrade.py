@@ -55,7 +55,8 @@ def test_untagged_keys_move_and_merge(redis_client: redis.Redis, prefix: str) ->
     assert float(redis_client.hget(store.keys.segment_bucket("chat:eu", bucket), "updated")) == T0 + 5, "the later time"
     assert 2990 < redis_client.ttl(store.keys.segment_bucket("chat:eu", bucket)) <= 3660, "the longer TTL"
     assert store.active_segments() == ["chat:eu"]
-    assert dict(store.read_snapshot(["chat:eu"]).costs.drafted)[("draft", 1)] == 8 + 6, "old costs + new (3 x K 2)"
+    drafted = dict(store.read_snapshot(["chat:eu"]).costs.drafted)
+    assert drafted[("draft", 1, "greedy")] == 8 + 6, "old costs + new (3 x K 2)"
     samples = store.read_samples(10)
     assert len(samples) == 3 and [s["at"] for s in samples[1:]] == [2, 1], "newest first, trimmed to samples_max"
     assert redis_client.ttl(store.keys.report("old-1")) > 2990

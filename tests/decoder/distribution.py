@@ -76,6 +76,23 @@ def exact_distribution(
     return table
 
 
+def exact_after_first(
+    target: LoadedModel,
+    prompt: Iterable[int],
+    params: SamplingParams,
+    num_tokens: int,
+    stop_ids: frozenset[int] = frozenset(),
+) -> dict[Outcome, float]:
+    """P(the ``num_tokens`` generated after the first | prompt), the first summed out: the first token is the
+    prefill's (a plain draw, decoder/engine.py), so a request's rounds begin with the second, and a test of what
+    rounds emit reads the tokens after it. A first token of ``stop_ids`` ends the request: outcome ()."""
+    table: dict[Outcome, float] = {}
+    for outcome, p in exact_distribution(target, prompt, params, num_tokens + 1, stop_ids).items():
+        rest = outcome[1:]
+        table[rest] = table.get(rest, 0.0) + p
+    return table
+
+
 def cut_at_stop(tokens: Iterable[int], stop_ids: frozenset[int]) -> Outcome:
     """``tokens`` up to and including the first stop token."""
     out: list[int] = []

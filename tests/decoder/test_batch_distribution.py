@@ -2,10 +2,10 @@
 target's own samples for its prompt.
 
 One batch holds sequences of four kinds at once (different prompts, drafters, K and sampling settings, a one-token
-prompt among them), joining at different steps, each accepting its own number of drafts. Each kind's first three
-tokens (a whole K=2 round, bonus token included) are tested against the exact enumeration for its prompt
-(tests/decoder/distribution.py). With a bug planted in acceptance (a wrong residual, the bonus token drawn from the
-wrong position, the rejected draft token kept) the test must fail.
+prompt among them), joining at different steps, each accepting its own number of drafts. Each kind's three tokens
+after the first (the prefill's), a whole K=2 round, bonus token included, are tested against the exact enumeration
+for its prompt (tests/decoder/distribution.py). With a bug planted in acceptance (a wrong residual, the bonus token
+drawn from the wrong position, the rejected draft token kept) the test must fail.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from tests.decoder.distribution import (
     REJECT_BELOW,
     Outcome,
     chi_square_pvalue,
-    exact_distribution,
+    exact_after_first,
     plant,
     small_vocab_lm,
     small_vocab_tokenizer,
 )
 
-NUM_TOKENS = 3
+NUM_TOKENS = 3  # after the first, which is the prefill's: a whole K=2 round (tests/decoder/distribution.py)
 SAMPLES = 300  # per kind of sequence
 WAVE = 12  # sequences of each kind per wave; half join at the first step, half at the second
 T1 = SamplingParams(temperature=1.0)
@@ -52,7 +52,10 @@ class Lane:
 LANES = {
     "draft-k2": Lane(PROMPT, "draft", 2, T1),  # the first round is a whole K=2 round: bonus or residual
     "draft-k1-t0.8": Lane((3, 3, 1, 2), "draft", 1, SamplingParams(temperature=0.8)),
-    "lookup-k2-top4": Lane((2, 5, 1, 2, 5, 1, 2, 5), "prompt_lookup", 2, SamplingParams(temperature=1.0, top_k=4)),
+    # every token occurs in the prompt: whatever the prefill draws first, lookup finds a match for the first round
+    "lookup-k2-top4": Lane(
+        (0, 3, 4, 2, 5, 1, 2, 5, 1, 2, 5), "prompt_lookup", 2, SamplingParams(temperature=1.0, top_k=4)
+    ),
     "plain-1-token-prompt": Lane((4,), "none", 0, T1),  # a plain target step in the same pass, no prefill pass
 }
 
@@ -74,7 +77,7 @@ class Observed:
 
 def sample_mixed_batches(engine: BatchEngine) -> Observed:
     """SAMPLES sequences of every lane, decoded in waves of mixed batches; every sequence has its own seed."""
-    rules = StopConditions(max_new_tokens=NUM_TOKENS)
+    rules = StopConditions(max_new_tokens=NUM_TOKENS + 1)
     seen = Observed({name: [] for name in LANES}, dict.fromkeys(LANES, 0), dict.fromkeys(LANES, 0), 0, 0)
     next_seed = 0
     for _ in range(SAMPLES // WAVE):
@@ -96,7 +99,7 @@ def sample_mixed_batches(engine: BatchEngine) -> Observed:
                 first = session.stats.rounds[0]
                 seen.drafted[name] += first.num_drafted > 0
                 seen.fully_accepted[name] += 0 < first.num_drafted == first.num_accepted
-                seen.samples[name].append(tuple(session.result().token_ids))
+                seen.samples[name].append(tuple(session.result().token_ids[1:]))
                 engine.close(session)
             live = [(n, s) for n, s in live if s.finish_reason is None]
     return seen
@@ -104,7 +107,7 @@ def sample_mixed_batches(engine: BatchEngine) -> Observed:
 
 def pvalues(target: LoadedModel, seen: Observed) -> dict[str, float]:
     return {
-        name: chi_square_pvalue(seen.samples[name], exact_distribution(target, lane.prompt, lane.params, NUM_TOKENS))
+        name: chi_square_pvalue(seen.samples[name], exact_after_first(target, lane.prompt, lane.params, NUM_TOKENS))
         for name, lane in LANES.items()
     }
 

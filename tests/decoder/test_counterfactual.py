@@ -78,14 +78,17 @@ def test_the_replay_counts_what_serving_prompt_lookup_counted(decoder, tokenizer
 
 
 def test_the_replay_stops_where_the_request_ended():
-    # the proposal reaches past the last emitted token: those positions are proposed but never verified
-    tallies = replay_lookup([1, 2, 3, 1, 2], [3], PromptLookupConfig(), 8, StopConditions(8), None)  # ended by EOS
+    # The first token (2) is the prefill's: the first round starts after it, with the context ending in 1 2, which
+    # lookup continues with 3 1 2. The request ended (EOS) after the 3: the later positions are proposed but never
+    # verified. 9 tokens allowed, one emitted: K <= 7.
+    tallies = replay_lookup([9, 1, 2, 3, 1], [2, 3], PromptLookupConfig(), 8, StopConditions(9), None)
     zeros = [0] * 4
     assert [as_tuple(t) for t in tallies] == [(7, 1, [1, 1, 1, *zeros], [1, 0, 0, *zeros], [1, 0, 0, *zeros])]
-    # the budget cuts the ceiling as it cuts a served round's: 3 tokens allowed, so K <= 2 in the first round
-    tallies = replay_lookup([1, 2, 3, 1, 2], [3, 1], PromptLookupConfig(), 8, StopConditions(3), None)
+    # the budget cuts the ceiling as it cuts a served round's: 4 tokens allowed, one emitted, so K <= 2
+    tallies = replay_lookup([9, 1, 2, 3, 1], [2, 3, 1], PromptLookupConfig(), 8, StopConditions(4), None)
     assert [as_tuple(t) for t in tallies] == [(2, 1, [1, 1], [1, 1], [1, 1])]
     assert replay_lookup([1, 2], [], PromptLookupConfig(), 4, StopConditions(8), None) == []
+    assert replay_lookup([1, 2], [5], PromptLookupConfig(), 4, StopConditions(8), None) == [], "the prefill's alone"
     assert replay_lookup([1, 2], [5, 6], PromptLookupConfig(), 0, StopConditions(8), None) == []
 
 

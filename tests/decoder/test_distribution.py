@@ -30,13 +30,15 @@ from tests.decoder.distribution import (
     REJECT_BELOW,
     Outcome,
     chi_square_pvalue,
-    exact_distribution,
+    exact_after_first,
     plant,
     small_vocab_lm,
     small_vocab_tokenizer,
 )
 
-NUM_TOKENS = 2  # joint distribution of the first two generated tokens: 36 cells
+# The first generated token is the prefill's (a plain draw); rounds begin with the second. The tests read the tokens
+# after the first, against their distribution with the first summed out (exact_after_first).
+NUM_TOKENS = 2  # joint distribution of the two tokens after the first: 36 cells
 SAMPLES = 1000
 ROUND_K = 2  # a whole round: K = 2 drafts and the bonus token, 216 cells
 ROUND_SAMPLES = 400
@@ -56,18 +58,18 @@ def near_draft(small_vocab_pair) -> LoadedModel:
 
 
 def sampled_joint(decoder: SpeculativeDecoder, drafter: str | Plan, params: SamplingParams) -> list[Outcome]:
-    """Samples of the first tokens, ``drafter`` at K = 3 (or the plan given)."""
-    rules = StopConditions(max_new_tokens=NUM_TOKENS + 2)  # K = 3 in the first round: the residual path matters
+    """Samples of the tokens after the first, ``drafter`` at K = 3 (or the plan given)."""
+    rules = StopConditions(max_new_tokens=NUM_TOKENS + 3)  # K = 3 in the first round: the residual path matters
     plan = drafter if isinstance(drafter, Plan) else requested(drafter, 3)
     samples = []
     for seed in range(SAMPLES):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        samples.append(tuple(decoder.decode(list(PROMPT), p, rules, plan).token_ids[:NUM_TOKENS]))
+        samples.append(tuple(decoder.decode(list(PROMPT), p, rules, plan).token_ids[1 : 1 + NUM_TOKENS]))
     return samples
 
 
 def exact_joint(target: LoadedModel, params: SamplingParams, num_tokens: int = NUM_TOKENS) -> dict[Outcome, float]:
-    return exact_distribution(target, PROMPT, params, num_tokens)
+    return exact_after_first(target, PROMPT, params, num_tokens)
 
 
 CASES = [
@@ -100,9 +102,9 @@ def test_a_wrong_residual_is_detected(small_vocab_pair, monkeypatch):
 
 
 def sampled_rounds(decoder: SpeculativeDecoder) -> tuple[list[Outcome], float]:
-    """The K + 1 tokens of the first round of ROUND_SAMPLES seeded requests, and the share of those rounds that
-    were fully accepted (so ended with a bonus token drawn from p_K)."""
-    rules = StopConditions(max_new_tokens=ROUND_K + 1)  # the first round runs at K = 2 and can emit all 3 tokens
+    """The K + 1 tokens of the first round (after the prefill's token) of ROUND_SAMPLES seeded requests, and the share
+    of those rounds that were fully accepted (so ended with a bonus token drawn from p_K)."""
+    rules = StopConditions(max_new_tokens=ROUND_K + 2)  # the first round runs at K = 2 and can emit all 3 tokens
     samples, full = [], 0
     for seed in range(ROUND_SAMPLES):
         params = SamplingParams(temperature=1.0, seed=seed)
@@ -110,7 +112,7 @@ def sampled_rounds(decoder: SpeculativeDecoder) -> tuple[list[Outcome], float]:
         first = result.stats.rounds[0]
         assert first.k == first.num_drafted == ROUND_K, first
         full += first.num_accepted == first.num_drafted
-        samples.append(tuple(result.token_ids))
+        samples.append(tuple(result.token_ids[1:]))
     return samples, full / ROUND_SAMPLES
 
 
@@ -136,9 +138,9 @@ def test_plain_sampling_matches_the_enumeration(small_vocab_pair):
     # wrong position in the enumeration cannot pass for a speculative bug, nor hide one.
     target = small_vocab_pair[0]
     decoder = SpeculativeDecoder(target)
-    rules = StopConditions(max_new_tokens=ROUND_K + 1)
+    rules = StopConditions(max_new_tokens=ROUND_K + 2)
     samples = [
-        tuple(decoder.generate(list(PROMPT), "none", 0, SamplingParams(temperature=1.0, seed=s), rules).token_ids)
+        tuple(decoder.generate(list(PROMPT), "none", 0, SamplingParams(temperature=1.0, seed=s), rules).token_ids[1:])
         for s in range(PLAIN_SAMPLES)
     ]
     pvalue = chi_square_pvalue(samples, exact_joint(target, SamplingParams(temperature=1.0), ROUND_K + 1))

@@ -80,3 +80,16 @@ def test_the_policy_learns_the_requests_rounds_and_stops_drafting_when_they_fail
     for _ in range(30):
         policy.observe(4, 0)
     assert policy.observed.rounds == 30 and policy.round_k(1, 10) == 0
+
+
+def test_a_plans_plain_rounds_come_first_then_its_probe_rounds_then_its_rule() -> None:
+    # The controller asks for one plain round (the segment's plain step in the request's context), then a probe's
+    # rounds at k: the plain round does not count as one of the probe's.
+    plan = Plan(**{**ADAPTIVE.__dict__, "plain_rounds": 1, "probe_rounds": 2})
+    policy = RoundPolicy.open(plan, "draft")
+    ks = []
+    for _ in range(4):
+        ks.append(policy.round_k(1, 20))
+        policy.observe(ks[-1], ks[-1])
+    assert ks == [0, 8, 8, 4], "plain, the probe at k twice, then the estimates' K"
+    assert Plan.from_proto(plan.to_proto()).plain_rounds == 1, "on the wire"

@@ -319,3 +319,35 @@ def test_a_round_that_raises_for_one_sequence_fails_that_request_only(target, dr
     assert outcome.status == "failed" and "a fault in one sequence" in str(outcome.error), outcome
     assert [first.outcome().status, second.outcome().status] == ["finished", "finished"]
     assert [first.tokens, second.tokens] == clean
+
+
+def test_the_first_token_goes_out_at_the_prefill_before_any_round(make, target) -> None:
+    # The prefill's own logits give the first token: the job hears it before the first round runs (a streaming
+    # client sees it after the target's prefill, not after a drafter's prefill and a whole round).
+    scheduler, _ = make(max_batch=2, max_queue=4)
+    heard: list[tuple[list[int], int]] = []  # (tokens, the session's rounds when they were handed over)
+    recorder = Recorder()
+    job = recorder.job(target, max_new_tokens=6)
+
+    def on_tokens(tokens: list[int]) -> None:
+        assert job.session is not None
+        heard.append((list(tokens), job.session.stats.num_rounds))
+        recorder.tokens.extend(tokens)
+
+    job.on_tokens = on_tokens
+    scheduler.submit(job)
+    scheduler.start()
+    assert recorder.outcome().status == "finished"
+    assert heard[0][1] == 0 and len(heard[0][0]) == 1, heard
+    assert len(recorder.tokens) == 6
+
+
+def test_a_one_token_job_finishes_at_its_prefill(make, target) -> None:
+    scheduler, steps = make(max_batch=2, max_queue=4)
+    recorder = Recorder()
+    scheduler.submit(recorder.job(target, max_new_tokens=1))
+    scheduler.start()
+    outcome = recorder.outcome()
+    assert outcome.status == "finished" and outcome.result is not None
+    assert len(outcome.result.token_ids) == 1 and outcome.result.stats.num_rounds == 0
+    assert steps == [], "no step ran for it"
