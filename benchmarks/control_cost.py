@@ -27,18 +27,18 @@ import yaml
 if __package__ in (None, ""):  # run as a file: the repository root is not on the path, benchmarks/ is
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specd.bench.aa import (
-    CONTROLLED,
-    UNCONTROLLED,
-    aa_figures,
-    aa_policy,
-    run_pairs,
-    summary,
-    uncontrolled_worker_config,
-    write_pairs,
-)
+from specd.bench.aa import CONTROLLED, UNCONTROLLED, aa_figures, run_pairs, summary, write_pairs
 from specd.bench.run import interleaved, load_prompts
-from specd.demo.configs import REFERENCE, ROOT, DemoPaths, controller_config, worker_config, write_config
+from specd.demo.configs import (
+    REFERENCE,
+    ROOT,
+    DemoPaths,
+    controller_config,
+    uncontrolled_worker_config,
+    with_off_rule,
+    worker_config,
+    write_config,
+)
 from specd.launch import Service, start
 
 WARM_UP_PROMPTS = 6  # per worker, before anything is timed: first requests pay one-off costs
@@ -85,7 +85,7 @@ def main() -> int:
 
 
 def start_services(paths: DemoPaths, policy_file: Path, services: dict[str, Service]) -> dict[str, str]:
-    policy = aa_policy(yaml.safe_load(policy_file.read_text()) or {})
+    policy = with_off_rule(yaml.safe_load(policy_file.read_text()) or {})
     policy_path = write_config(paths.config("policy"), policy, "A/A: aa/* segments never speculate")
     config = controller_config(paths, policy_path)
     config["telemetry"] = {"exporter": "none"}

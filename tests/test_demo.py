@@ -127,13 +127,16 @@ def test_plan_interleaves_segments_alternates_the_first_worker_and_caps_tokens()
     assert all(r.max_tokens == 48 for r in requests)
     for segment in workloads:
         mine = [r for r in requests if r.prompt.segment == segment]
-        # Each segment's prompts alternate which worker goes first, so both see the same noise.
-        assert [r.order[0] for r in mine[:2]] in ([drv.ADAPTIVE, drv.BASELINE], [drv.BASELINE, drv.ADAPTIVE])
-        assert all(r.order[0] != r.order[1] for r in mine)
+        # Each segment's prompts rotate which arm goes first, so all see the same noise; every AA_EVERY-th prompt
+        # also goes to the A/A arm (the adaptive worker, speculation off).
+        assert len({r.order[0] for r in mine}) >= 2
+        assert all(set(r.order) == ({*drv.ARMS, drv.AA} if i % drv.AA_EVERY == 0 else set(drv.ARMS))
+                   for i, r in enumerate(mine))  # fmt: skip
+        assert all(len(set(r.order)) == len(r.order) for r in mine)
         # 4 prompts from a segment of 3: all 3, then repeats.
         assert {r.prompt.id for r in mine[:3]} == {p.id for p in workloads[segment]}
     assert drv.plan(workloads, 4, 48, seed=1) == requests
-    assert drv.totals_of(requests) == {"code": 8, "prose": 8, "adversarial": 8}
+    assert drv.totals_of(requests) == {"code": 10, "prose": 10, "adversarial": 10}  # 4 x 2 arms + 2 A/A
     assert drv.plan({"code": [prompt("code", max_new_tokens=16)]}, 1, 48, 0)[0].max_tokens == 16
 
 
@@ -210,7 +213,9 @@ def test_summary_names_the_controllers_learning_the_traces_and_the_files(tmp_pat
     )  # fmt: skip
     text = rendered(render_summary(report), width=160)
     assert "specd demo: finished in 61 s" in text
-    assert "overall speedup: 1.14x" in text and "failures: 0 of 4 requests" in text and "3 timeout" in text
+    # the headline is the paired median per prompt (code 1.33x, adversarial 1.00x), the totals ratio beside it
+    assert "overall speedup: 1.17x" in text and "1.14x" in text
+    assert "failures: 0 of 4 requests" in text and "3 timeout" in text
     assert "draft K=4 (best, x1.2)" in text and "0.61" in text
     assert "traces: 3 spans in 2 files, 2 distinct trace ids (1 shared by a worker and the controller)" in text
     assert str(tmp_path / "traces-controller.jsonl") in text and str(tmp_path / "demo.png") in text
@@ -249,23 +254,32 @@ def test_demo_runs_to_the_end(tmp_path):
     out = done.stdout
     for segment in SEGMENTS:
         assert f" {segment} " in out
-    assert "overall speedup:" in out and f"failures: 0 of {2 * 2 * len(SEGMENTS)} requests" in out
-    assert "what the controller learned" in out and "decision now" in out
+    aa = len(SEGMENTS)  # the first of each segment's 2 prompts also goes to the A/A arm
+    assert "overall speedup:" in out and f"failures: 0 of {2 * 2 * len(SEGMENTS) + aa} requests" in out
+    assert "what the controller learned" in out and "decision now" in out and "A/A: " in out
     assert not leftovers(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failures"] == 0 and summary["overall"]["pairs"] == 2 * len(SEGMENTS)
+    assert summary["overall"]["paired_median"] > 0 and len(summary["overall"]["interval"]) == 2
+    assert summary["overall"]["totals_ratio"] > 0 and set(summary["segments"]) == set(SEGMENTS)
+    assert summary["aa"]["pairs"] == aa and summary["aa"]["ratio"] > 0
 
     worker = spans(run / "traces-worker-adaptive.jsonl")
     baseline_spans = spans(run / "traces-worker-baseline.jsonl")
     controller = spans(run / "traces-controller.jsonl")
     requests = [s for s in worker if s["name"] == "specd.worker.request"]
     per_worker = 2 * len(SEGMENTS)
-    assert len(requests) == per_worker
+    assert len(requests) == per_worker + aa
     assert len([s for s in baseline_spans if s["name"] == "specd.worker.request"]) == per_worker
     assert {s["service_name"] for s in controller} == {"specd-controller"}
-    # The baseline asks the controller too (same code path as the adaptive worker) and is always told "none".
+    # The baseline has no controller: it never speculates, and its requests continue in no controller trace.
     baseline_requests = [s for s in baseline_spans if s["name"] == "specd.worker.request"]
     assert {s["attributes"]["specd.drafter"] for s in baseline_requests} == {"none"}
-    assert all(s["attributes"]["specd.segment"].startswith("baseline/") for s in baseline_requests)
-    assert "baseline/" not in out.split("what the controller learned", 1)[1]
+    assert not {s["trace_id"] for s in baseline_spans} & {s["trace_id"] for s in controller}
+    # The A/A's requests, on the adaptive worker, were told none; the learned table leaves them out.
+    aa_requests = [s for s in requests if s["attributes"]["specd.segment"].startswith("aa/")]
+    assert len(aa_requests) == aa and {s["attributes"]["specd.drafter"] for s in aa_requests} == {"none"}
+    assert "aa/" not in out.split("what the controller learned", 1)[1]
     # A request's trace continues in the controller (its Decide call): the files share trace ids.
     shared = {s["trace_id"] for s in requests} & {s["trace_id"] for s in controller}
     assert shared, "no trace spans both the adaptive worker and the controller"
@@ -326,12 +340,23 @@ def test_the_run_folder_is_wiped_only_when_it_is_the_demos(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_the_demo_policy_puts_the_baseline_rule_first(tmp_path):
+def test_the_demo_policy_puts_the_aa_rule_first(tmp_path):
     from controller.policy import load_policy
     from specd.demo.configs import demo_policy, write_config
 
-    path = write_config(tmp_path / "policy.yaml", demo_policy(Path("policies/default.yaml"), "baseline/"), "test")
+    path = write_config(tmp_path / "policy.yaml", demo_policy(Path("policies/default.yaml")), "test")
     policy = load_policy(path)
-    assert policy.for_segment("baseline/adversarial").force == "none"  # ahead of the adversarial* rule
-    assert policy.for_segment("baseline/code").force == "none"
+    assert policy.for_segment("aa/adversarial").force == "none"  # ahead of the adversarial* rule
+    assert policy.for_segment("aa/extractive#sampled").force == "none"  # a learning segment follows its segment's
     assert policy.for_segment("code").force is None
+
+
+def test_the_aa_figure_pairs_the_aa_arm_with_the_baseline():
+    results = [result(drv.AA, n=i, seconds=0.4 * f) for i, f in enumerate((1.0, 1.02, 0.98, 1.0))] + [
+        baseline(i) for i in range(4)
+    ]
+    figure = drv.aa_figure(results)
+    assert figure.pairs == 4 and figure.median == pytest.approx(1.0)
+    assert figure.interval is not None and figure.interval[0] <= 1.0 <= figure.interval[1]
+    _, overall = drv.summarize({"code": 8}, results)
+    assert overall.pairs == 0, "A/A answers are not the adaptive arm's"

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 
 from specd.bench.measure import NONE, Figure, PromptRatio, figure
+from specd.demo.configs import AA_PREFIX
 from workloads import Prompt
 
-AA_PREFIX = "aa/"  # the controlled worker's A/A segments: the policy forces no speculation for aa/*
 CONTROLLED, UNCONTROLLED = "controlled", "uncontrolled"
 
 
@@ -40,12 +40,6 @@ class Pair:
         seconds = self.decode_seconds if kind == "decode" else self.wall_seconds
         rates = {w: self.tokens[w] / seconds[w] if seconds[w] > 0 else 0.0 for w in (CONTROLLED, UNCONTROLLED)}
         return rates[CONTROLLED] / rates[UNCONTROLLED] if rates[UNCONTROLLED] > 0 else 0.0
-
-
-def aa_policy(policy: dict[str, Any]) -> dict[str, Any]:
-    """``policy`` with one rule in front: segments named aa/* never speculate (the first glob listed wins)."""
-    rule = {"match": f"{AA_PREFIX}*", "force": "none"}
-    return {**policy, "segments": [rule, *(policy.get("segments") or [])]}
 
 
 def request_body(prompt: Prompt, max_new_tokens: int, segment: str) -> dict[str, Any]:
@@ -102,12 +96,6 @@ def aa_figures(pairs: Sequence[Pair], run: int = 0) -> dict[str, Figure]:
         ratios = [PromptRatio((run, p.segment, p.prompt_id), p.ratio(kind), p.tokens[UNCONTROLLED]) for p in pairs]
         out[kind] = figure([r for r in ratios if r.ratio > 0])
     return out
-
-
-def uncontrolled_worker_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A worker's config with no controller: it decides by its local default (no speculation) and reports nothing."""
-    link = {**config.get("controller", {}), "address": None, "default_drafter": "none", "default_k": 0}
-    return {**config, "controller": link}
 
 
 def summary(pairs: Sequence[Pair], figures: dict[str, Figure]) -> dict[str, Any]:

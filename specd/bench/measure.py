@@ -11,6 +11,15 @@ dominated a figure pooled over the prompts (total tokens / total decode seconds;
 each prompt's ratio under its segment's oracle arm, median over every prompt. ``best_static`` is the one static arm
 (``none`` aside) with the best paired median over every prompt. A figure of one arm over another (adaptive over the
 oracle) is the median over prompts of the per-prompt quotient of their ratios.
+
+Both are chosen in hindsight, the best of about fifteen noisy arms on the very prompts they are scored on, which
+flatters them. The cross-fitted figures (``*_cross``) choose on one half of each segment's prompts and score on the
+other (``halves``: each prompt in the same half in every run), then the other way round: what a fixed setting chosen
+on past traffic would have given.
+
+The A/A (specd.bench.aa): the controlled worker, every decision ``none``, over the uncontrolled one
+(``controlled_none_vs_uncontrolled``). Time to first token (``ttft_adaptive_vs_none``): the paired median of the
+adaptive arm's over ``none``'s, both passes (lower is better).
 """
 
 from __future__ import annotations
@@ -36,17 +45,21 @@ STATIC_ARMS = (
     *(f"suffix:{k}" for k in SUFFIX_KS),
 )
 WARM_BASELINE = "none-warm"  # none again, beside the warm pass (the machine may have changed since the first)
+# The A/A pass: the controlled worker with every decision none (its aa/* segments), beside the uncontrolled one's none
+AA_CONTROLLED, AA_UNCONTROLLED = "aa-controlled", "aa-uncontrolled"
 RESAMPLES = 1000  # bootstrap resamples per interval
 SEED = 0  # the bootstrap's: the same samples give the same intervals
 LEVEL = 0.95
 # The headline ratios (bench.json ``summary``, ``intervals``, ``geomeans``, the spread over repeats).
 HEADLINE = ("adaptive_vs_none", "adaptive_warm_vs_none", "best_static_vs_none", "oracle_vs_none", "adaptive_vs_oracle",
-            "adaptive_warm_vs_oracle", "adaptive_warm_vs_best_static")  # fmt: skip
+            "adaptive_warm_vs_oracle", "adaptive_warm_vs_best_static", "adaptive_vs_oracle_cross",
+            "adaptive_warm_vs_oracle_cross", "adaptive_warm_vs_best_static_cross", "controlled_none_vs_uncontrolled",
+            "ttft_adaptive_vs_none")  # fmt: skip
 
 
 def parse_arm(arm: str) -> tuple[str, int]:
     """A static arm's (drafter, K): "draft:4" -> ("draft", 4), "none" -> ("none", 0)."""
-    if arm in (NONE, WARM_BASELINE):
+    if arm in (NONE, WARM_BASELINE, AA_UNCONTROLLED):
         return "none", 0
     drafter, _, k = arm.partition(":")
     return drafter, int(k)
@@ -76,6 +89,7 @@ class Sample:
     reason: str = ""  # the plan's reason
     expected_speedup: float = 1.0  # the controller's prediction for the plan it gave
     run: int = 0  # which of the --repeats runs (each with fresh services)
+    ttft_seconds: float = 0.0  # the worker's time to the first token (0: not known)
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,48 @@ def divide(numerator: Sequence[PromptRatio], denominator: Sequence[PromptRatio])
     """Per prompt in both: numerator / denominator (adaptive's ratio over the oracle's, say)."""
     below = {r.key: r.ratio for r in denominator if r.ratio > 0}
     return [PromptRatio(r.key, r.ratio / below[r.key], r.tokens) for r in numerator if r.key in below]
+
+
+def paired_ttft(samples: Sequence[Sample], arm: str, baseline: str) -> list[PromptRatio]:
+    """Per prompt, ``arm``'s time to first token over ``baseline``'s on that prompt in the same run (lower is
+    better); prompts where either is not known are left out."""
+    first: dict[str, dict[Key, float]] = {arm: {}, baseline: {}}
+    for s in samples:
+        if s.arm in first and s.ttft_seconds > 0:
+            first[s.arm][key(s)] = s.ttft_seconds
+    return [PromptRatio(k, first[arm][k] / t, 1) for k, t in first[baseline].items() if k in first[arm]]
+
+
+def halves(samples: Sequence[Sample]) -> dict[tuple[str, str], int]:
+    """(segment, prompt id) -> 0 or 1: each segment's prompts in id order, alternately (a prompt is in the same half
+    in every run)."""
+    ids: dict[str, set[str]] = {}
+    for s in samples:
+        ids.setdefault(s.segment, set()).add(s.prompt_id)
+    return {(segment, p): i % 2 for segment, prompts in ids.items() for i, p in enumerate(sorted(prompts))}
+
+
+def cross_fitted(samples: Sequence[Sample], statics: Sequence[str], per_segment: bool) -> list[PromptRatio]:
+    """Each prompt's ratio under the static arm chosen on the other half of the prompts (``halves``): per segment
+    (the oracle's choice) or one arm over every segment (the best static arm's, ``none`` aside)."""
+    half = halves([s for s in samples if s.arm == NONE])
+    ratios = {arm: paired(samples, arm, NONE) for arm in statics}
+    scope: Callable[[Key], str] = (lambda k: k[1]) if per_segment else (lambda k: "")
+    candidates = list(statics) if per_segment else [a for a in statics if a != NONE]
+    out: list[PromptRatio] = []
+    for group in {scope(r.key) for r in ratios.get(NONE, [])}:
+        for h in (0, 1):
+
+            def in_half(r: PromptRatio, wanted: int, group: str = group) -> bool:
+                return scope(r.key) == group and half.get((r.key[1], r.key[2])) == wanted
+
+            chosen = max(
+                candidates,
+                key=lambda arm, h=h: median_ratio([r for r in ratios[arm] if in_half(r, 1 - h)]),  # type: ignore[misc]
+                default=NONE,
+            )
+            out += [r for r in ratios.get(chosen, []) if in_half(r, h)]
+    return out
 
 
 def median_ratio(ratios: Sequence[PromptRatio]) -> float:
@@ -238,6 +294,7 @@ def summarize(samples: Sequence[Sample], seed: int = SEED) -> dict[str, Any]:
     adaptive = paired(samples, ADAPTIVE, NONE)
     warm = paired(samples, ADAPTIVE_WARM, WARM_BASELINE)
     best = paired(samples, best_static, NONE)
+    oracle_cross, best_cross = cross_fitted(samples, statics, True), cross_fitted(samples, statics, False)
     figures = {
         "adaptive_vs_none": figure(adaptive, seed),
         "adaptive_warm_vs_none": figure(warm, seed),
@@ -246,6 +303,15 @@ def summarize(samples: Sequence[Sample], seed: int = SEED) -> dict[str, Any]:
         "adaptive_vs_oracle": figure(divide(adaptive, oracle), seed),
         "adaptive_warm_vs_oracle": figure(divide(warm, oracle), seed),
         "adaptive_warm_vs_best_static": figure(divide(warm, best), seed),
+        "oracle_cross_vs_none": figure(oracle_cross, seed),
+        "best_static_cross_vs_none": figure(best_cross, seed),
+        "adaptive_vs_oracle_cross": figure(divide(adaptive, oracle_cross), seed),
+        "adaptive_warm_vs_oracle_cross": figure(divide(warm, oracle_cross), seed),
+        "adaptive_warm_vs_best_static_cross": figure(divide(warm, best_cross), seed),
+        "controlled_none_vs_uncontrolled": figure(paired(samples, AA_CONTROLLED, AA_UNCONTROLLED), seed),
+        "ttft_adaptive_vs_none": figure(
+            paired_ttft(samples, ADAPTIVE, NONE) + paired_ttft(samples, ADAPTIVE_WARM, WARM_BASELINE), seed
+        ),
     }
     equal, mismatches = outputs_equal(samples)
     median = {name: f.median for name, f in figures.items()}
@@ -258,8 +324,16 @@ def summarize(samples: Sequence[Sample], seed: int = SEED) -> dict[str, Any]:
         "adaptive_vs_oracle": median["adaptive_vs_oracle"],
         "adaptive_warm_vs_oracle": median["adaptive_warm_vs_oracle"],
         "adaptive_warm_vs_best_static": median["adaptive_warm_vs_best_static"],
+        "oracle_cross_vs_none": median["oracle_cross_vs_none"],
+        "best_static_cross_vs_none": median["best_static_cross_vs_none"],
+        "adaptive_vs_oracle_cross": median["adaptive_vs_oracle_cross"],
+        "adaptive_warm_vs_oracle_cross": median["adaptive_warm_vs_oracle_cross"],
+        "adaptive_warm_vs_best_static_cross": median["adaptive_warm_vs_best_static_cross"],
+        "controlled_none_vs_uncontrolled": median["controlled_none_vs_uncontrolled"],
+        "ttft_adaptive_vs_none": median["ttft_adaptive_vs_none"],
         "outputs_equal": equal,
     }
+    summary |= {f"{name}_interval": list(figures[name].interval) for name in AA_AND_TTFT}
     return {
         "summary": summary,
         "intervals": {name: list(f.interval) for name, f in figures.items()},
@@ -274,6 +348,9 @@ def summarize(samples: Sequence[Sample], seed: int = SEED) -> dict[str, Any]:
         "totals": totals(samples),
         "mismatches": mismatches,
     }
+
+
+AA_AND_TTFT = ("controlled_none_vs_uncontrolled", "ttft_adaptive_vs_none")  # their intervals in ``summary`` too
 
 
 def flat(name: str, f: Figure) -> dict[str, Any]:

@@ -22,8 +22,10 @@ class Written:
 
 
 def cost_comparison(learned: dict[str, Any], isolated: dict[str, Any]) -> dict[str, Any]:
-    """The controller's learned costs at batch 1 beside the engine's own, with learned / isolated."""
-    bucket = next((b for b in learned.get("buckets", []) if int(b.get("batch_bucket", 0)) == 1), None)
+    """The controller's learned costs at batch 1, of greedy requests (the engine alone is timed greedy), beside the
+    engine's own, with learned / isolated."""
+    bucket = next((b for b in learned.get("buckets", []) if int(b.get("batch_bucket", 0)) == 1
+                   and b.get("mode", "greedy") == "greedy"), None)  # fmt: skip
     if bucket is None:
         return {"learned": None, "isolated": isolated, "ratios": {}}
     v = [float(x) for x in bucket.get("verify_cost", [])]
@@ -111,6 +113,11 @@ def headline(document: dict[str, Any], out: Path) -> str:
         f"oracle {x('oracle_vs_none')}; best static {s['best_static']} {x('best_static_vs_none')}",
         f"adaptive/oracle {q('adaptive_vs_oracle')} (cold), {q('adaptive_warm_vs_oracle')} (warm); "
         f"warm/best static {q('adaptive_warm_vs_best_static')}; greedy outputs equal: {s['outputs_equal']}",
+        f"cross-fitted (chosen on one half of the prompts, scored on the other): adaptive/oracle "
+        f"{q('adaptive_vs_oracle_cross')} (cold), {q('adaptive_warm_vs_oracle_cross')} (warm); warm/best static "
+        f"{q('adaptive_warm_vs_best_static_cross')}",
+        f"A/A: the controlled worker, every decision none, over the uncontrolled one "
+        f"{q('controlled_none_vs_uncontrolled')}; time to first token, adaptive over none {q('ttft_adaptive_vs_none')}",
     ]
     spread = document["repeats"]["spread"]
     if len(document["repeats"]["runs"]) > 1:
@@ -143,7 +150,9 @@ def render(d: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, value in s.items():
-        if name in HEADLINE:
+        if name.endswith("_interval"):
+            continue  # beside its figure below
+        if name in d["intervals"]:
             iv, gm, gi = d["intervals"][name], d["geomeans"][name], d["geomean_intervals"][name]
             lines.append(f"| {name} | {value:.3f} | [{iv[0]:.3f}, {iv[1]:.3f}] | {gm:.3f} [{gi[0]:.3f}, {gi[1]:.3f}] "
                          f"| {fmt(totals.get(name))} |")  # fmt: skip

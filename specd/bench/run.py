@@ -1,11 +1,14 @@
-"""`specd bench`, in order: start the controller (embedded Redis, fresh state) and one worker on the reference pair ->
-ask the worker which drafters it offers -> pass 1: every prompt through every static arm it offers and the adaptive
-arm (the controller starting cold), interleaved -> pass 2: the same prompts again, adaptive (warm) beside none ->
-optional batch sweep and drift scenario -> stop the services; with ``--repeats N``, the passes again in N - 1 more
-runs, each with fresh services in its own folder (the batch sweep and drift scenario run in the first only) ->
-measure the engine's costs alone -> bench.json, BENCH.md, plots.
+"""`specd bench`, in order: start the controller (embedded Redis, fresh state) and two workers on the reference pair,
+the same models and settings: the controlled one, which asks the controller (the adaptive arms), and the uncontrolled
+one, which has no controller at all (every static arm, ``none`` included: the worker a user compares with) -> ask
+which drafters they offer -> pass 1: every prompt through every static arm offered and the adaptive arm (the
+controller starting cold), interleaved -> pass 2: the same prompts again, adaptive (warm) beside none -> the A/A
+pass: every prompt through the controlled worker with every decision ``none`` (its aa/* segments) beside the
+uncontrolled worker's none (specd.bench.aa) -> optional batch sweep and drift scenario -> stop the services; with
+``--repeats N``, the passes again in N - 1 more runs, each with fresh services in its own folder (the batch sweep and
+drift scenario run in the first only) -> measure the engine's costs alone -> bench.json, BENCH.md, plots.
 
-Static arms name their drafter and K in the request (``speculation``, with ``report: false``), so the controller
+Static arms name their drafter and K in the request (``speculation``) on the uncontrolled worker, so the controller
 learns from the adaptive arm's traffic only and its costs are its own measurements.
 
 Every arm decodes the same prompts, so no measured request shares its output (``share_outputs: false``): suffix
@@ -32,6 +35,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from controller.redis_conn import PID_FILE, stop_orphan
 from specd.bench.measure import (
+    AA_CONTROLLED,
+    AA_UNCONTROLLED,
     ADAPTIVE,
     ADAPTIVE_WARM,
     NONE,
@@ -42,7 +47,15 @@ from specd.bench.measure import (
     static_arms,
 )
 from specd.bench.noise import StallNoise, worker_seed
-from specd.demo.configs import DemoPaths, controller_config, worker_config, write_config
+from specd.demo.configs import (
+    AA_PREFIX,
+    DemoPaths,
+    controller_config,
+    uncontrolled_worker_config,
+    with_off_rule,
+    worker_config,
+    write_config,
+)
 from specd.demo.run import prepare_run_folder
 from specd.launch import LaunchError, Service, start
 from specd_api.errors import SpecdError
@@ -115,13 +128,27 @@ def held_out(files: Sequence[Path], chosen: dict[str, list[Prompt]], count: int)
     return interleaved(rest) if rest else []
 
 
-def prime(client: httpx.Client, url: str, primers: Sequence[Prompt], max_new_tokens: int) -> None:
-    """Serve ``primers`` once, sharing their outputs: what the suffix cache of each segment holds while measured."""
-    for prompt in primers:
-        request = {**body(prompt, NONE, max_new_tokens), "share_outputs": True}
-        response = client.post(f"{url}/v1/completions", json=request)
-        if response.status_code != 200:
-            raise BenchError(f"priming with {prompt.id}: HTTP {response.status_code}: {response.text[:200]}")
+def prime(client: httpx.Client, urls: Workers, primers: Sequence[Prompt], max_new_tokens: int) -> None:
+    """Serve ``primers`` once on each worker, sharing their outputs: what the suffix cache of each segment holds
+    while measured (the same on both workers: their outputs are the target's)."""
+    for url in (urls.controlled, urls.uncontrolled):
+        for prompt in primers:
+            request = {**body(prompt, NONE, max_new_tokens), "share_outputs": True}
+            response = client.post(f"{url}/v1/completions", json=request)
+            if response.status_code != 200:
+                raise BenchError(f"priming with {prompt.id}: HTTP {response.status_code}: {response.text[:200]}")
+
+
+@dataclass(frozen=True)
+class Workers:
+    """The two workers' URLs: the controlled one serves the adaptive arms (and the A/A pass's controlled side), the
+    uncontrolled one every static arm."""
+
+    controlled: str
+    uncontrolled: str
+
+    def for_arm(self, arm: str) -> str:
+        return self.controlled if arm in (ADAPTIVE, ADAPTIVE_WARM, AA_CONTROLLED) else self.uncontrolled
 
 
 def interleaved(prompts: dict[str, list[Prompt]]) -> list[Prompt]:
@@ -141,14 +168,17 @@ def body(prompt: Prompt, arm: str, max_new_tokens: int, segment: str | None = No
         "segment": segment or prompt.segment,
         "share_outputs": False,  # every arm decodes this prompt: none may propose its output to another
     }
-    if arm not in (ADAPTIVE, ADAPTIVE_WARM):
+    if arm == AA_CONTROLLED:
+        request["segment"] = f"{AA_PREFIX}{segment or prompt.segment}"  # the controller answers none there
+    elif arm not in (ADAPTIVE, ADAPTIVE_WARM):
         drafter, k = parse_arm(arm)
         request["speculation"] = {"drafter": drafter, "k": k, "report": False}
     return request
 
 
-def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: BenchOptions, order: int,
+def send(client: httpx.Client, urls: Workers, prompt: Prompt, arm: str, options: BenchOptions, order: int,
          segment: str | None = None, run: int = 0) -> Sample:  # fmt: skip
+    url = urls.for_arm(arm)
     response = client.post(f"{url}/v1/completions", json=body(prompt, arm, options.max_new_tokens, segment))
     if response.status_code != 200:
         raise BenchError(f"{arm} on {prompt.id}: HTTP {response.status_code}: {response.text[:200]}")
@@ -170,10 +200,11 @@ def send(client: httpx.Client, url: str, prompt: Prompt, arm: str, options: Benc
         reason=str(info.get("decision_reason", "")),
         expected_speedup=float(info.get("expected_speedup", 1.0)),
         run=run,
+        ttft_seconds=float(info.get("ttft_seconds", 0.0)),
     )
 
 
-def offered_drafters(client: httpx.Client, url: str, prompt: Prompt) -> tuple[str, ...]:
+def offered_drafters(client: httpx.Client, urls: Workers, prompt: Prompt) -> tuple[str, ...]:
     """The drafters the worker runs, asked of the worker itself: a short request per drafter of the static arms, named
     in the request (not reported). A drafter it does not offer is refused (422) or replaced by none (no round ran
     with K > 0)."""
@@ -181,7 +212,7 @@ def offered_drafters(client: httpx.Client, url: str, prompt: Prompt) -> tuple[st
     for drafter in dict.fromkeys(parse_arm(arm)[0] for arm in STATIC_ARMS if arm != NONE):
         request = {"prompt": prompt.prompt, "max_tokens": 8, "temperature": 0.0, "segment": prompt.segment,
                    "speculation": {"drafter": drafter, "k": 2, "report": False}, "share_outputs": False}  # fmt: skip
-        response = client.post(f"{url}/v1/completions", json=request)
+        response = client.post(f"{urls.uncontrolled}/v1/completions", json=request)
         if response.status_code == 200 and float(response.json().get("specd", {}).get("mean_k", 0.0)) > 0:
             offered.append(drafter)
     return tuple(offered)
@@ -194,7 +225,7 @@ def run_bench(options: BenchOptions, console: Console) -> int:
     run = Run()
     started = time.monotonic()
     order = interleaved(prompts)
-    per_run = len(order) * (len(STATIC_ARMS) + 1) + 2 * len(order)
+    per_run = len(order) * (len(STATIC_ARMS) + 1) + 4 * len(order)  # pass 1; pass 2 and the A/A pass, in pairs
     total = per_run * options.repeats + sum(4 * b * max(1, 8 // b) for b in options.batches if b > 1)
     total += 2 * DRIFT_PROMPTS if options.drift else 0
     with progress_bar(console, total) as advance:
@@ -224,10 +255,11 @@ def measure_once(options: BenchOptions, prompts: dict[str, list[Prompt]], paths:
     order = interleaved(prompts)
     try:
         start_services(options, paths, services, console, seed=worker_seed(options.seed, index))
-        url, controller = services["worker"].url, services["controller"].address
+        urls = Workers(services["worker"].url, services["baseline"].url)
+        controller = services["controller"].address
         with httpx.Client(timeout=600) as client:
-            offered = offered_drafters(client, url, order[0])
-            prime(client, url, held_out(options.workloads, prompts, PRIMERS_PER_SEGMENT), options.max_new_tokens)
+            offered = offered_drafters(client, urls, order[0])
+            prime(client, urls, held_out(options.workloads, prompts, PRIMERS_PER_SEGMENT), options.max_new_tokens)
             run.arms = static_arms(offered)
             missing = sorted({parse_arm(arm)[0] for arm in STATIC_ARMS} - {NONE, *offered})
             if missing and index == 0:
@@ -239,12 +271,12 @@ def measure_once(options: BenchOptions, prompts: dict[str, list[Prompt]], paths:
                 run.samples.append(sample)
                 advance()
 
-            passes(client, url, order, options, run.arms, done, index)
+            passes(client, urls, order, options, run.arms, done, index)
             if index == 0:
                 for b in (b for b in options.batches if b > 1):
-                    run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(url, order, b, options, advance)
+                    run.batch[str(b)], run.batch_decisions[str(b)] = batch_sweep(urls, order, b, options, advance)
                 if options.drift:
-                    run.drift = drift_scenario(client, url, controller, prompts, options, done)
+                    run.drift = drift_scenario(client, urls, controller, prompts, options, done)
         if index == 0:
             run.learned_costs = fetch_costs(controller)
     except LaunchError as e:
@@ -253,25 +285,27 @@ def measure_once(options: BenchOptions, prompts: dict[str, list[Prompt]], paths:
         stop(services, paths)
 
 
-def passes(client: httpx.Client, url: str, order: list[Prompt], options: BenchOptions, statics: Sequence[str],
+def passes(client: httpx.Client, urls: Workers, order: list[Prompt], options: BenchOptions, statics: Sequence[str],
            done: Callable[[Sample], None], run: int = 0) -> None:  # fmt: skip
-    """Pass 1 (every static arm in ``statics``, and adaptive starting cold) and pass 2 (adaptive warm beside none)."""
+    """Pass 1 (every static arm in ``statics``, and adaptive starting cold), pass 2 (adaptive warm beside none) and
+    the A/A pass (the controlled worker, every decision none, beside the uncontrolled worker's none)."""
     arms = [*statics, ADAPTIVE]
     for i, prompt in enumerate(order):
         shift = i % len(arms)  # no arm always goes first
         for arm in arms[shift:] + arms[:shift]:
-            done(send(client, url, prompt, arm, options, i, run=run))
-    for i, prompt in enumerate(order):
-        pair = (WARM_BASELINE, ADAPTIVE_WARM) if i % 2 else (ADAPTIVE_WARM, WARM_BASELINE)
-        for arm in pair:
-            sample = send(client, url, prompt, NONE if arm == WARM_BASELINE else ADAPTIVE, options, i, run=run)
-            done(Sample(**{**asdict(sample), "arm": arm}))
+            done(send(client, urls, prompt, arm, options, i, run=run))
+    for pair_arms, sent_as in (((ADAPTIVE_WARM, WARM_BASELINE), {WARM_BASELINE: NONE, ADAPTIVE_WARM: ADAPTIVE}),
+                               ((AA_CONTROLLED, AA_UNCONTROLLED), {})):  # fmt: skip
+        for i, prompt in enumerate(order):
+            for arm in pair_arms if i % 2 == 0 else pair_arms[::-1]:
+                sample = send(client, urls, prompt, sent_as.get(arm, arm), options, i, run=run)
+                done(Sample(**{**asdict(sample), "arm": arm, "segment": prompt.segment}))
 
 
 BATCH_ARMS = (NONE, "draft:4", "prompt_lookup:8", ADAPTIVE)
 
 
-def batch_sweep(url: str, order: list[Prompt], b: int, options: BenchOptions,
+def batch_sweep(urls: Workers, order: list[Prompt], b: int, options: BenchOptions,
                 tick: Callable[[], None]) -> tuple[dict[str, float], dict[str, int]]:  # fmt: skip
     """``b`` requests at once, per arm in turn (groups of b prompts, repeated so every batch size sends about
     8 groups' worth): tokens/s of the worker (all tokens over the wall time of the group)."""
@@ -282,7 +316,11 @@ def batch_sweep(url: str, order: list[Prompt], b: int, options: BenchOptions,
         for g in range(0, len(groups), b):
             for arm in BATCH_ARMS:
                 started = time.perf_counter()
-                results = at_once(groups[g : g + b], lambda prompt, arm=arm: send(client, url, prompt, arm, options, 0))  # type: ignore[misc]
+
+                def one(prompt: Prompt, arm: str = arm) -> Sample:
+                    return send(client, urls, prompt, arm, options, 0)
+
+                results = at_once(groups[g : g + b], one)
                 rates[arm][0] += sum(s.tokens for s in results)
                 rates[arm][1] += time.perf_counter() - started
                 for s in results:
@@ -319,7 +357,7 @@ DRIFT_PROMPTS = 24  # per phase
 LOW_TEMPERATURE = {"prompt_lookup": 1.0, "draft": 0.0}
 
 
-def drift_scenario(client: httpx.Client, url: str, controller: str, prompts: dict[str, list[Prompt]],
+def drift_scenario(client: httpx.Client, urls: Workers, controller: str, prompts: dict[str, list[Prompt]],
                    options: BenchOptions, done: Callable[[Sample], None]) -> dict[str, Any]:  # fmt: skip
     """One segment ("drift") whose traffic switches halfway from high to low acceptance for the drafter in use:
     structured records, greedy (where both drafters pay), then the adversarial prompts at the temperature where the
@@ -337,7 +375,7 @@ def drift_scenario(client: httpx.Client, url: str, controller: str, prompts: dic
             low = [replace(p, temperature=LOW_TEMPERATURE.get(first, 0.0)) for p in adversarial]
             switched_at = time.monotonic()
         prompt = low[i % len(low)] if late else high[i % len(high)]
-        sample = send(client, url, prompt, ADAPTIVE, options, i, segment="drift")
+        sample = send(client, urls, prompt, ADAPTIVE, options, i, segment="drift")
         done(Sample(**{**asdict(sample), "arm": "drift"}))
         timeline.append({
             "request": i, "phase": "low" if late else "high", "drafter": sample.drafter, "k": sample.k,
@@ -418,10 +456,11 @@ def progress_bar(console: Console, total: int) -> Iterator[Callable[[], None]]:
 
 def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, Service], console: Console,
                    seed: int = 0) -> None:  # fmt: skip
-    """The controller (fresh state under ``paths``), then the worker; ``seed`` picks the requests --noise stalls."""
+    """The controller (fresh state under ``paths``), then the controlled worker and the uncontrolled one; ``seed``
+    picks the requests --noise stalls (each worker its own)."""
     cap = max([8, *options.batches])  # the learned costs decide where speculation stops paying, up to this batch
-    policy = write_config(paths.config("policy"), bench_policy(options.policy, cap),
-                          f"specd bench: {options.policy} with max_batch_size {cap}")  # fmt: skip
+    policy = write_config(paths.config("policy"), with_off_rule(bench_policy(options.policy, cap)),
+                          f"specd bench: {options.policy}, max_batch_size {cap}, aa/* never speculating")  # fmt: skip
     config = controller_config(paths, policy)
     config["telemetry"] = {"exporter": "none"}
     config["learning"]["half_life_seconds"] = HALF_LIFE_SECONDS
@@ -429,15 +468,23 @@ def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, 
     console.print("starting the controller (embedded Redis, fresh state) …")
     services["controller"] = start("controller", ["controller", "--config", str(controller_file)],
                                    paths.log("controller"), timeout_seconds=180)  # fmt: skip
-    worker = worker_config(paths, "worker", options.target, options.draft)
-    worker.update(dtype=options.dtype, speculation_max_batch=cap, max_batch=max(16, cap))
-    worker["telemetry"] = {"exporter": "none"}
-    if options.noise is not None:
-        worker["fault_injection"] = options.noise.worker_setting(seed)
-    worker_file = write_config(paths.config("worker"), worker, "specd bench: the worker")
-    console.print("starting the worker …")
-    args = ["worker", "--config", str(worker_file), "--controller", services["controller"].address]
-    services["worker"] = start("worker", args, paths.log("worker"), timeout_seconds=300)
+    for name, what in (("worker", "the controlled worker"), ("baseline", "the uncontrolled worker")):
+        worker = worker_config(paths, name, options.target, options.draft)
+        worker.update(dtype=options.dtype, speculation_max_batch=cap, max_batch=max(16, cap))
+        worker["telemetry"] = {"exporter": "none"}
+        if options.noise is not None:
+            worker["fault_injection"] = options.noise.worker_setting(seed + (UNCONTROLLED_SEED if name == "baseline"
+                                                                              else 0))  # fmt: skip
+        controller = services["controller"].address
+        if name == "baseline":
+            worker, controller = uncontrolled_worker_config(worker), "none"
+        worker_file = write_config(paths.config(name), worker, f"specd bench: {what}")
+        console.print(f"starting {what} …")
+        args = ["worker", "--config", str(worker_file), "--controller", controller]
+        services[name] = start(name, args, paths.log(name), timeout_seconds=300)
+
+
+UNCONTROLLED_SEED = 1000  # added to the uncontrolled worker's fault-injection seed: its stalls fall on other requests
 
 
 def bench_policy(policy: Path, cap: int) -> dict[str, Any]:
@@ -449,7 +496,7 @@ def bench_policy(policy: Path, cap: int) -> dict[str, Any]:
 
 
 def stop(services: dict[str, Service], paths: DemoPaths) -> None:
-    for name in ("worker", "controller"):
+    for name in ("worker", "baseline", "controller"):
         service = services.get(name)
         if service is not None:
             service.stop()

@@ -32,6 +32,10 @@ class DemoPaths:
     def plot(self) -> Path:
         return self.run / "demo.png"
 
+    @property
+    def summary(self) -> Path:
+        return self.run / "summary.json"
+
     def config(self, service: str) -> Path:
         return self.configs / f"{service}.yaml"
 
@@ -93,6 +97,9 @@ def worker_config(paths: DemoPaths, service: str, target: Path, draft: Path | No
             "default_k": 0,
             "report_interval_seconds": 0.5,
             "max_buffered_aggregates": 10000,
+            # decide locally from the controller's pushed tables where they hold (a learned segment): no Decide call
+            # before the prefill, so the first token waits for nothing the controller does
+            "watch_decisions": True,
         },
         "telemetry": {"exporter": "file", "endpoint": str(paths.traces(service)), "service_name": f"specd-{service}"},
     }
@@ -104,9 +111,23 @@ def write_config(path: Path, config: dict[str, Any], comment: str) -> Path:
     return path
 
 
-def demo_policy(policy: Path, baseline_prefix: str) -> dict[str, Any]:
-    """The user's policy with one rule in front: segments named ``BASELINE_PREFIX*`` never speculate (the
-    baseline worker's traffic). Among glob rules the first listed wins, so nothing can override it."""
-    loaded = yaml.safe_load(policy.read_text()) or {}
-    rule = {"match": f"{baseline_prefix}*", "force": "none"}
-    return {**loaded, "segments": [rule, *(loaded.get("segments") or [])]}
+AA_PREFIX = "aa/"  # the A/A's segments: the demo's and the bench's policies never speculate for them
+
+
+def with_off_rule(policy: dict[str, Any], off_prefix: str = AA_PREFIX) -> dict[str, Any]:
+    """``policy`` with one rule in front: segments named ``off_prefix*`` never speculate (the A/A's traffic). Among
+    glob rules the first listed wins, so nothing can override it."""
+    rule = {"match": f"{off_prefix}*", "force": "none"}
+    return {**policy, "segments": [rule, *(policy.get("segments") or [])]}
+
+
+def demo_policy(policy: Path, off_prefix: str = AA_PREFIX) -> dict[str, Any]:
+    """The user's policy file with the A/A's rule in front (``with_off_rule``)."""
+    return with_off_rule(yaml.safe_load(policy.read_text()) or {}, off_prefix)
+
+
+def uncontrolled_worker_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A worker's config with no controller: it decides by its local default (no speculation) and reports nothing:
+    the worker a user compares with."""
+    link = {**config.get("controller", {}), "address": None, "default_drafter": "none", "default_k": 0}
+    return {**config, "controller": link}

@@ -1,8 +1,10 @@
 """Sending the demo's traffic and adding it up.
 
-``plan`` picks the prompts (round-robin over segments, each prompt for both workers, the first one
-alternating); ``Driver`` sends them over HTTP from a few threads and collects a ``Result`` per response;
-``summarize`` turns results into one ``SegmentRow`` per segment. Everything but ``Driver`` is a pure function.
+``plan`` picks the prompts (round-robin over segments, each prompt for both workers, the first one rotating; every
+AA_EVERY-th prompt of a segment also for the A/A: the adaptive worker under ``aa/<segment>``, where the controller
+answers no speculation); ``Driver`` sends them over HTTP from a few threads and collects a ``Result`` per response;
+``summarize`` turns results into one ``SegmentRow`` per segment, ``aa_figure`` the A/A's. Everything but ``Driver`` is
+a pure function.
 """
 
 from __future__ import annotations
@@ -17,21 +19,24 @@ from typing import Any
 
 import httpx
 
+from specd.demo.configs import AA_PREFIX
 from workloads import Prompt
 
-ADAPTIVE, BASELINE = "adaptive", "baseline"
+ADAPTIVE, BASELINE, AA = "adaptive", "baseline", "aa"
 ARMS = (ADAPTIVE, BASELINE)
 SEGMENT_ORDER = ("code", "prose", "structured", "extractive", "adversarial")
+AA_EVERY = 3  # every third prompt of a segment is sent for the A/A too
 
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt, sent to both workers in ``order``."""
+    """One prompt, sent to the workers in ``order`` (the adaptive one, the baseline, and for some the A/A: the
+    adaptive worker with speculation off)."""
 
     prompt: Prompt
     max_tokens: int
     seed: int
-    order: tuple[str, str]
+    order: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Result:
     ok: bool
     error: str | None = None
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     drafter: str = "none"
     k: int = 0  # the plan's K ceiling
     decision_reason: str = ""
@@ -76,6 +82,7 @@ class SegmentRow:
     tokens_per_second_adaptive: float | None
     tokens_per_second_baseline: float | None
     median_pair_speedup: float | None  # the median over prompts of adaptive / baseline: robust to CPU hiccups
+    median_pair_interval: tuple[float, float] | None = None  # its bootstrap 95 % interval (the final summary's)
 
     @property
     def alpha(self) -> float | None:
@@ -101,7 +108,8 @@ def segment_order(segments: Iterable[str]) -> list[str]:
 def plan(workloads: Mapping[str, Sequence[Prompt]], per_segment: int, max_tokens: int, seed: int) -> list[Request]:
     """``per_segment`` prompts of each segment (a seeded sample; repeated when the segment has fewer),
     interleaved round-robin so that the controller learns every segment at once. Within a segment the worker
-    that goes first alternates, so both see the same machine noise."""
+    that goes first rotates, so every arm sees the same machine noise; every AA_EVERY-th prompt goes to the A/A
+    arm too."""
     if per_segment < 1 or max_tokens < 1:
         raise ValueError("per_segment and max_tokens must be >= 1")
     rng = random.Random(seed)
@@ -118,26 +126,24 @@ def plan(workloads: Mapping[str, Sequence[Prompt]], per_segment: int, max_tokens
     for i in range(per_segment):
         for j, prompts in enumerate(chosen.values()):
             prompt = prompts[i]
-            order = (ADAPTIVE, BASELINE) if (i + j) % 2 == 0 else (BASELINE, ADAPTIVE)
+            arms = (*ARMS, AA) if i % AA_EVERY == 0 else ARMS
+            shift = (i + j) % len(arms)
+            order = arms[shift:] + arms[:shift]
             sampling_seed = seed * 1_000_003 + len(requests)
             requests.append(Request(prompt, min(prompt.max_new_tokens, max_tokens), sampling_seed, order))
     return requests
 
 
-BASELINE_PREFIX = "baseline/"  # the demo's policy never speculates for these segments
-
-
 def request_body(request: Request, arm: str = "") -> dict[str, Any]:
-    """The baseline worker's requests name ``baseline/SEGMENT``, which the demo's policy forces to no
-    speculation: both workers then run the same code path (controller client included) and differ only in
-    the decision, so the speedup column measures speculation and nothing else."""
+    """The A/A arm's requests name ``aa/SEGMENT``, which the demo's policy forces to no speculation: the adaptive
+    worker then runs its whole control path and decodes plainly, beside the baseline, which has no controller."""
     p = request.prompt
     return {
         "prompt": p.prompt,
         "max_tokens": request.max_tokens,
         "temperature": p.temperature,
         "seed": request.seed,
-        "segment": BASELINE_PREFIX + p.segment if arm == BASELINE else p.segment,
+        "segment": AA_PREFIX + p.segment if arm == AA else p.segment,
     }
 
 
@@ -158,6 +164,7 @@ def parse_response(status: int, body: Any, request: Request, arm: str, seconds: 
         arm=arm,
         ok=True,
         completion_tokens=int(body.get("usage", {}).get("completion_tokens", 0)),
+        prompt_tokens=int(body.get("usage", {}).get("prompt_tokens", 0)),
         drafter=str(info.get("drafter", "none")),
         k=int(info.get("k", 0)),
         decision_reason=str(info.get("decision_reason", "")),
@@ -197,24 +204,62 @@ def decode_rate(results: Iterable[Result]) -> float | None:
     return tokens / seconds if seconds > 0 else None
 
 
-def median_ratio(pairs: Sequence[tuple[Result, Result]]) -> float | None:
-    """The median over prompts of (adaptive decode tokens/s) / (baseline decode tokens/s)."""
+def pair_ratios(pairs: Sequence[tuple[Result, Result]]) -> list[float]:
+    """Per prompt: (the first's decode tokens/s) / (the second's)."""
     ratios = []
-    for adaptive, baseline in pairs:
-        a, b = decode_rate([adaptive]), decode_rate([baseline])
+    for first, second in pairs:
+        a, b = decode_rate([first]), decode_rate([second])
         if a is not None and b:
             ratios.append(a / b)
+    return ratios
+
+
+def median_ratio(pairs: Sequence[tuple[Result, Result]]) -> float | None:
+    """The median over prompts of (adaptive decode tokens/s) / (baseline decode tokens/s)."""
+    ratios = pair_ratios(pairs)
     return statistics.median(ratios) if ratios else None
 
 
-def summarize_segment(segment: str, total: int, results: Sequence[Result]) -> SegmentRow:
-    """One row from the results of one segment (or of all, for the overall row), in arrival order."""
-    adaptive = [r for r in results if r.arm == ADAPTIVE and r.ok]
+def interval(ratios: Sequence[float]) -> tuple[float, float] | None:
+    """The bootstrap 95 % interval of the median of ``ratios`` (specd.bench.measure's, seeded)."""
+    from specd.bench.measure import PromptRatio, bootstrap
+    from specd.bench.measure import median_ratio as median_of
+
+    if not ratios:
+        return None
+    return bootstrap([PromptRatio((0, "", str(i)), r, 1) for i, r in enumerate(ratios)], median_of)
+
+
+def paired(results: Sequence[Result], first: str, second: str) -> list[tuple[Result, Result]]:
+    """(``first``'s answer, ``second``'s) for every prompt both answered, in arrival order of the prompts."""
     answered: dict[str, dict[str, Result]] = {}
     for r in results:
         if r.ok:
             answered.setdefault(r.prompt_id, {})[r.arm] = r
-    pairs = [both for both in answered.values() if len(both) == 2]
+    return [(both[first], both[second]) for both in answered.values() if first in both and second in both]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A paired median over prompts, its interval, and the prompts behind it."""
+
+    median: float | None
+    interval: tuple[float, float] | None
+    pairs: int
+
+
+def aa_figure(results: Sequence[Result]) -> Figure:
+    """The A/A: the adaptive worker with speculation off (its aa/* requests) over the baseline, per prompt."""
+    ratios = pair_ratios(paired(results, AA, BASELINE))
+    return Figure(statistics.median(ratios) if ratios else None, interval(ratios), len(ratios))
+
+
+def summarize_segment(segment: str, total: int, results: Sequence[Result], intervals: bool = False) -> SegmentRow:
+    """One row from the results of one segment (or of all, for the overall row), in arrival order; with
+    ``intervals``, the median pair speedup's bootstrap interval too (the final summary: too much work for the live
+    table, which runs beside the decodes it measures)."""
+    adaptive = [r for r in results if r.arm == ADAPTIVE and r.ok]
+    pairs = [{ADAPTIVE: a, BASELINE: b} for a, b in paired(results, ADAPTIVE, BASELINE)]
     latest = next((r for r in reversed(adaptive) if not r.exploration and r.decision_source == "controller"), None)
     latest = latest or next((r for r in reversed(adaptive) if not r.exploration), None)
     return SegmentRow(
@@ -233,25 +278,40 @@ def summarize_segment(segment: str, total: int, results: Sequence[Result]) -> Se
         tokens_per_second_adaptive=decode_rate(both[ADAPTIVE] for both in pairs),
         tokens_per_second_baseline=decode_rate(both[BASELINE] for both in pairs),
         median_pair_speedup=median_ratio([(both[ADAPTIVE], both[BASELINE]) for both in pairs]),
+        median_pair_interval=interval(pair_ratios([(b[ADAPTIVE], b[BASELINE]) for b in pairs])) if intervals else None,
     )
 
 
-def summarize(totals: Mapping[str, int], results: Sequence[Result]) -> tuple[list[SegmentRow], SegmentRow]:
+def summarize(
+    totals: Mapping[str, int], results: Sequence[Result], intervals: bool = False
+) -> tuple[list[SegmentRow], SegmentRow]:
     """A row per segment of ``totals`` (requests planned per segment), and the overall row."""
     by_segment: dict[str, list[Result]] = {segment: [] for segment in totals}
     for r in results:
         by_segment.setdefault(r.segment, []).append(r)
-    rows = [summarize_segment(s, totals.get(s, 0), rs) for s, rs in by_segment.items()]
-    overall = summarize_segment("all", sum(totals.values()), results)
+    rows = [summarize_segment(s, totals.get(s, 0), rs, intervals) for s, rs in by_segment.items()]
+    overall = summarize_segment("all", sum(totals.values()), results, intervals)
     return rows, overall
 
 
 def totals_of(requests: Sequence[Request]) -> dict[str, int]:
-    """Requests planned per segment, in plan order (each prompt goes to both workers)."""
+    """Requests planned per segment, in plan order (each prompt to every arm of its order)."""
     totals: dict[str, int] = {}
     for r in requests:
-        totals[r.prompt.segment] = totals.get(r.prompt.segment, 0) + len(ARMS)
+        totals[r.prompt.segment] = totals.get(r.prompt.segment, 0) + len(r.order)
     return totals
+
+
+def traffic_lengths(results: Sequence[Result]) -> dict[str, tuple[int, int]]:
+    """Per segment, the median (new tokens, prompt tokens) of the adaptive worker's answers: the request the final
+    table's expected speedups are made for."""
+    out: dict[str, tuple[int, int]] = {}
+    for segment in dict.fromkeys(r.segment for r in results):
+        mine = [r for r in results if r.segment == segment and r.arm == ADAPTIVE and r.ok]
+        if mine:
+            out[segment] = (round(statistics.median(r.completion_tokens for r in mine)),
+                            round(statistics.median(r.prompt_tokens for r in mine)))  # fmt: skip
+    return out
 
 
 # -- sending ------------------------------------------------------------------------------------------------

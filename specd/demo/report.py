@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from specd.demo.driver import SegmentRow
+from specd.demo.driver import Figure, SegmentRow
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,11 @@ class Learned:
 def learned_from(segments: Iterable[Any]) -> list[Learned]:
     """From ``SegmentStats`` messages (or anything shaped like them)."""
     from controller.cli import describe, segment_summary
-    from specd.demo.driver import BASELINE_PREFIX
+    from specd.demo.configs import AA_PREFIX
 
     learned = []
     for s in segments:
-        if s.segment.startswith(BASELINE_PREFIX):  # the baseline's own traffic: forced off, nothing learned
+        if s.segment.startswith(AA_PREFIX):  # the A/A's traffic: forced off, nothing learned
             continue
         summary = segment_summary(s)
         learned.append(Learned(s.segment, float(s.rounds), dict(summary["alpha_by_drafter"]), describe(s.decision),
@@ -40,14 +40,28 @@ def learned_from(segments: Iterable[Any]) -> list[Learned]:
     return learned
 
 
-def fetch_learned(address: str, timeout_seconds: float = 5.0) -> list[Learned]:
-    """The controller's ListSegments."""
+def fetch_learned(
+    address: str, lengths: dict[str, tuple[int, int]] | None = None, timeout_seconds: float = 5.0
+) -> list[Learned]:
+    """The controller's segments (ListSegments), each with the decision it would make now for the traffic's own
+    request: ``lengths`` per segment, its (new tokens, prompt tokens), read by GetSegmentStats (a learning segment,
+    ``<segment>#sampled``, by its segment's)."""
+    from specd_api.modes import base_segment
     from specd_api.v1 import controller_pb2, controller_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         stub = controller_pb2_grpc.ControllerStub(channel)
         response = stub.ListSegments(controller_pb2.ListSegmentsRequest(), timeout=timeout_seconds)
-    return learned_from(response.segments)
+        segments = []
+        for s in response.segments:
+            new_tokens, prompt_tokens = (lengths or {}).get(base_segment(s.segment), (0, 0))
+            if new_tokens:
+                request = controller_pb2.GetSegmentStatsRequest(
+                    segment=s.segment, max_new_tokens=new_tokens, prompt_tokens=prompt_tokens
+                )
+                s = stub.GetSegmentStats(request, timeout=timeout_seconds)
+            segments.append(s)
+    return learned_from(segments)
 
 
 @dataclass(frozen=True)
@@ -114,3 +128,36 @@ class DemoReport:
     traces: TraceSummary
     plot: Path | None
     logs: list[Path]
+    aa: Figure | None = None  # the A/A: the adaptive worker with speculation off over the baseline
+
+
+def summary_document(report: DemoReport) -> dict[str, Any]:
+    """``summary.json``: the headline (the paired median per prompt, its interval, the totals ratio beside it), each
+    segment's, the A/A, and the failures."""
+    overall = report.overall
+
+    def figure(row: SegmentRow) -> dict[str, Any]:
+        low_high = list(row.median_pair_interval) if row.median_pair_interval else None
+        return {"paired_median": row.median_pair_speedup, "interval": low_high, "totals_ratio": row.speedup,
+                "pairs": row.pairs}  # fmt: skip
+
+    aa = report.aa
+    aa_figure = {
+        "ratio": aa.median if aa else None,
+        "interval": list(aa.interval) if aa and aa.interval else None,
+        "pairs": aa.pairs if aa else 0,
+    }
+    return {
+        "overall": figure(overall),
+        "segments": {row.segment: figure(row) for row in report.rows},
+        "aa": aa_figure,
+        "failures": overall.failures,
+        "requests": overall.done,
+        "interrupted": report.interrupted,
+        "seconds": round(report.seconds, 1),
+        "settings": report.settings,
+    }
+
+
+def write_summary(report: DemoReport, path: Path) -> None:
+    path.write_text(json.dumps(summary_document(report), indent=2) + "\n")

@@ -30,10 +30,17 @@ import workloads as workloads_package
 from controller.policy import load_policy
 from controller.redis_conn import PID_FILE, stop_orphan
 from specd.demo import driver as drv
-from specd.demo.configs import DemoPaths, controller_config, demo_policy, worker_config, write_config
-from specd.demo.driver import BASELINE_PREFIX
+from specd.demo.configs import (
+    AA_PREFIX,
+    DemoPaths,
+    controller_config,
+    demo_policy,
+    uncontrolled_worker_config,
+    worker_config,
+    write_config,
+)
 from specd.demo.plot import plot
-from specd.demo.report import DemoReport, Learned, fetch_learned, read_traces
+from specd.demo.report import DemoReport, Learned, fetch_learned, read_traces, write_summary
 from specd.demo.view import progress_line, progress_table, render_summary, shown
 from specd.launch import LaunchError, Service, start
 from specd_api.errors import SpecdError
@@ -84,7 +91,7 @@ def run_demo(options: DemoOptions, console: Console) -> int:
     with said_on(console, run.log), suppress(KeyboardInterrupt):  # only from a start-up wait (see launch)
         serve(run, run.log)
     results = run.driver.results()
-    rows, overall = drv.summarize(drv.totals_of(requests), results)
+    rows, overall = drv.summarize(drv.totals_of(requests), results, intervals=True)
     picture = plot(rows, paths.plot, title=f"specd demo ({options.settings})") if results else None
     report = DemoReport(
         rows=rows,
@@ -99,7 +106,9 @@ def run_demo(options: DemoOptions, console: Console) -> int:
         traces=read_traces(paths.traces(name) for name in (ADAPTIVE, BASELINE, CONTROLLER)),
         plot=picture,
         logs=[paths.log(name) for name in (CONTROLLER, ADAPTIVE, BASELINE) if name in run.services],
+        aa=drv.aa_figure(results),
     )
+    write_summary(report, paths.summary)
     console.print(render_summary(report, console.width))
     if run.lifecycle.should_exit.is_set():
         return 128 + (run.lifecycle.exit_signal or signal.SIGINT)
@@ -124,7 +133,8 @@ class DemoRun:
 
     def startup(self) -> None:
         start_services(self.options, self.paths, self.services, self.console, self.lifecycle)
-        self.driver.urls = {drv.ADAPTIVE: self.services[ADAPTIVE].url, drv.BASELINE: self.services[BASELINE].url}
+        adaptive, baseline = self.services[ADAPTIVE].url, self.services[BASELINE].url
+        self.driver.urls = {drv.ADAPTIVE: adaptive, drv.BASELINE: baseline, drv.AA: adaptive}
         self.driver.start()
 
     def main_loop(self) -> None:
@@ -175,15 +185,16 @@ def prepare_run_folder(
 
 def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, Service], console: Console,
                    lifecycle: Lifecycle) -> None:  # fmt: skip
-    """Controller, then the adaptive worker (asks it), then the baseline worker (asks it too; the demo's
-    policy forces no speculation for its baseline/* segments, so the two differ only in the decision).
-    Each one is in ``services`` as soon as it runs, so that the caller can stop it whatever happens next. A signal
-    while one starts ends its wait at once (KeyboardInterrupt, see ``launch``)."""
+    """Controller, then the adaptive worker (asks it), then the baseline worker: the same models and settings with
+    no controller at all, what a user compares with. The demo's policy forces no speculation for the aa/* segments,
+    which the adaptive worker's A/A requests name. Each one is in ``services`` as soon as it runs, so that the
+    caller can stop it whatever happens next. A signal while one starts ends its wait at once (KeyboardInterrupt,
+    see ``launch``)."""
     policy = options.policy  # if it is invalid, the controller refuses it naming its file, line and field
     with contextlib.suppress(ConfigError):
         load_policy(options.policy)
-        policy = write_config(paths.config("policy"), demo_policy(options.policy, BASELINE_PREFIX),
-                              f"specd demo: {options.policy} plus the baseline rule")  # fmt: skip
+        policy = write_config(paths.config("policy"), demo_policy(options.policy, AA_PREFIX),
+                              f"specd demo: {options.policy} plus the A/A rule")  # fmt: skip
     controller_file = write_config(paths.config(CONTROLLER), controller_config(paths, policy),
                                    "specd demo: the controller")  # fmt: skip
     console.print(f"starting the controller (embedded Redis, policy {shown(options.policy)}) …", soft_wrap=True)
@@ -191,9 +202,11 @@ def start_services(options: DemoOptions, paths: DemoPaths, services: dict[str, S
     services[CONTROLLER] = controller
     for name, link, what in (
         (ADAPTIVE, controller.address, f"asks the controller at {controller.address}"),
-        (BASELINE, controller.address, f"asks the controller, whose policy says no speculation for {BASELINE_PREFIX}*"),
+        (BASELINE, "none", "no controller: the same worker without specd"),
     ):
         config = worker_config(paths, name, options.target, options.draft)
+        if name == BASELINE:
+            config = uncontrolled_worker_config(config)
         path = write_config(paths.config(name), config, f"specd demo: {TITLES[name]}")
         console.print(f"starting {TITLES[name]} ({what}) …", soft_wrap=True)
         args = ["worker", "--config", str(path), "--listen", "127.0.0.1:0", "--controller", link, "--log-level", "INFO"]
@@ -237,7 +250,7 @@ def shut_down(
             driver.join(0.1)
         controller = services.get(CONTROLLER)
         if controller is not None:
-            learned, learned_error = ask_what_was_learned(controller, force)
+            learned, learned_error = ask_what_was_learned(controller, force, drv.traffic_lengths(driver.results()))
             killed += stop_all([controller], force)
         if force.is_set():
             say(console, "second interrupt: killing the services")
@@ -254,14 +267,17 @@ def shut_down(
     )
 
 
-def ask_what_was_learned(controller: Service, force: threading.Event) -> tuple[list[Learned] | None, str]:
-    """ListSegments, once two refreshes have taken the workers' last reports in; or why not."""
+def ask_what_was_learned(
+    controller: Service, force: threading.Event, lengths: dict[str, tuple[int, int]] | None = None
+) -> tuple[list[Learned] | None, str]:
+    """ListSegments, once two refreshes have taken the workers' last reports in, each segment's decision made for
+    its traffic's ``lengths`` (new tokens, prompt tokens); or why not."""
     if not controller.alive():
         return None, "the controller did not start"
     if force.wait(1.0):
         return None, "interrupted"
     try:
-        return fetch_learned(controller.address), ""
+        return fetch_learned(controller.address, lengths), ""
     except Exception as e:  # the summary says why, and the demo still ends cleanly
         return None, f"ListSegments failed: {e}"
 

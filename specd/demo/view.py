@@ -31,6 +31,10 @@ def fmt_speedup(speedup: float | None) -> str:
     return f"{speedup:.2f}x" if speedup is not None else "-"
 
 
+def fmt_interval(interval: tuple[float, float] | None) -> str:
+    return f"[{interval[0]:.2f}, {interval[1]:.2f}]" if interval is not None else ""
+
+
 FALLBACK_MARK = "*"
 
 
@@ -149,15 +153,23 @@ def render_summary(report: DemoReport, width: int | None = None) -> RenderableTy
         progress_table(report.rows, overall, f"specd demo: {state} {report.seconds:.0f} s", width)
     ]
     lines = Text(f"{report.settings}\n")
-    if overall.speedup is not None:
-        lines.append(f"overall speedup: {fmt_speedup(overall.speedup)}", style="bold")
+    if overall.median_pair_speedup is not None:
+        lines.append(f"overall speedup: {fmt_speedup(overall.median_pair_speedup)}", style="bold")
         lines.append(
-            f" (decode tokens/s, adaptive {fmt_rate(overall.tokens_per_second_adaptive)} vs baseline "
-            f"{fmt_rate(overall.tokens_per_second_baseline)}, over the same {overall.pairs} prompts; median per "
-            f"prompt {fmt_speedup(overall.median_pair_speedup)})\n"
+            f" {fmt_interval(overall.median_pair_interval)} (the median over the {overall.pairs} prompts both workers "
+            f"answered of the adaptive worker's decode tokens/s over the baseline's; totals "
+            f"{fmt_rate(overall.tokens_per_second_adaptive)} vs {fmt_rate(overall.tokens_per_second_baseline)} "
+            f"tokens/s: {fmt_speedup(overall.speedup)})\n"
         )
     else:
         lines.append("overall speedup: - (no prompt was answered by both workers)\n")
+    aa = report.aa
+    if aa is not None and aa.median is not None:
+        lines.append(
+            f"A/A: the adaptive worker with speculation off (its controller answering none) ran "
+            f"{fmt_speedup(aa.median)} {fmt_interval(aa.interval)} the baseline's decode tokens/s over {aa.pairs} "
+            "prompts: what being controlled costs\n"
+        )
     failures = f"failures: {overall.failures} of {overall.done} requests"
     lines.append(failures + "\n", style="red" if overall.failures else "green")
     if report.fallbacks:
@@ -172,6 +184,7 @@ def render_summary(report: DemoReport, width: int | None = None) -> RenderableTy
     files = Text()
     if report.plot is not None:
         files.append(f"plot: {shown(report.plot)}\n")
+    files.append(f"summary: {shown(report.plot.parent / 'summary.json')}\n" if report.plot is not None else "")
     files.append("logs: " + ", ".join(shown(p) for p in report.logs))
     parts.append(files)
     return Group(*parts)
