@@ -1527,6 +1527,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/controller/test_realised.py",),
         "a segment that always speculates never times its own plain step",
     ),
+    Mutation(
+        "background-work-beside-the-decode",
+        "decoder/worker/service.py",
+        "                self.scheduler.wait_idle(BACKGROUND_DEFER_SECONDS)\n",
+        "                pass\n",
+        ("tests/worker/test_suffix_cache.py",),
+        "scoring, reporting and sharing run as soon as a request is answered, beside the other sequences' decodes "
+        "(a busy Python thread beside a decode on two cores made it 2.5x slower)",
+    ),
+    Mutation(
+        "reports-sent-beside-the-decode",
+        "specd_client/client.py",
+        "            if self._quiet is not None and not self._closing.is_set():\n",
+        "            if False:\n",
+        ("tests/controller/test_client.py",),
+        "the reporter sends (and the controller works on) reports while the worker decodes",
+    ),
+    Mutation(
+        "idle-while-a-job-waits",
+        "decoder/worker/scheduler.py",
+        "not (self._queue or self._active or self._opening)",
+        "not self._active",
+        ("tests/worker/test_scheduler.py",),
+        "the decode loop counts as idle while a request waits to be prefilled",
+    ),
 )
 
 

@@ -21,6 +21,7 @@ from controller import validation
 from controller.cost_model import BucketCosts
 from controller.counts import SegmentCounts
 from controller.decide import (
+    Arm,
     DrafterEstimate,
     Request,
     calibration_factor,
@@ -29,6 +30,7 @@ from controller.decide import (
     deliberate,
     drafter_cost,
     estimate_drafter,
+    mean_arm,
 )
 from controller.decoding import undecodable
 from controller.drift_watch import DriftAlarm
@@ -256,7 +258,13 @@ class Controller:
         costs = self.learner.costs_at(1, segment)
         estimates = self.estimates(settings, request, costs)
         decision = self.decide_quietly(request, settings, estimates, costs)
-        return SegmentView(segment, counts, estimates, costs, decision, self.learner.drift(segment), self.learner.stale)
+        arms: dict[str, Arm] = {
+            d: mean_arm(estimates[d], s.k_min, min(s.k_max, request.max_new_tokens - 1), costs)
+            for d in DRAFTERS
+            if d in estimates and (s := settings.drafter(d)).enabled and s.k_min <= request.max_new_tokens - 1
+        }
+        return SegmentView(segment, counts, estimates, costs, decision, arms, self.learner.drift(segment),
+                           self.learner.stale)  # fmt: skip
 
     def decide_quietly(
         self, request: Request, settings: Settings, estimates: dict[str, DrafterEstimate], costs: BucketCosts

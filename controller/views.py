@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from controller.cost_model import BucketCosts, CostModel
 from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import DrafterEstimate
+from controller.decide import Arm, DrafterEstimate
 from controller.drift_watch import DriftAlarm
 from controller.policy import DRAFTERS
 from controller.timing_histogram import median, total
@@ -26,6 +26,7 @@ class SegmentView:
     estimates: dict[str, DrafterEstimate]
     costs: BucketCosts  # at batch 1
     decision: Plan  # what Decide would answer now for a typical request
+    arms: dict[str, Arm]  # each drafter's arm for that request, where its settings let it run
     drift: Sequence[DriftAlarm]
     stale: bool
 
@@ -50,6 +51,10 @@ def segment_stats(view: SegmentView) -> pb.SegmentStats:
         realised = estimates[d].realised if d in estimates else None
         if realised is not None:
             drafter.realised_speedup, drafter.realised_requests = realised.speedup, realised.requests
+        arm = view.arms.get(d)
+        if arm is not None:
+            drafter.best_k, drafter.model_speedup = arm.k, arm.model
+            drafter.expected_speedup, drafter.lower_bound = arm.speedup, arm.rank
         for i, pos in enumerate(counts.position_list(d)):
             drafter.positions.append(position_stats(i, pos))
         for i, pos in enumerate(counts.position_list(d, counterfactual=True)):

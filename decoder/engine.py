@@ -71,6 +71,7 @@ class GenerationResult:
             "prompt_tokens": s.prompt_tokens,
             "num_new_tokens": s.num_new_tokens,
             "prefill_seconds": s.prefill_seconds,
+            "draft_prefill_seconds": s.draft_prefill_seconds,
             "draft_seconds": s.draft_seconds,
             "verify_seconds": s.verify_seconds,
             "accepted_per_position": s.position_tally().proposed_and_accepted(),

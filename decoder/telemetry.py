@@ -31,7 +31,7 @@ class RequestStats:
     prompt_tokens: int
     prefill_seconds: float = 0.0  # the target's prefill, which emits the first token
     prefill_tokens: int = 0  # tokens the prefill emitted: the first (0 when a stop string cut it)
-    draft_prefill_seconds: float = 0.0  # the drafter's prefill, before its first round that drafted
+    draft_prefill_seconds: float = 0.0  # the drafter's prefill, before its first round that drafts
     rounds: list[RoundRecord] = field(default_factory=list)
 
     def observe(self, record: RoundRecord) -> None:
@@ -79,11 +79,13 @@ class RequestStats:
 
     @property
     def decode_seconds(self) -> float:
-        return self.draft_seconds + self.verify_seconds
+        """Every second after the first token: the rounds', and the drafter's prefill (which the request waits for
+        between its first token and its second)."""
+        return self.draft_prefill_seconds + self.draft_seconds + self.verify_seconds
 
     @property
     def total_seconds(self) -> float:
-        return self.prefill_seconds + self.draft_prefill_seconds + self.decode_seconds
+        return self.prefill_seconds + self.decode_seconds
 
     @property
     def tokens_per_second(self) -> float:

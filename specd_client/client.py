@@ -32,7 +32,7 @@ from specd_client.buffer import PendingReport, ReportBuffer
 from specd_client.config import ClientConfig, ClientStats
 from specd_client.fallback import DecisionMemory, fallback_cause
 from specd_client.reports import RoundLike, ScoredLike, rounds_to_aggregates
-from specd_client.table_watcher import TableWatcher
+from specd_client.table_watcher import QUIET_WAIT_SECONDS, TableWatcher
 
 log = logging.getLogger("specd.controller.client")
 DECIDE_SPAN = "specd.controller.decide"
@@ -98,9 +98,15 @@ class Backoff:
 class ControllerClient:
     """One per worker process; thread-safe. ``start()`` before use, ``close()`` when done (or use ``with``)."""
 
-    def __init__(self, config: ClientConfig, tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self, config: ClientConfig, tracer: trace.Tracer | None = None, quiet: Callable[[float], object] | None = None
+    ) -> None:
+        """``quiet(seconds)``: waits at most ``seconds`` for the worker to be quiet (no sequence decoding:
+        ``Scheduler.wait_idle``); reports are sent, and pushed tables read, after it, so that neither runs beside a
+        decode while it can wait. None: never wait."""
         self.config = config
         self._tracer = tracer
+        self._quiet = quiet
         self._memory = DecisionMemory(config.max_remembered_segments)
         self._default = Plan(config.default_drafter, config.default_k, source="local_default")
         self._buffer = ReportBuffer(config.max_buffered_aggregates, config.max_aggregates_per_report)
@@ -135,8 +141,9 @@ class ControllerClient:
         if self.config.watch_decisions:
             backoff = Backoff(*self.config.reconnect_backoff_s)
             self._tables = TableWatcher(
-                self._stub, self.config.worker_id, self.config.watch_decisions, backoff.next, backoff.reset
-            )
+                self._stub, self.config.worker_id, self.config.watch_decisions, backoff.next, backoff.reset,
+                quiet=self._quiet,
+            )  # fmt: skip
             self._tables.start()
 
     @property
@@ -314,14 +321,16 @@ class ControllerClient:
         scored: Sequence[ScoredLike] = (),
         expected_speedup: float = 0.0,
         calibration: bool = False,
+        drafter_prefill_seconds: float = 0.0,
     ) -> None:
         """Convert one request's rounds (and its counterfactually ``scored`` drafters) and enqueue them for the
         background sender. Never blocks on the network, never raises: rounds the controller would refuse are
         logged, counted and left out."""
         try:
             aggregates = rounds_to_aggregates(
-                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup, calibration
-            )
+                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup, calibration,
+                drafter_prefill_seconds,
+            )  # fmt: skip
             for aggregate in aggregates:
                 check_aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report
         except Exception as e:
@@ -342,6 +351,8 @@ class ControllerClient:
         while not self._closing.is_set():
             self._wake.wait(self.config.report_interval_s)
             self._wake.clear()
+            if self._quiet is not None and not self._closing.is_set():
+                self._quiet(QUIET_WAIT_SECONDS)
             self._send_all(backoff, until=None)
         self._send_all(backoff, until=self._flush_deadline)
 

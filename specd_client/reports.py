@@ -111,13 +111,15 @@ def rounds_to_aggregates(
     scored: Sequence[ScoredLike] = (),
     expected_speedup: float = 0.0,
     calibration: bool = False,
+    drafter_prefill_seconds: float = 0.0,
 ) -> list[pb.RoundsAggregate]:
     """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds`` (one request's), in order of first
     appearance, then one counterfactual aggregate per drafter in ``scored``. The served aggregate that speculated in
     the most rounds carries the plan's ``expected_speedup`` and the request's totals (tokens and seconds of every
-    round): the controller checks the request's realised speedup against it, one observation per request however
-    many K its round policy ran (a one-round tail at K 1 is no request's speedup). ``calibration``: the rounds are
-    the worker's start-up timings (decoder.calibration), counted in the costs only.
+    round, and ``drafter_prefill_seconds``: the drafter's prefill, which the request waited for between its first
+    token and its second): the controller checks the request's realised speedup against it, one observation per
+    request however many K its round policy ran (a one-round tail at K 1 is no request's speedup). ``calibration``:
+    the rounds are the worker's start-up timings (decoder.calibration), counted in the costs only.
 
     Raises ValueError naming the first impossible round.
     """
@@ -148,7 +150,7 @@ def rounds_to_aggregates(
             prompt_tokens=prompt_tokens,
             self_repetition=self_repetition,
             calibration=calibration,
-            **(_request_totals(groups.values(), expected_speedup) if key == carrier else {}),
+            **(_request_totals(groups.values(), expected_speedup, drafter_prefill_seconds) if key == carrier else {}),
         )
         for key, g in groups.items()
     ]
@@ -177,9 +179,10 @@ def _calibration_carrier(groups: dict[tuple[str, int, int], _Group]) -> tuple[st
     return max(speculating, key=lambda key: groups[key].tally.rounds, default=None)
 
 
-def _request_totals(groups: Iterable[_Group], expected_speedup: float) -> dict[str, Any]:
-    """The carrier's extra fields: the plan's expectation and what the whole request emitted, in how long."""
-    emitted, seconds = 0, 0.0
+def _request_totals(groups: Iterable[_Group], expected_speedup: float, extra_seconds: float) -> dict[str, Any]:
+    """The carrier's extra fields: the plan's expectation and what the whole request emitted, in how long (its
+    rounds, and ``extra_seconds`` spent between them: the drafter's prefill)."""
+    emitted, seconds = 0, extra_seconds if math.isfinite(extra_seconds) and extra_seconds > 0 else 0.0
     for g in groups:
         emitted, seconds = emitted + g.emitted, seconds + g.draft_seconds + g.verify_seconds
     return {"expected_speedup": expected_speedup, "request_tokens_emitted": emitted, "request_seconds": seconds}

@@ -24,6 +24,7 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specd.controller.client")
 STALE_AFTER_PERIODS = 3.0  # refresh periods without a message before the tables are no longer used
+QUIET_WAIT_SECONDS = 2.0  # the longest a message's tables wait for the worker to be quiet before they are read
 
 
 class TableWatcher:
@@ -35,12 +36,14 @@ class TableWatcher:
         backoff: Callable[[], float],
         reset_backoff: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
+        quiet: Callable[[float], object] | None = None,
     ) -> None:
         self.drafters = frozenset(d for d in drafters if d != "none")
         self._stub = stub
         self._request = pb.WatchDecisionsRequest(worker_id=worker_id, drafters=sorted(self.drafters))
         self._backoff, self._reset_backoff = backoff, reset_backoff
         self._clock = clock
+        self._quiet = quiet  # waits (up to its argument's seconds) for the worker's decode loop to be idle
         self._tables: dict[str, SegmentTable] = {}  # replaced whole on every message: readers take no lock
         self._stale = False
         self._fresh_until = float("-inf")
@@ -81,7 +84,14 @@ class TableWatcher:
         return None if plan is None else (plan, self._stale)
 
     def apply(self, msg: pb.DecisionTables) -> None:
-        """One message of the stream: every table (``full``) or the changed and removed ones."""
+        """One message of the stream: every table (``full``) or the changed and removed ones. The stream's liveness is
+        taken at once; the tables are read once the worker is quiet (``quiet``, at most QUIET_WAIT_SECONDS later)."""
+        self._fresh_until = self._clock() + STALE_AFTER_PERIODS * max(msg.refresh_seconds, 0.05)
+        if not (msg.full or msg.segments or msg.removed):
+            self._stale = msg.stale  # a heartbeat
+            return
+        if self._quiet is not None:
+            self._quiet(QUIET_WAIT_SECONDS)
         tables = {} if msg.full else dict(self._tables)
         for table in msg.segments:
             tables[table.segment] = SegmentTable.from_proto(table)

@@ -49,9 +49,11 @@ log = logging.getLogger("specd.worker")
 
 __all__ = ["QueueFull", "RequestSpec", "ShuttingDown", "Speculation", "WorkerService"]
 
-# Requests waiting for their counterfactual scoring after the answer (a few ms each): past this, a request is reported
-# without suffix decoding's score, so a burst cannot queue unbounded work behind the decode thread.
+# Requests waiting for their work after the answer (scoring, report, suffix cache: a few ms each): past this, a request
+# is reported (without suffix decoding's score) and shared at once, so a burst cannot queue unbounded work.
 MAX_PENDING_SCORES = 64
+# How long that work waits for the decode loop to be idle (Scheduler.wait_idle) before it runs beside the decodes.
+BACKGROUND_DEFER_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class WorkerService:
                     watch_decisions=self._watched_drafters() if link.watch_decisions else (),
                 ),
                 tracer=self.tracer if exporter is not None else None,
+                quiet=self.scheduler.wait_idle,
             )
             self.client.start()
             self.metrics.watch_client(self.client.stats)
@@ -424,15 +427,13 @@ class WorkerService:
         batch_size = max(1, round(sum(batch) / len(batch))) if batch else 1
         shares = outcome.status == "finished" and result is not None and self._shares(request)
         generated = result.token_ids if result is not None else []
-        if stats is not None and self._reports(request):
-            ks = self._counterfactual_ks(request, stats)
-            if "suffix" in ks and self._score_later(request, stats, generated, ks, shares):
-                shares = False  # the scoring thread shares the output once suffix decoding is scored without it
-            else:
+        ks = self._counterfactual_ks(request, stats) if stats is not None and self._reports(request) else None
+        if (ks is not None or shares) and not self._later(request, stats, generated, ks, shares):
+            if ks is not None:  # MAX_PENDING_SCORES wait already: reported now, without suffix decoding's score
                 ks.pop("suffix", None)
-                self._report(request, stats, generated, ks)
-        if shares:
-            self._share(request.segment, generated)
+                self._report(request, stats, generated, ks)  # type: ignore[arg-type]
+            if shares:
+                self._share(request.segment, generated)
         info = response_info(request.segment, request.plan, batch_size, stats)
         if request.first_token:
             info["ttft_seconds"] = round(request.first_token - request.received, 6)
@@ -477,12 +478,14 @@ class WorkerService:
                 del ks["suffix"]
         return ks
 
-    def _score_later(
-        self, request: InFlight, stats: RequestStats, generated: list[int], ks: dict[str, int], shares: bool
-    ) -> bool:
-        """Score and report ``request`` on the scoring thread, after its answer, then share its output if ``shares``
-        (suffix decoding is replayed over the cache without it). False: MAX_PENDING_SCORES already wait, or the
-        worker is stopping; the caller reports without suffix decoding's score."""
+    def _later(
+        self, request: InFlight, stats: RequestStats | None, generated: list[int], ks: dict[str, int] | None,
+        shares: bool,
+    ) -> bool:  # fmt: skip
+        """After the answer, on the scoring thread once the decode loop is idle (at most BACKGROUND_DEFER_SECONDS
+        later): score the drafters of ``ks`` and report ``request`` (None: it is not reported), then share its output
+        if ``shares`` (suffix decoding is replayed over the cache without it). False: MAX_PENDING_SCORES already
+        wait, or the worker is stopping; the caller does what it must at once."""
         with self._scoring_lock:
             if self._scores_pending >= MAX_PENDING_SCORES:
                 return False
@@ -496,10 +499,14 @@ class WorkerService:
         return True
 
     def _score_and_share(
-        self, request: InFlight, stats: RequestStats, generated: list[int], ks: dict[str, int], shares: bool
-    ) -> None:
+        self, request: InFlight, stats: RequestStats | None, generated: list[int], ks: dict[str, int] | None,
+        shares: bool,
+    ) -> None:  # fmt: skip
         try:
-            self._report(request, stats, generated, ks)
+            if self.scheduler is not None:
+                self.scheduler.wait_idle(BACKGROUND_DEFER_SECONDS)
+            if ks is not None and stats is not None:
+                self._report(request, stats, generated, ks)
             if shares:
                 self._share(request.segment, generated)
         except Exception:  # (nothing waits for this thread's futures: say it here)
@@ -527,6 +534,7 @@ class WorkerService:
             self_repetition=request.repetition,
             scored=scored,
             expected_speedup=request.plan.model_speedup if request.plan is not None else 0.0,
+            drafter_prefill_seconds=stats.draft_prefill_seconds,
         )
 
     def client_segment(self, name: str, host: str) -> str | None:
@@ -598,6 +606,7 @@ def response_info(segment: str, plan: Plan, batch_size: int, stats: RequestStats
             mean_k=round(sum(r.k for r in drafting) / len(drafting), 3) if drafting else 0.0,
             tokens_per_second=round(stats.tokens_per_second, 2),
             prefill_seconds=round(stats.prefill_seconds, 6),
+            draft_prefill_seconds=round(stats.draft_prefill_seconds, 6),
             decode_seconds=round(stats.decode_seconds, 6),
         )
     return info

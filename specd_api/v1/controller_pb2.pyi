@@ -214,7 +214,7 @@ class DrafterKStats(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[float] = ..., proposed: _Optional[float] = ..., accepted: _Optional[float] = ..., alpha: _Optional[float] = ..., alpha_ci_low: _Optional[float] = ..., alpha_ci_high: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., expected_speedup: _Optional[float] = ...) -> None: ...
 
 class DrafterStats(_message.Message):
-    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal", "calibration", "calibration_requests", "realised_speedup", "realised_requests")
+    __slots__ = ("drafter", "positions", "cost_ratio", "by_k", "counterfactual_positions", "acceptance", "proposal", "calibration", "calibration_requests", "realised_speedup", "realised_requests", "best_k", "model_speedup", "expected_speedup", "lower_bound")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COST_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,10 @@ class DrafterStats(_message.Message):
     CALIBRATION_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REALISED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
     REALISED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BEST_K_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SPEEDUP_FIELD_NUMBER: _ClassVar[int]
+    LOWER_BOUND_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     positions: _containers.RepeatedCompositeFieldContainer[PositionStats]
     cost_ratio: float
@@ -237,7 +241,11 @@ class DrafterStats(_message.Message):
     calibration_requests: float
     realised_speedup: float
     realised_requests: float
-    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., calibration: _Optional[float] = ..., calibration_requests: _Optional[float] = ..., realised_speedup: _Optional[float] = ..., realised_requests: _Optional[float] = ...) -> None: ...
+    best_k: int
+    model_speedup: float
+    expected_speedup: float
+    lower_bound: float
+    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., cost_ratio: _Optional[float] = ..., by_k: _Optional[_Iterable[_Union[DrafterKStats, _Mapping]]] = ..., counterfactual_positions: _Optional[_Iterable[_Union[PositionStats, _Mapping]]] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., calibration: _Optional[float] = ..., calibration_requests: _Optional[float] = ..., realised_speedup: _Optional[float] = ..., realised_requests: _Optional[float] = ..., best_k: _Optional[int] = ..., model_speedup: _Optional[float] = ..., expected_speedup: _Optional[float] = ..., lower_bound: _Optional[float] = ...) -> None: ...
 
 class DriftAlarm(_message.Message):
     __slots__ = ("drafter", "direction", "since_unix", "raised_unix", "alpha_before", "alpha_since")

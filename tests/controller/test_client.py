@@ -15,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -790,3 +791,27 @@ def test_the_documented_example_runs(daemon):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "source=controller" in done.stdout and "aggregates_sent=1" in done.stdout, done.stdout
+
+
+def test_reports_wait_for_the_worker_to_be_quiet():
+    # A worker passes its decode loop's wait_idle: a report is sent only once no sequence decodes (at most the
+    # wait's bound later), so that its serialization and the controller's work never run beside a decode.
+    busy = threading.Event()
+    busy.set()
+    waits: list[float] = []
+
+    def quiet(seconds: float) -> bool:
+        waits.append(seconds)
+        deadline = time.monotonic() + seconds
+        while busy.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not busy.is_set()
+
+    fake = FakeController()
+    with serving(fake) as address, started(config(address), quiet=quiet) as client:
+        client.report(segment="quiet", rounds=REQUEST_ROUNDS, **REPORT_ARGS)
+        time.sleep(0.5)  # ten report intervals
+        assert fake.reports == [], "nothing is sent while the worker decodes"
+        assert waits and all(0 < w <= 2.0 for w in waits)
+        busy.clear()
+        assert wait_until(lambda: len(fake.reports) == 1)

@@ -351,3 +351,16 @@ def test_a_one_token_job_finishes_at_its_prefill(make, target) -> None:
     assert outcome.status == "finished" and outcome.result is not None
     assert len(outcome.result.token_ids) == 1 and outcome.result.stats.num_rounds == 0
     assert steps == [], "no step ran for it"
+
+
+def test_wait_idle_returns_once_no_sequence_decodes(make, target) -> None:
+    scheduler, _ = make(max_batch=2, max_queue=4)
+    assert scheduler.wait_idle(0.01), "nothing submitted: idle"
+    recorder = Recorder()
+    scheduler.submit(recorder.job(target, max_new_tokens=400))
+    assert not scheduler.wait_idle(0.05), "a job waits in the queue: not idle"
+    scheduler.start()
+    assert not scheduler.wait_idle(0.05), "a job decodes: not idle"
+    assert scheduler.wait_idle(60.0) and recorder.outcome().status == "finished"
+    scheduler.stop()
+    assert scheduler.wait_idle(0.01), "a stopped loop never holds its waiters"
