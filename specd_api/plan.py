@@ -54,8 +54,6 @@ class Plan:
     cost_ratio: float = 0.0  # c at the request's batch size
     verify_cost: tuple[float, ...] = ()  # v(n), n = 0..k, at the request's batch size
     probe_rounds: int = 0  # rounds run at k before adapting (a probe observes every position)
-    # plain rounds run before the first that drafts: the segment's plain step in the request's context (a reference)
-    plain_rounds: int = 0
     # (drafter, K ceiling) per drafter to score counterfactually over the request's rounds, by name; none: nothing.
     counterfactual_ks: tuple[tuple[str, int], ...] = ()
     calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
@@ -71,6 +69,8 @@ class Plan:
     # A caller's own K ceiling for each round in turn, cycled (warm-up, calibration, tests); never on the wire.
     # (): every round's ceiling is ``k``.
     k_schedule: tuple[int, ...] = ()
+    # plain rounds run before the first that drafts: the segment's plain step in the request's context (a reference)
+    plain_rounds: int = 0
 
     @property
     def speculates(self) -> bool:

@@ -245,3 +245,23 @@ def test_build_check_fails_on_an_edited_file(tmp_path, capsys):
     edited.write_text(text, encoding="utf-8")
     assert builder.main(["--check", "--out", str(tmp_path)]) == 1
     assert "prose.jsonl: differs" in capsys.readouterr().err
+
+
+def test_held_out_workloads_are_new_segments_from_new_sources_and_rebuild_the_same(training):
+    """``python -m workloads.heldout --check`` in a fresh process; the held-out segments are none of the shipped
+    ones, and no prompt overlaps the training split or repeats a shipped prompt."""
+    from workloads import load_all
+    from workloads.heldout import HELD_OUT_FOLDER, SEGMENTS
+
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    result = subprocess.run(
+        [sys.executable, "-m", "workloads.heldout", "--check"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    held_out, shipped = load_all(HELD_OUT_FOLDER), load_all(FOLDER)
+    assert set(held_out) == set(SEGMENTS) and not set(held_out) & set(shipped)
+    shipped_texts = {p.prompt for prompts in shipped.values() for p in prompts}
+    for prompts in held_out.values():
+        assert len(prompts) == 24
+        for p in prompts:
+            assert training.overlapping_window(p.prompt) is None and p.prompt not in shipped_texts

@@ -65,10 +65,11 @@ def test_streamed_deltas_concatenate_to_the_non_streaming_text(
     assert 0 <= specd["num_accepted"] <= specd["num_drafted"]
     if finish_reason == "length":
         assert completion_tokens == max_tokens
-        assert specd["num_rounds"] + specd["num_accepted"] == completion_tokens  # accepted + 1 bonus per round
+        # the prefill's first token, then accepted + 1 bonus per round
+        assert 1 + specd["num_rounds"] + specd["num_accepted"] == completion_tokens
     else:  # tokens the last round accepted past the EOS are not emitted
         assert completion_tokens < max_tokens
-        assert specd["num_rounds"] + specd["num_accepted"] >= completion_tokens
+        assert 1 + specd["num_rounds"] + specd["num_accepted"] >= completion_tokens
 
 
 def test_stream_without_usage_ends_with_the_finish_chunk(draft_worker: Worker):
