@@ -1552,6 +1552,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/worker/test_scheduler.py",),
         "the decode loop counts as idle while a request waits to be prefilled",
     ),
+    Mutation(
+        "scored-drafters-never-measured",
+        "controller/decide.py",
+        "    measurable = tuple(d for d in bounds if d in probeable or estimates[d].realised is None)",
+        "    measurable = probeable",
+        ("tests/controller/test_realised.py",),
+        "a drafter scored counterfactually is never probed, so what it realises is never measured: it can win only "
+        "on its prior, well clear of every measured arm",
+    ),
 )
 
 

@@ -275,15 +275,18 @@ class Deliberation:
     make: _PlanMaker | None = None
     arms: tuple[Arm, ...] = ()
     bounds: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-    probeable: tuple[str, ...] = ()
+    probeable: tuple[str, ...] = ()  # what the probe floors and the draws probe: not what scoring shows for free
+    # what a draw that prefers it probes: the probeable ones, and a scored drafter that has realised nothing here yet
+    # (its acceptance is known, what it realises is not)
+    measurable: tuple[str, ...] = ()
 
     @property
     def may_probe(self) -> bool:
         """Can any draw probe? (A decision table draws only then: most segments, once learned, cannot.)"""
         rate = self.settings.exploration_rate
-        if rate <= 0 or not self.probeable or self.make is None:
+        if rate <= 0 or not self.measurable or self.make is None:
             return False
-        others = any(d != self.exploit.drafter for d in self.probeable)
+        others = any(d != self.exploit.drafter for d in self.measurable)
         return others or (not self.exploit.speculates and min(self.settings.min_exploration_rate, rate) > 0)
 
     def draw(self, rng: random.Random) -> Plan:
@@ -293,7 +296,7 @@ class Deliberation:
         make = self.make
         probe = _thompson(
             list(self.bounds), self.probeable, make.estimates, self.bounds, make.costs, self.exploit, self.settings,
-            rng, self.arms,
+            rng, self.arms, self.measurable,
         )  # fmt: skip
         if probe is None:
             return self.exploit
@@ -332,7 +335,8 @@ def deliberate(
         ceiling = min(choice.k + settings.k_headroom, bounds[choice.drafter][1])
         exploit = make.plan(choice, "kept_previous" if kept else "best_expected_speedup", ceiling)
     probeable = tuple(d for d in bounds if not _learned_unprobed(d, scored, estimates[d]))
-    return Deliberation(exploit, settings, make, arms, bounds, probeable)
+    measurable = tuple(d for d in bounds if d in probeable or estimates[d].realised is None)
+    return Deliberation(exploit, settings, make, arms, bounds, probeable, measurable)
 
 
 @dataclass(frozen=True)
@@ -443,7 +447,8 @@ def _learned_unprobed(drafter: str, scored: tuple[tuple[str, int], ...], estimat
     """Is ``drafter`` learned from counterfactual scoring, so that probing it would pay to learn what is seen for
     free? Prompt lookup whenever the plan asks it scored: every worker that offers it scores it. Suffix decoding once
     the segment also holds rounds scored for it: a worker from before its scoring offers it without scoring it, and
-    only probes would show its rate to a controller serving such a worker."""
+    only probes would show its rate to a controller serving such a worker. (What it realises is not seen that way:
+    while it has realised nothing here, a draw that prefers it still probes it, ``Deliberation.measurable``.)"""
     if not any(d == drafter for d, _ in scored):
         return False
     return drafter == "prompt_lookup" or estimate.scored_rounds > 0
@@ -474,14 +479,17 @@ def _thompson(
     settings: Settings,
     rng: random.Random,
     arms: Sequence[Arm] = (),
+    measurable: Sequence[str] | None = None,
 ) -> str | None:
     """The drafter to probe, or None. One posterior draw per usable drafter, of its rates and of the costs (a cost
     measured by few requests is uncertain too; plain decoding scores min_speedup): when the draw's winner is a
-    ``probeable`` drafter other than the exploit plan's, it is probed, on at most ``exploration_rate`` of requests.
+    ``measurable`` drafter (the probeable ones, by default) other than the exploit plan's, it is probed, on at most
+    ``exploration_rate`` of requests.
     Failing that, every probeable drafter but the exploit's keeps a floor of probes (``probe_floor``), whether the
     segment speculates or not: old counts decay, but only new rounds can show that traffic or costs changed, and a
     draw that never favours a drafter again (one stalled request made it look slow) must not end its story."""
-    if settings.exploration_rate <= 0 or not probeable:
+    measurable = probeable if measurable is None else measurable
+    if settings.exploration_rate <= 0 or not measurable:
         return None
     drawn: dict[str, Arm] = {}
 
@@ -500,9 +508,11 @@ def _thompson(
 
     if rng.random() < settings.exploration_rate:
         winner = max(draws().values(), key=lambda a: a.speedup)
-        if winner.drafter in probeable and winner.drafter != exploit.drafter and winner.speedup > settings.min_speedup:
+        if winner.drafter in measurable and winner.drafter != exploit.drafter and winner.speedup > settings.min_speedup:
             return winner.drafter
     floor_rate = min(settings.min_exploration_rate, settings.exploration_rate)
+    if not probeable:
+        return None
     if not exploit.speculates and rng.random() < floor_rate:
         return max((draws()[d] for d in probeable), key=lambda a: a.speedup).drafter
     if exploit.speculates and floor_rate > 0:

@@ -222,3 +222,34 @@ def test_a_segment_with_few_plain_rounds_of_its_own_has_its_plans_time_one() -> 
     young, settled = plan_for(REFERENCE_REQUESTS - 1), plan_for(REFERENCE_REQUESTS)
     assert young.drafter == settled.drafter == "draft"  # type: ignore[attr-defined]
     assert young.plain_rounds == PLAIN_ROUNDS >= 1 and settled.plain_rounds == 0  # type: ignore[attr-defined]
+
+
+def test_a_scored_drafter_that_realised_nothing_is_probed_when_a_draw_prefers_it() -> None:
+    # Prompt lookup is scored on every request: its acceptance is known, so it is never probed for that. What it
+    # realises is not known until requests run it: while it has realised nothing here, a draw that prefers it
+    # probes it (the draft model is measured at 1.2x; lookup's model promises more, but its prior alone does not
+    # take the exploit plan from a measured arm). Once it has realised a speedup, only what scoring cannot see
+    # would make it worth a probe: none.
+    seg = SegmentCounts()
+    seg.add(rates("draft", 0.6))
+    for i in range(16):
+        seg.counterfactual[("prompt_lookup", i)] = PositionCounts(1e6, 0.3e6, 0.3e6, 0.21e6)  # model 1.38x
+    draft = estimate(seg, "draft", 0.2)
+    model = best_arm(draft, draft.means(), 1, 8, COSTS).model  # type: ignore[attr-defined]
+    measured = realised(histogram(*[0.002 / 1.2] * 30), histogram(*[0.002] * 30), 0.002)
+    lookup = estimate(seg, "prompt_lookup", 0.0, scored_rounds=1e6)
+    estimates = {"draft": replace(draft, realised=measured, calibration=1.2 / model), "prompt_lookup": lookup}
+    settings = Settings(exploration_rate=0.25, min_exploration_rate=0.0)
+    req = Request("s", 1, ("draft", "prompt_lookup"), 128)
+
+    def probes(lookup_estimate: object) -> list[str]:
+        both = {**estimates, "prompt_lookup": lookup_estimate}
+        plans = [decide(settings, "v1", req, both, COSTS, None, random.Random(s)) for s in range(400)]  # type: ignore[arg-type]
+        assert all(p.drafter == "draft" for p in plans if not p.exploration), "the measured arm is the exploit"
+        return [p.drafter for p in plans if p.exploration]
+
+    unmeasured = probes(lookup)
+    assert unmeasured and set(unmeasured) == {"prompt_lookup"}
+    assert 0.1 * 400 < len(unmeasured) <= 0.25 * 400 + 30
+    seen = realised(histogram(*[0.002 / 1.1] * 30), histogram(*[0.002] * 30), 0.002)  # less than its model said
+    assert probes(replace(lookup, realised=seen)) == [], "scored and measured: nothing left to probe it for"  # type: ignore[type-var]

@@ -206,7 +206,10 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
     answered = [r for r in replies if r.specd["decision_source"] == "controller" and not r.specd["exploration"]]
     assert {decision(r)[:3] for r in answered if r.segment == "adversarial"} == {("none", 0, "policy_off")}
     cold_others = [r for r in answered if r in first and r.segment not in ("adversarial", UNRULED)]
-    assert all(decision(r)[0] != "none" for r in cold_others), [decision(r) for r in cold_others]
+    # (a request whose few new tokens cannot repay the draft model's prefill of its prompt is a rule's "none")
+    assert all(decision(r)[0] != "none" or decision(r)[2] == "request_too_short" for r in cold_others), [
+        decision(r) for r in cold_others
+    ]
     # a segment nobody has seen is decided from the prior: the draft model (alone, or after prompt lookup: chain)
     assert cold["drafter"] in MODEL_DRAFTERS and cold["reason"] == "best_expected_speedup", cold
     if first[0] in answered:
