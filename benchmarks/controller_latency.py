@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from controller.config import ControllerConfig, load_config
-from controller.decide import Request
+from controller.decision.decide import Request
 from controller.server import ControllerDaemon
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc

@@ -84,7 +84,7 @@ from benchmarks.controller_latency import aggregate, decide_request, percentile
 from benchmarks.decision_stream import DRAFTERS, cpu_seconds
 from benchmarks.faults import DEADLINE_MS, Controller, _usage, wait_until
 from benchmarks.half_open import HalfOpenCalls, ReconnectingCalls, attacker_tls
-from controller.report_process import NICE
+from controller.serving.report_process import NICE
 from specd_api.checks import MAX_AGGREGATES, MAX_REPORT_BYTES, MAX_REPORT_POSITIONS
 from specd_api.segments import MAX_SEGMENT_LENGTH
 from specd_api.v1 import controller_pb2 as pb
@@ -816,7 +816,7 @@ def spin(nice: int, stop: Any) -> None:
 
 class BusyNeighbour(Attack):
     """Not an attack: the control for big-reports. A process that touches no service keeps one core busy at the
-    report process's niceness (controller/report_process.py NICE), as the report process does with reports at the
+    report process's niceness (serving/report_process.py NICE), as the report process does with reports at the
     bounds back to back; the steady client's ratio beside it is what these 2 cores give whatever the controller
     does."""
 

@@ -609,7 +609,7 @@ def policy_replaced(root: Path) -> Row:
         during = [lat for t, lat, _ in answers if bad_from <= t < bad_to]
         row.requests = len(answers)
         row.p99_before_ms, row.p99_during_ms = p99_ms(before), p99_ms(during)
-        from controller.policy import parse_policy
+        from controller.decision.policy import parse_policy
 
         expected_new = parse_policy(new, source=str(policy)).version
         row.notes = (f"versions served: {len(versions_before)} while bad files came and went, then "

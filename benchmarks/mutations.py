@@ -115,7 +115,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dedup-off",
-        "controller/store.py",
+        "controller/storage/store.py",
         "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then",
         "if false then",
         ("tests/controller/test_store.py",),
@@ -123,7 +123,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dedup-ttl-1s",
-        "controller/store.py",
+        "controller/storage/store.py",
         "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) == false then",
         "if redis.call('SET', KEYS[1], '1', 'NX', 'EX', 1) == false then",
         ("tests/controller/test_store.py",),
@@ -131,7 +131,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "learned-c-x2.5",
-        "controller/cost_model.py",
+        "controller/decision/cost_model.py",
         "c = pick(t) / t0",
         "c = 2.5 * pick(t) / t0",
         COSTS,
@@ -139,7 +139,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "verify-slope-ignored",
-        "controller/cost_model.py",
+        "controller/decision/cost_model.py",
         "points = {0: 1.0} | {n: t / t0 for n, t in seconds.items()}",
         "points = {0: 1.0} | {n: 1.0 for n, t in seconds.items()}",
         COSTS,
@@ -147,7 +147,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "costs-mean-of-sums",
-        "controller/cost_model.py",
+        "controller/decision/cost_model.py",
         "if total(hist) >= MIN_REQUESTS:\n            verify[n], rounds[n] = dict(hist), r",
         "if False:\n            verify[n], rounds[n] = dict(hist), r",
         ROBUST,
@@ -155,7 +155,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "extrapolate-at-gpu-slope",
-        "controller/cost_model.py",
+        "controller/decision/cost_model.py",
         "slope = max((points[largest] - points[0]) / largest, DEFAULT_VERIFY_SLOPE) if largest else "
         "DEFAULT_VERIFY_SLOPE",
         "slope = DEFAULT_VERIFY_SLOPE",
@@ -164,7 +164,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "cost-draw-is-a-point",
-        "controller/cost_model.py",
+        "controller/decision/cost_model.py",
         "        if self.timings is None:\n            return self",
         "        if True:\n            return self",
         ROBUST,
@@ -172,7 +172,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "posterior-drawn-every-decide",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "    if rng.random() < settings.exploration_rate:",
         "    if draws() and rng.random() < settings.exploration_rate:",
         ("tests/controller/test_decide.py",),
@@ -180,7 +180,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "mean-arm-kept-across-cost-models",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "    key = (k_min, k_max, costs.verify_table(k_max))",
         "    key = (k_min, k_max)",
         ("tests/controller/test_decide.py",),
@@ -196,7 +196,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "probe-floor-off",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "if exploit.speculates and floor_rate > 0:",
         "if False:",
         ROBUST,
@@ -204,7 +204,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "realised-ignores-drafting",
-        "controller/counts.py",
+        "controller/decision/counts.py",
         "tokens, seconds = self.tokens_emitted, self.draft_seconds + self.verify_seconds",
         "tokens, seconds = self.tokens_emitted, self.verify_seconds",
         ROBUST,
@@ -212,7 +212,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "wrong-type-bucket-stops-all",
-        "controller/store.py",
+        "controller/storage/store.py",
         "pipe.execute(raise_on_error=False)",
         "pipe.execute()",
         ("tests/controller/test_stored_data.py",),
@@ -220,7 +220,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "corrupt-position-read",
-        "controller/redis_schema.py",
+        "controller/storage/redis_schema.py",
         "if 0 <= i < MAX_K else None",
         "if 0 <= i else None",
         ("tests/controller/test_stored_data.py",),
@@ -228,7 +228,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unreadable-prior-raises",
-        "controller/store.py",
+        "controller/storage/store.py",
         '        if not isinstance(document, dict):\n            self.skipped.add(key, "not a JSON object")\n'
         "            return None",
         "        if not isinstance(document, dict):\n            raise ValueError(key)",
@@ -270,7 +270,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "skipped-entries-not-on-metrics",
-        "controller/metrics_endpoint.py",
+        "controller/serving/metrics_endpoint.py",
         "value=self.controller.learner.store.skipped.count)",
         "value=0)",
         (
@@ -280,7 +280,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-fails-on-a-wrong-type-cost-bucket",
-        "controller/store.py",
+        "controller/storage/store.py",
         "claim(KEYS[3], 'hash')\n",
         "",
         ("tests/controller/test_stored_data.py::test_reports_over_keys_of_the_wrong_type_are_stored_not_journaled",),
@@ -288,7 +288,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-fails-on-a-field-of-no-number",
-        "controller/store.py",
+        "controller/storage/store.py",
         "  local sum = redis.pcall('HINCRBYFLOAT', key, field, increment)",
         "  local sum = redis.call('HINCRBYFLOAT', key, field, increment)",
         ("tests/controller/test_fuzz_stored.py",),
@@ -305,7 +305,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "socket-path-in-characters",
-        "controller/redis_conn.py",
+        "controller/storage/redis_conn.py",
         "    return len(os.fsencode(path.resolve()))",
         "    return len(str(path.resolve()))",
         ("tests/controller/test_policy_limits.py",),
@@ -313,7 +313,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "policy-integer-past-int32",
-        "controller/policy.py",
+        "controller/decision/policy.py",
         '        4, ge=1, le=MAX_INT32, description="shorter requests are never speculated"',
         '        4, ge=1, description="shorter requests are never speculated"',
         ("tests/controller/test_policy_limits.py",),
@@ -321,7 +321,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "waiting-calls-shared-by-every-host",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "        counted = waiting.total < limits.max_waiting and waiting.of(host) < limits.max_waiting_per_host",
         "        counted = waiting.total < limits.max_waiting",
         ("tests/controller/test_request_wait.py::test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait",),
@@ -338,7 +338,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "health-watch-streams-unbounded-per-host",
-        "controller/health_streams.py",
+        "controller/serving/health_streams.py",
         "        if mine >= self.per_host:",
         "        if False:",
         ("tests/controller/test_host_share.py",),
@@ -358,7 +358,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "change-marks-reset-under-the-old-epoch",
-        "controller/store.py",
+        "controller/storage/store.py",
         "  redis.call('HSET', KEYS[2], 'epoch', ARGV[2] .. ':' .. now[1] .. '.' .. now[2])",
         "  redis.call('HSET', KEYS[2], 'epoch', ARGV[2])",
         ("tests/controller/test_stored_data.py::test_unreadable_change_marks_start_again_under_a_new_epoch",),
@@ -375,7 +375,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stored-json-recursion-escapes",
-        "controller/redis_schema.py",
+        "controller/storage/redis_schema.py",
         "    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):",
         "    except (ValueError, TypeError, UnicodeDecodeError):",
         ("tests/controller/test_stored_data.py",),
@@ -384,7 +384,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "prior-overflow-escapes",
-        "controller/prior.py",
+        "controller/decision/prior.py",
         "        except (KeyError, TypeError, AttributeError, OverflowError) as e:",
         "        except (KeyError, TypeError, AttributeError) as e:",
         ("tests/controller/test_stored_data.py", "tests/controller/test_fuzz_stored.py"),
@@ -392,7 +392,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "bucket-counters-not-made-consistent",
-        "controller/counts.py",
+        "controller/decision/counts.py",
         "            consistent(counters, table == K_TABLE)\n",
         "",
         ("tests/controller/test_fuzz_stored.py",),
@@ -400,7 +400,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stored-count-unbounded",
-        "controller/counts.py",
+        "controller/decision/counts.py",
         "    return x if 0 <= x <= MAX_STORED_COUNT else 0.0  # NaN fails the comparison",
         "    return x if 0 <= x < math.inf else 0.0",
         ("tests/controller/test_fuzz_stored.py",),
@@ -441,9 +441,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "calibration-not-applied",
-        "controller/decide.py",
-        "return Arm(estimate.drafter, k, value * estimate.calibration)",
-        "return Arm(estimate.drafter, k, value)",
+        "controller/decision/decide.py",
+        "belief = posterior(value * estimate.calibration, estimate.realised)",
+        "belief = posterior(value, estimate.realised)",
         ROBUST,
         "decisions ignore what the segment's requests realised against the model",
     ),
@@ -457,7 +457,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "calibration-from-one-request",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "CALIBRATION_MIN_REQUESTS = 3.0",
         "CALIBRATION_MIN_REQUESTS = 0.5",
         (*ROBUST, "tests/controller/test_simulation.py"),
@@ -466,23 +466,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "calibration-on-every-aggregate",
         "specd_client/reports.py",
-        "**(_request_totals(groups.values(), expected_speedup) if key == carrier else {}),",
-        '**(_request_totals([g], expected_speedup) if key[0] != "none" and carrier else {}),',
+        "**(_request_totals(groups.values(), expected_speedup, drafter_prefill_seconds) if key == carrier else {}),",
+        '**(_request_totals([g], expected_speedup, drafter_prefill_seconds) if key[0] != "none" and carrier else {}),',
         ("tests/controller/test_client.py",),
         "each K the round policy ran is a calibration observation: a one-round tail's 0.5x drags a segment's median "
         "down",
     ),
     Mutation(
         "calibration-not-from-the-fleet",
-        "controller/service.py",
-        "total(counts.calibration.get(d, {})), toward=fleet),",
-        "total(counts.calibration.get(d, {}))),",
+        "controller/decision/core.py",
+        "calibration=calibration_factor(median(calibration), total(calibration), toward=fleet),",
+        "calibration=calibration_factor(median(calibration), total(calibration)),",
         ("tests/controller/test_calibration_service.py",),
         "a new segment's calibration starts at 1 whatever the fleet's requests realised (cold segments over-promised)",
     ),
     Mutation(
         "calibration-ignores-request-totals",
-        "controller/counts.py",
+        "controller/decision/counts.py",
         "if self.request_tokens_emitted and self.request_seconds > 0:",
         "if False:",
         ("tests/controller/test_robust_costs.py",),
@@ -498,7 +498,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "always-largest-k",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "k, value = best_k(curve, k_min)",
         "k, value = k_max, curve[k_max - 1]",
         COSTS,
@@ -598,7 +598,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "every-refresh-moves-every-segment",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "moved = _changed_segments(self._snapshot, snapshot)",
         "moved = set(snapshot.segments)",
         (TABLES,),
@@ -606,7 +606,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "first-streams-build-together",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        with self._build_lock:\n            with self._cond:\n                if drafters in self._tables:",
         "        with threading.Lock():\n            with self._cond:\n                if drafters in self._tables:",
         (TABLES,),
@@ -656,7 +656,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "interceptor-wraps-every-call",
-        "controller/grpc_server.py",
+        "controller/serving/grpc_server.py",
         "        if kept is not None and kept[0] is handler:",
         "        if False:",
         ("tests/controller/test_interceptors.py",),
@@ -664,7 +664,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refusal-runs-the-chain",
-        "controller/auth.py",
+        "controller/serving/auth.py",
         "        streaming = self._streaming.get(method)",
         "        streaming = None",
         ("tests/controller/test_interceptors.py",),
@@ -672,7 +672,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "journal-view-takes-off-unshown",
-        "controller/journaled_view.py",
+        "controller/storage/journaled_view.py",
         "        if not shown:\n            return\n        if shown > 1:  # journaled twice",
         "        if not shown:\n            pass\n        if shown > 1:  # journaled twice",
         ("tests/controller/test_journaled_view.py",),
@@ -706,7 +706,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-build-unpaced",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        for segment in self.controller.learner.segments():\n            pace()\n",
         "        for segment in self.controller.learner.segments():\n",
         ("tests/controller/test_scale_reads.py",),
@@ -714,7 +714,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refresh-read-unpaced",
-        "controller/store.py",
+        "controller/storage/store.py",
         "            pace()  # between round trips: the interpreter to whoever waits for it\n",
         "",
         ("tests/controller/test_scale_reads.py",),
@@ -723,7 +723,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-rebuild-wakes-every-stream",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "                if moved:\n",
         "                if True:\n",
         ("tests/controller/test_scale_reads.py",),
@@ -731,7 +731,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refresh-keeps-a-reported-segment",
-        "controller/store.py",
+        "controller/storage/store.py",
         "                and s not in changed",
         "                and True",
         ("tests/controller/test_scale_reads.py",),
@@ -763,7 +763,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "change-message-made-per-stream",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        with self._delta_lock:\n",
         "        if True:\n",
         ("tests/controller/test_scale_reads.py",),
@@ -771,7 +771,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "change-message-serialized-per-stream",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "            return next((data for _, made, data in self._deltas.values() if made is message), message)",
         "            return message",
         ("tests/controller/test_scale_reads.py",),
@@ -779,7 +779,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stream-bytes-serialized-again",
-        "controller/grpc_server.py",
+        "controller/serving/grpc_server.py",
         "        return response if type(response) is bytes else encode(response)",
         "        return encode(response)",
         ("tests/controller/test_decision_tables.py",),
@@ -787,7 +787,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-budget-no-hold",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "                if hold is not None and (seconds := hold(host)) > 0:",
         "                if False and hold is not None and (seconds := hold(host)) > 0:",
         ("tests/controller/test_report_budget.py",),
@@ -795,7 +795,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "posteriors-per-bucket",
-        "controller/service.py",
+        "controller/decision/core.py",
         "        kept = self._posteriors.get(key)",
         "        kept = None",
         ("tests/controller/test_scale_reads.py",),
@@ -811,7 +811,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-decay-epochs-in-phase",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "    phase = zlib.crc32(segment.encode()) % TABLE_DECAY_STEPS",
         "    phase = 0",
         (EPOCHS,),
@@ -819,7 +819,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-follows-decay-at-once",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "(old.key == key or (old.key.hard == key.hard and old.epoch == epoch))",
         "(old.key == key)",
         (EPOCHS,),
@@ -827,7 +827,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-never-follows-decay",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "    return (controller.learner.decay_steps + phase) // TABLE_DECAY_STEPS",
         "    return 0",
         (EPOCHS,),
@@ -835,7 +835,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-sent-whatever-the-change",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "            if old is not None and not material_change(old.table, table):",
         "            if False:",
         (EPOCHS,),
@@ -843,7 +843,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-tolerance-against-the-last-computed",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "                tables[segment] = BuiltTable(old.table, old.data, key, quick, epoch)",
         "                tables[segment] = BuiltTable(table, old.data, key, quick, epoch)",
         (EPOCHS,),
@@ -851,7 +851,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tables-within-tolerance-dropped",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "                        self._tables[drafters] = replace(before, tables=tables)",
         "                        pass",
         (EPOCHS,),
@@ -859,7 +859,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-change-ignores-plan-fields",
-        "controller/table_change.py",
+        "controller/serving/table_change.py",
         "            if _plain(a, field) != _plain(b, field):",
         "            if False:",
         ("tests/controller/test_table_change.py",),
@@ -867,7 +867,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-change-probe-shares-ignored",
-        "controller/table_change.py",
+        "controller/serving/table_change.py",
         "        if not abs(a.probability - b.probability) <= PROBE_SHARE_TOLERANCE:  # (NaN: a change)",
         "        if False:",
         ("tests/controller/test_table_change.py",),
@@ -875,7 +875,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decay-moves-the-data-version",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "        decayed = {s for s in moved if _decayed_only(self._snapshot, snapshot, s)}",
         "        decayed: set[str] = set()",
         (EPOCHS,),
@@ -883,7 +883,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-counts-as-decay-only",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "    return before is not None and after is not None and before[0] != after[0] and before[1:] == after[1:]",
         "    return before is not None and after is not None and before[0] != after[0]",
         (EPOCHS,),
@@ -891,7 +891,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeat-never-sent",
-        "controller/grpc_server.py",
+        "controller/serving/grpc_server.py",
         "            beating = responses if isinstance(responses, Beating) else None",
         "            beating = None",
         ("tests/controller/test_scale_reads.py",),
@@ -899,7 +899,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stream-holds-its-last-message",
-        "controller/grpc_server.py",
+        "controller/serving/grpc_server.py",
         "                del response, pending",
         "                pass",
         ("tests/controller/test_scale_reads.py",),
@@ -907,7 +907,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stream-handler-result-left-open",
-        "controller/grpc_server.py",
+        "controller/serving/grpc_server.py",
         "                step.add_done_callback(_result_closer)",
         "                pass",
         ("tests/controller/test_scale_reads.py",),
@@ -915,7 +915,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "beat-before-the-first-message",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "            self._making = True\n            first = p._first_tables(drafters)",
         "            first = p._first_tables(drafters)",
         ("tests/controller/test_scale_reads.py",),
@@ -923,7 +923,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "beat-before-a-made-change",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        self._making = True  # a message is on its way: no heartbeat goes before it",
         "        pass",
         ("tests/controller/test_scale_reads.py",),
@@ -931,7 +931,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "beat-wait-holds-the-step",
-        "controller/grpc_server.py",
+        "controller/serving/grpc_server.py",
         "                    await asyncio.wait((pending,), timeout=beating.beat_in(time.monotonic()))",
         "                    kept = await asyncio.wait((pending,), timeout=beating.beat_in(time.monotonic()))",
         ("tests/controller/test_scale_reads.py",),
@@ -939,7 +939,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "table-change-probe-that-comes-ignored",
-        "controller/table_change.py",
+        "controller/serving/table_change.py",
         "    if held_probes.keys() != new_probes.keys():",
         "    if False:",
         ("tests/controller/test_table_change.py",),
@@ -947,7 +947,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decay-steps-counted-once-a-refresh",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "    return max(round((after - before) / step_seconds), 1) if step_seconds > 0 else 1",
         "    return 1",
         (EPOCHS,),
@@ -955,7 +955,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeat-before-a-pending-change",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        if now is not None and now.version != seen.version:\n            return None",
         "        if False:\n            return None",
         ("tests/controller/test_scale_reads.py",),
@@ -963,7 +963,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeats-grow-with-streams",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        return max(self._heartbeat_floor, self._streams / MAX_HEARTBEATS_PER_SECOND)",
         "        return self._heartbeat_floor",
         ("tests/controller/test_scale_reads.py",),
@@ -971,7 +971,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeat-period-never-shrinks",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "            self._streams -= 1\n",
         "\n",
         ("tests/controller/test_scale_reads.py",),
@@ -979,7 +979,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "heartbeat-phase-shared",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        self._phase = random.uniform(0.0, publisher.heartbeat_seconds)",
         "        self._phase = 0.0",
         ("tests/controller/test_scale_reads.py",),
@@ -987,7 +987,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "mark-before-parts",
-        "controller/store.py",
+        "controller/storage/store.py",
         "        self._ingest_segments(calls)\n        self._mark_changed(list(parts))",
         "        self._mark_changed(list(parts))\n        self._ingest_segments(calls)",
         ("tests/controller/test_scale_reads.py",),
@@ -995,7 +995,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refresh-trusts-lost-marks",
-        "controller/store.py",
+        "controller/storage/store.py",
         "            if before is not None and before.epoch == now.epoch and int(trimmed) <= before.seq <= now.seq:",
         "            if before is not None:",
         ("tests/controller/test_scale_reads.py",),
@@ -1003,7 +1003,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refresh-rereads-every-marked-segment-for-a-margin",
-        "controller/store.py",
+        "controller/storage/store.py",
         "        changed = self._changed if previous.marks is not None and previous.marks == self._marks_from else"
         " None",
         "        changed = None",
@@ -1012,7 +1012,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "active-set-never-reread",
-        "controller/store.py",
+        "controller/storage/store.py",
         "            if active == in_window and self.bucket(now) == self.bucket(self._reported_read_at):",
         "            if self.bucket(now) == self.bucket(self._reported_read_at):",
         (
@@ -1024,7 +1024,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refresh-reads-no-late-write",
-        "controller/store.py",
+        "controller/storage/store.py",
         "        fresh_from = max(first, self.bucket(min(previous.taken_at, self.clock()) - margin))",
         "        fresh_from = max(first, self.bucket(min(previous.taken_at, self.clock())))",
         ("tests/controller/test_scale_reads.py",),
@@ -1032,7 +1032,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "increments-offer-every-position",
-        "controller/report_increments.py",
+        "controller/storage/report_increments.py",
         "        rounds_at_k[a.k] += a.rounds",
         "        rounds_at_k[width] += a.rounds",
         ("tests/controller/test_report_increments.py",),
@@ -1056,7 +1056,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "request-wait-no-deadline",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "asyncio.timeout(limits.wait_seconds if counted else OVER_CAP_WAIT_SECONDS)",
         "asyncio.timeout(None if counted else OVER_CAP_WAIT_SECONDS)",
         ("tests/controller/test_request_wait.py",),
@@ -1064,7 +1064,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "request-wait-no-cap",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "counted = waiting.total < limits.max_waiting and",
         "counted = True and",
         ("tests/controller/test_request_wait.py",),
@@ -1072,7 +1072,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-budget-no-refill",
-        "controller/report_budget.py",
+        "controller/serving/report_budget.py",
         "                bucket.tokens = min(self.burst, bucket.tokens + max(now - bucket.updated, 0.0) * self.rate)",
         "                bucket.tokens = min(self.burst, bucket.tokens)",
         ("tests/controller/test_report_budget.py",),
@@ -1089,7 +1089,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unseen-segments-keyed-by-name",
-        "controller/service.py",
+        "controller/decision/core.py",
         "        named = UNSEEN if counts.empty else request.segment",
         "        named = request.segment",
         ("tests/controller/test_made_up_segments.py",),
@@ -1098,7 +1098,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "unseen-segment-plan-remembered",
-        "controller/service.py",
+        "controller/decision/core.py",
         " and self.learner.counted(request.segment):",
         ":",
         ("tests/controller/test_made_up_segments.py",),
@@ -1107,7 +1107,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "host-shares-off",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "            async with self.shares.turn(peer_host(context.peer())):",
         "            async with contextlib.nullcontext():",
         ("tests/controller/test_host_share.py",),
@@ -1116,7 +1116,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "host-share-one-too-many",
-        "controller/host_share.py",
+        "controller/serving/host_share.py",
         "        if self._running.get(host, 0) < self.per_host:",
         "        if self._running.get(host, 0) <= self.per_host:",
         ("tests/controller/test_host_share.py",),
@@ -1124,7 +1124,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "host-share-turn-lost-on-cancel",
-        "controller/host_share.py",
+        "controller/serving/host_share.py",
         "                    self._release(host)  # handed the turn as it was cancelled: pass it on",
         "                    pass",
         ("tests/controller/test_host_share.py",),
@@ -1132,7 +1132,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "watchers-per-host-unchecked",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        if self._per_host.get(host, 0) >= self.max_watchers_per_host:",
         "        if False:",
         ("tests/controller/test_host_share.py",),
@@ -1140,7 +1140,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "stream-cap-refused-in-the-pool",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "        if gate is not None and (refused := gate(host)) is not None:",
         "        if False:",
         ("tests/controller/test_host_share.py",),
@@ -1149,7 +1149,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "journal-entry-under-the-lock",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "        data, counts = entry(report_id, aggregates), report_counts(aggregates)\n        with self._lock:\n",
         "        with self._lock:\n"
         "            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
@@ -1158,7 +1158,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "replayed-counts-under-the-lock",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "            counts = report_counts(aggregates)\n            with self._lock:\n",
         "            with self._lock:\n                counts = report_counts(aggregates)\n",
         ("tests/controller/test_redis_outage.py",),
@@ -1166,7 +1166,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "journal-written-under-the-lock",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "        try:\n            self.journal.append_entry(data)\n",
         "        try:\n            with self._lock:\n                self.journal.append_entry(data)\n",
         ("tests/controller/test_redis_outage.py",),
@@ -1174,7 +1174,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "journaled-view-cleared-mid-write",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "journal_empty=not len(self.journal) and not self._appending, replayed=replayed",
         "journal_empty=not len(self.journal), replayed=replayed",
         ("tests/controller/test_redis_outage.py",),
@@ -1182,7 +1182,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "withdrawn-segment-left-behind",
-        "controller/journaled_view.py",
+        "controller/storage/journaled_view.py",
         "            if self._naming[segment] > 0:",
         "            if True:",
         ("tests/controller/test_redis_outage.py", "tests/controller/test_journaled_view.py"),
@@ -1198,7 +1198,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "decide-abort-on-the-loop-lost",
-        "controller/request_wait.py",
+        "controller/serving/request_wait.py",
         "                    await context.abort(aborted.code, aborted.details)\n",
         "                    await context.abort(grpc.StatusCode.UNKNOWN, aborted.details)\n",
         ("tests/controller/test_host_share.py",),
@@ -1206,7 +1206,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "fleet-figures-left-to-decide",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "                    self._fleet[(figure, drafter, version)] = compute(tables, drafter)\n",
         "                    pass\n",
         ("tests/controller/test_fleet_figures.py",),
@@ -1214,7 +1214,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-process-not-niced",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "    os.nice(nice)\n",
         "    os.nice(0)\n",
         ("tests/controller/test_report_process.py",),
@@ -1230,7 +1230,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-process-never-replaced",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "        broken.shutdown(wait=False, cancel_futures=True)\n        self.start()\n",
         "        broken.shutdown(wait=False, cancel_futures=True)\n",
         ("tests/controller/test_report_process.py",),
@@ -1238,7 +1238,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-steps-by-batch-size",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "        key = (segment, batch_bucket(batch_size))\n",
         "        key = (segment, batch_size)\n",
         ("tests/controller/test_report_process.py",),
@@ -1246,15 +1246,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-process-redis-error-acknowledged",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
+        "        result = _store.ingest(report_id, aggregates, step_seconds)\n    except redis.RedisError as e:\n"
         '        return f"{type(e).__name__}: {e}"\n',
+        "        result = _store.ingest(report_id, aggregates, step_seconds)\n    except redis.RedisError as e:\n"
         "        return Stored(report_id, 0, False)\n",
         ("tests/controller/test_report_process.py",),
         "a report Redis refused in the child is acknowledged, never journaled: lost",
     ),
     Mutation(
         "report-process-outlives-its-daemon",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "    while os.getppid() == parent:\n",
         "    while True:\n",
         ("tests/controller/test_daemon.py",),
@@ -1270,7 +1272,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-process-waited-for-forever",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "            outcome: Stored | Invalid | str = call.result(ANSWER_SECONDS)\n",
         "            outcome: Stored | Invalid | str = call.result()\n",
         ("tests/controller/test_report_process.py",),
@@ -1278,7 +1280,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-process-failed-start-not-retried",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "            retry.start()\n",
         "",
         ("tests/controller/test_report_process.py",),
@@ -1295,7 +1297,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-rest-unparsable-in-the-child-is-unknown",
-        "controller/report_process.py",
+        "controller/serving/report_process.py",
         "    except DecodeError as e:  # its head parsed in the daemon, the rest does not\n"
         "        return Invalid(undecodable(METHOD, e))\n",
         "",
@@ -1321,15 +1323,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "report-head-drops-a-field",
-        "controller/report_head.py",
-        'kept = {aggregate.name: ("segment", "batch_size"), request.name: ("report_id", "aggregates")}',
-        'kept = {aggregate.name: ("segment",), request.name: ("report_id", "aggregates")}',
+        "controller/serving/report_head.py",
+        'kept = {aggregate.name: ("segment", "batch_size", "temperature", "calibration"),',
+        'kept = {aggregate.name: ("segment", "temperature", "calibration"),',
         ("tests/controller/test_report_process.py",),
         "every aggregate's batch size reads 0 in the head: the child's step times are looked up at no bucket",
     ),
     Mutation(
         "withdrawn-after-replay-taken-off-twice",
-        "controller/journaled_view.py",
+        "controller/storage/journaled_view.py",
         "        if not shown:\n            return\n        if shown > 1:\n"
         "            self._shown[report_id] = shown - 1\n        self._take_off(",
         "        if shown > 1:\n            self._shown[report_id] = shown - 1\n        self._take_off(",
@@ -1338,7 +1340,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "replayed-sum-names-nothing",
-        "controller/journaled_view.py",
+        "controller/storage/journaled_view.py",
         "            naming.update(part.segments.keys())\n",
         "",
         ("tests/controller/test_journaled_view.py",),
@@ -1346,7 +1348,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "watchers-per-host-never-released",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "            self._per_host[host] -= 1\n",
         "\n",
         ("tests/controller/test_host_share.py",),
@@ -1354,7 +1356,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "first-message-per-stream",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "            if made is not None and made[0][0] is tables and made[0][1:] == key:",
         "            if False:",
         ("tests/controller/test_scale_reads.py",),
@@ -1363,7 +1365,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "first-message-period-rounded-down",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "        period = math.ceil(self.heartbeat_seconds / quantum - 1e-9) * quantum",
         "        period = math.floor(self.heartbeat_seconds / quantum + 1e-9) * quantum",
         ("tests/controller/test_scale_reads.py",),
@@ -1372,7 +1374,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "first-message-keeps-old-header",
-        "controller/table_publisher.py",
+        "controller/serving/table_publisher.py",
         "self.controller.policies.current.version, self.controller.learner.stale, self._built_unix, period)",
         "period,)",
         ("tests/controller/test_scale_reads.py",),
@@ -1380,7 +1382,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "drift-alarms-walk-every-segment",
-        "controller/drift_watch.py",
+        "controller/decision/drift_watch.py",
         "        own = self._alarms.get(segment)\n",
         "        own = {d: a for s, by in sorted(self._alarms.items()) if s == segment for d, a in by.items()}\n",
         ("tests/controller/test_drift.py",),
@@ -1388,7 +1390,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "drift-alarms-unordered",
-        "controller/drift_watch.py",
+        "controller/decision/drift_watch.py",
         "        return [a for _, a in sorted(own.items())] if own else []",
         "        return list(own.values()) if own else []",
         ("tests/controller/test_drift.py",),
@@ -1405,7 +1407,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "costs-ignore-the-sampling-mode",
-        "controller/counts.py",
+        "controller/decision/counts.py",
         "        return sampling_mode(self.temperature)\n",
         '        return "greedy"\n',
         ("tests/controller/test_modes_service.py",),
@@ -1414,7 +1416,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "cost-model-ignores-the-mode",
-        "controller/cost_model.py",
+        "controller/decision/cost_model.py",
         "        if (mode, bucket) in self.buckets:\n            return self.buckets[(mode, bucket)]\n",
         '        if ("greedy", bucket) in self.buckets:\n            return self.buckets[("greedy", bucket)]\n',
         ("tests/controller/test_modes_service.py",),
@@ -1447,7 +1449,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "ranked-by-the-prior-alone",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "        return self.lower if self.lower > 0 else self.speedup",
         "        return self.speedup",
         ("tests/controller/test_realised.py",),
@@ -1455,7 +1457,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "realised-ignored",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "    belief = posterior(value * estimate.calibration, estimate.realised)",
         "    belief = posterior(value * estimate.calibration, None)",
         ("tests/controller/test_realised.py",),
@@ -1463,7 +1465,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "realised-at-the-fleets-reference",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "        return plain_reference(own, self.costs_at(batch_size, segment).step_seconds)",
         "        return self.costs_at(batch_size, segment).step_seconds",
         ("tests/controller/test_modes_service.py",),
@@ -1472,7 +1474,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "realised-reference-switches-at-a-count",
-        "controller/realised.py",
+        "controller/decision/realised.py",
         "    weight = REFERENCE_PRIOR_REQUESTS\n",
         "    weight = 0.0 if n >= 3 else 1e9\n",
         ("tests/controller/test_realised.py",),
@@ -1480,7 +1482,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "realised-certain-from-identical-timings",
-        "controller/realised.py",
+        "controller/decision/realised.py",
         "    plan_se = 1.2533 * max(spread, REQUEST_LOG_SD) / math.sqrt(n)",
         "    plan_se = 1.2533 * spread / math.sqrt(n)",
         ("tests/controller/test_realised.py",),
@@ -1488,7 +1490,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "refit-in-the-daemon",
-        "controller/learner.py",
+        "controller/decision/learner.py",
         "        if elsewhere is not None:\n            done = elsewhere(self.store.config.samples_max)",
         "        if False:\n            done = elsewhere(self.store.config.samples_max)",
         ("tests/controller/test_report_process.py",),
@@ -1521,7 +1523,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "plain-rounds-never-asked",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "            plain_rounds=PLAIN_ROUNDS if estimate.reference_requests < REFERENCE_REQUESTS else 0,",
         "            plain_rounds=0,",
         ("tests/controller/test_realised.py",),
@@ -1554,7 +1556,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "scored-drafters-never-measured",
-        "controller/decide.py",
+        "controller/decision/decide.py",
         "    measurable = tuple(d for d in bounds if d in probeable or estimates[d].realised is None)",
         "    measurable = probeable",
         ("tests/controller/test_realised.py",),

@@ -266,7 +266,7 @@ def run_policy(args: argparse.Namespace) -> int:
 
 
 def check_policies(files: list[str]) -> int:
-    from controller.policy import load_policy
+    from controller.decision.policy import load_policy
     from specd_api.yaml_config import ConfigError
 
     failed = False

@@ -3,10 +3,10 @@
 Relative paths in the file (the file exporter's endpoint among them) are resolved against the file's own
 folder. ``SPECD_REDIS_URL`` in the environment overrides ``redis_url`` (so a password can live in a systemd
 EnvironmentFile); ``redis_tls`` holds the CA (and client certificate) for a ``rediss://`` URL. ``tls:`` and ``auth:``
-lock the gRPC port down (controller/auth.py). Every certificate and token file is checked, and the tokens read, when
-the file is loaded. ``metrics.listen`` opens the Prometheus endpoint (controller/metrics_endpoint.py); off by default.
+lock the gRPC port down (serving/auth.py). Every certificate and token file is checked, and the tokens read, when
+the file is loaded. ``metrics.listen`` opens the Prometheus endpoint (serving/metrics_endpoint.py); off by default.
 ``learning.report_aggregates_per_second_per_peer`` is each client host's budget of report work
-(controller/report_budget.py).
+(controller/serving/report_budget.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from controller.host_share import DEFAULT_CALLS_PER_HOST
-from controller.redis_conn import RedisTls, uses_tls
-from controller.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, ReportBudget
-from controller.store import StoreConfig
+from controller.serving.host_share import DEFAULT_CALLS_PER_HOST
+from controller.serving.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, ReportBudget
+from controller.storage.redis_conn import RedisTls, uses_tls
+from controller.storage.store import StoreConfig
 from specd_api.checks import MAX_AGGREGATES
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.security import Secret, ServerTls
@@ -77,7 +77,7 @@ class LearningConfig(Strict):
         )
 
     def report_budget(self) -> ReportBudget | None:
-        """The per-peer budget of report work (controller/report_budget.py); None when it is off."""
+        """The per-peer budget of report work (controller/serving/report_budget.py); None when it is off."""
         rate = self.report_aggregates_per_second_per_peer
         if rate == 0:
             return None
@@ -87,7 +87,7 @@ class LearningConfig(Strict):
 
 class TokenAuth(Strict):
     """Bearer tokens on the gRPC port; none set: no token is asked for. The write token opens every RPC; the read
-    token only those that change nothing (controller/auth.py has the table). Health checks stay open."""
+    token only those that change nothing (controller/serving/auth.py has the table). Health checks stay open."""
 
     read_token: Secret | None = Field(None, description="opens Decide, GetSegmentStats, ListSegments, GetPolicy, "
                                                         "GetCosts")  # fmt: skip
@@ -105,7 +105,7 @@ class TokenAuth(Strict):
 
 
 class MetricsConfig(Strict):
-    """The Prometheus endpoint: GET /metrics over plain HTTP, with no token (controller/metrics_endpoint.py)."""
+    """The Prometheus endpoint: GET /metrics over plain HTTP, with no token (controller/serving/metrics_endpoint.py)."""
 
     listen: str | None = Field(
         None, description="host:port ([v6]:port) to serve GET /metrics on (port 0 picks a free one); null: off"
@@ -179,7 +179,7 @@ class ControllerConfig(Strict):
     report_process: bool = Field(
         True,
         description="validate and store reports in a child process at a lower priority, so that their work never "
-        "holds the interpreter Decide needs (controller/report_process.py); false: in the daemon",
+        "holds the interpreter Decide needs (controller/serving/report_process.py); false: in the daemon",
     )
     shutdown_grace_seconds: float = Field(10.0, ge=0)
     policy_watch_seconds: float = Field(2.0, gt=0, description="how often the policy file is checked")

@@ -3,8 +3,8 @@
 SIGTERM and SIGINT drain gracefully (a second SIGINT stops waiting for the RPCs in flight); SIGHUP reloads the
 policy. systemd is told READY, RELOADING, STOPPING and pinged for the watchdog through NOTIFY_SOCKET when it is set.
 The drain is logged: the RPCs it finished or cut short, and the reports still only in the journal. With
-``metrics.listen`` set, GET /metrics is served beside gRPC (controller/metrics_endpoint.py), started before the gRPC
-port and stopped after it. gRPC is served by grpc.aio on an event loop of its own (controller/grpc_server.py), so
+``metrics.listen`` set, GET /metrics is served beside gRPC (serving/metrics_endpoint.py), started before the gRPC
+port and stopped after it. gRPC is served by grpc.aio on an event loop of its own (serving/grpc_server.py), so
 that a call waiting for its request holds no thread; the servicer stays synchronous, run in a bounded pool.
 """
 
@@ -25,25 +25,26 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter as PrometheusCounter
 
-from controller.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, server_credentials
 from controller.config import ControllerConfig
-from controller.decoding import RefuseUndecodable
-from controller.grpc_server import GrpcServer, InFlight, ServerClosed
-from controller.health_streams import BoundedHealth
-from controller.host_share import HostShares
-from controller.journal import Journal
-from controller.learner import Learner
-from controller.metrics_endpoint import MetricsServer, serve_metrics
-from controller.policy import PolicyStore, load_policy
-from controller.redis_conn import RedisHandle, connect, redact
-from controller.report_head import METHOD as REPORT_ROUNDS
-from controller.report_head import ReceivedReport
-from controller.report_process import ReportProcess, StoreSpec
-from controller.request_wait import RequestWait, WaitLimits
-from controller.service import Controller, ControllerServicer
-from controller.store import TelemetryStore, upgrade_keys
-from controller.systemd import Notifier, WatchdogPinger
-from controller.table_publisher import DecisionPublisher
+from controller.decision.core import Controller
+from controller.decision.learner import Learner
+from controller.decision.policy import PolicyStore, load_policy
+from controller.service import ControllerServicer
+from controller.serving.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, server_credentials
+from controller.serving.decoding import RefuseUndecodable
+from controller.serving.grpc_server import GrpcServer, InFlight, ServerClosed
+from controller.serving.health_streams import BoundedHealth
+from controller.serving.host_share import HostShares
+from controller.serving.metrics_endpoint import MetricsServer, serve_metrics
+from controller.serving.report_head import METHOD as REPORT_ROUNDS
+from controller.serving.report_head import ReceivedReport
+from controller.serving.report_process import ReportProcess, StoreSpec
+from controller.serving.request_wait import RequestWait, WaitLimits
+from controller.serving.systemd import Notifier, WatchdogPinger
+from controller.serving.table_publisher import DecisionPublisher
+from controller.storage.journal import Journal
+from controller.storage.redis_conn import RedisHandle, connect, redact
+from controller.storage.store import TelemetryStore, upgrade_keys
 from specd_api.checks import MAX_REPORT_BYTES
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, freeze_startup_heap, serve
@@ -117,7 +118,9 @@ class ControllerDaemon:
         # Decide waited up to 5 ms at each of its thread crossings. 1 ms bounds each wait (issue 22).
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._serve_metrics()
-        budget = self.config.learning.report_budget()  # each client host's report work (controller/report_budget.py)
+        budget = (
+            self.config.learning.report_budget()
+        )  # each client host's report work (controller/serving/report_budget.py)
         self.reports = self._report_process()
         self._serve(ControllerServicer(self.controller, self._tracer(), self.publisher, budget, self.reports))
         self._start_loop("refresh", refresh, self._refresh, first_wait=0.0)
@@ -156,7 +159,7 @@ class ControllerDaemon:
         if self._redis.embedded is not None:
             self._redis.supervise(cfg.redis_restart_backoff_seconds)
         store = TelemetryStore(self._redis.client, cfg.learning.store_config(), self.clock)
-        upgrade_keys(store)  # what a controller before hash tags stored (controller/store.py)
+        upgrade_keys(store)  # what a controller before hash tags stored (controller/storage/store.py)
         journal = Journal(
             cfg.state_dir / "journal.jsonl", cfg.learning.journal_max_reports, cfg.learning.journal_max_bytes
         )
@@ -203,14 +206,14 @@ class ControllerDaemon:
             )
         except ValueError as e:  # a bound in the environment that is not one
             raise StartupError(str(e)) from None
-        # a report is read as its bytes and its head; the report process parses the rest (controller/report_head.py)
+        # a report is read as its bytes and its head; the report process parses the rest (serving/report_head.py)
         decoding = RefuseUndecodable({REPORT_ROUNDS: ReceivedReport.parse})
         server = GrpcServer(
             # threads for handlers only: a call waiting for its request holds none. Every WatchDecisions stream holds
             # one while it waits for the next refresh: max_watchers more, so that they cannot starve Decide
             self.config.max_workers + self.config.max_watchers,
             # refused calls are never counted in flight and never wait for their request; a call's request has a
-            # deadline, and the calls waiting for theirs a cap (controller/request_wait.py); bytes that do not parse
+            # deadline, and the calls waiting for theirs a cap (serving/request_wait.py); bytes that do not parse
             # are INVALID_ARGUMENT, not INTERNAL
             [*self._token_check(), request_wait, self._in_flight, decoding],
             # gRPC binds with SO_REUSEPORT by default: a second daemon on the same port would start silently and
@@ -252,7 +255,7 @@ class ControllerDaemon:
             self._server.call(self._health.set(service, status))
 
     def _serve_metrics(self) -> None:
-        """GET /metrics on ``metrics.listen`` (controller/metrics_endpoint.py); nothing when it is null."""
+        """GET /metrics on ``metrics.listen`` (controller/serving/metrics_endpoint.py); nothing when it is null."""
         cfg = self.config.metrics
         if cfg.listen is None:
             return

@@ -183,7 +183,7 @@ class ServerTls(Strict):
 
 class TlsClientFiles(Strict):
     """The files of a TLS client: whom it trusts and (mutual TLS) who it is. Shared by the controller's clients
-    (``ClientTls``) and the controller's own connection to Redis (controller/redis_conn.py: ``RedisTls``)."""
+    (``ClientTls``) and the controller's own connection to Redis (controller/storage/redis_conn.py: ``RedisTls``)."""
 
     ca_file: CertificateFile | None = Field(None, description="PEM: the CA(s) the server's certificate must chain to; "
                                                    "null: the system's trust roots")  # fmt: skip

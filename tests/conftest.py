@@ -54,7 +54,7 @@ def target(arch, tokenizer) -> LoadedModel:
 @pytest.fixture(scope="session")
 def embedded_redis_url(tmp_path_factory) -> Iterator[str]:
     """The embedded Redis-protocol server (what a controller starts when no redis_url is given), once per run."""
-    from controller.redis_conn import start_embedded
+    from controller.storage.redis_conn import start_embedded
 
     server, url = start_embedded(tmp_path_factory.mktemp("valkey"))
     yield url

@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 
 from controller.config import ControllerConfig, LearningConfig
-from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
+from controller.storage.redis_conn import make_client
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
 FORCED_OFF_RULE = '\n  - match: "forced-off*"\n    force: none\n'  # a rule that switches `forced-off*` segments off

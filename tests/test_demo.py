@@ -341,7 +341,7 @@ def test_the_run_folder_is_wiped_only_when_it_is_the_demos(tmp_path):
 
 
 def test_the_demo_policy_puts_the_aa_rule_first(tmp_path):
-    from controller.policy import load_policy
+    from controller.decision.policy import load_policy
     from specd.demo.configs import demo_policy, write_config
 
     path = write_config(tmp_path / "policy.yaml", demo_policy(Path("policies/default.yaml")), "test")

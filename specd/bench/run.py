@@ -33,7 +33,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from controller.redis_conn import PID_FILE, stop_orphan
+from controller.storage.redis_conn import PID_FILE, stop_orphan
 from specd.bench.measure import (
     AA_CONTROLLED,
     AA_UNCONTROLLED,

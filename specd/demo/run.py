@@ -27,8 +27,8 @@ from rich.live import Live
 from rich.text import Text
 
 import workloads as workloads_package
-from controller.policy import load_policy
-from controller.redis_conn import PID_FILE, stop_orphan
+from controller.decision.policy import load_policy
+from controller.storage.redis_conn import PID_FILE, stop_orphan
 from specd.demo import driver as drv
 from specd.demo.configs import (
     AA_PREFIX,

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from controller.redis_conn import make_client
 from controller.server import ControllerDaemon
+from controller.storage.redis_conn import make_client
 from tests.daemons import DEFAULT_POLICY, FORCED_OFF_RULE, running_daemon
 
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"

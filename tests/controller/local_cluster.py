@@ -23,7 +23,7 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """What the controller's ``redis_url`` would say (controller/redis_conn.py)."""
+        """What the controller's ``redis_url`` would say (controller/storage/redis_conn.py)."""
         return f"redis+cluster://127.0.0.1:{self.ports[0]}"
 
     def node(self, index: int) -> redis.Redis:

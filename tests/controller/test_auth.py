@@ -25,9 +25,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controller.auth import RefusalLog, Tokens, exposure_warnings, refusal, required_role
 from controller.config import ControllerConfig, TokenAuth, load_config
 from controller.server import ControllerDaemon
+from controller.serving.auth import RefusalLog, Tokens, exposure_warnings, refusal, required_role
 from specd.cli import main as specd_main
 from specd_api.security import ClientTls, ControllerCredentials, Secret, ServerTls, controller_channel
 from specd_api.v1 import controller_pb2 as pb

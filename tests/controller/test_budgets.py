@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controller.health_streams import MAX_HEALTH_STREAMS_PER_HOST
-from controller.request_wait import MAX_WAITING_CALLS_PER_HOST
+from controller.serving.health_streams import MAX_HEALTH_STREAMS_PER_HOST
+from controller.serving.request_wait import MAX_WAITING_CALLS_PER_HOST
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.half_open import HalfOpenCalls
@@ -29,7 +29,7 @@ REPORT = "/specd.v1.Controller/ReportRounds"
 
 def test_many_health_watch_streams_leave_decide_answering(embedded_redis_url, tmp_path) -> None:
     with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text(), max_watchers=8) as daemon:
-        # one host's share of health Watch streams (controller/health_streams.py), well past the pool (24 threads)
+        # one host's share of health Watch streams (serving/health_streams.py), well past the pool (24 threads)
         pass_through = _open_watches(daemon.address, MAX_HEALTH_STREAMS_PER_HOST)
         try:
             with connected(daemon) as channel:

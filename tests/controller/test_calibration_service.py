@@ -88,7 +88,7 @@ def test_a_stalled_report_moves_no_learned_cost_and_calibration_is_served(stub) 
     draft = next(d for d in stats.drafters if d.drafter == "draft")
     assert draft.calibration_requests == pytest.approx(5) and draft.calibration == pytest.approx(0.8, rel=0.05)
     # and the segment's decisions carry it: the model's expectation scaled by the factor (shrunk: 5 requests)
-    from controller.decide import calibration_factor
+    from controller.decision.decide import calibration_factor
 
     request = pb.DecideRequest(segment="calibrated", batch_size=1, drafters=["draft"], max_new_tokens=128)
     decision = stub.Decide(request, timeout=RPC_TIMEOUT)
@@ -99,7 +99,7 @@ def test_a_stalled_report_moves_no_learned_cost_and_calibration_is_served(stub) 
 def test_a_new_segment_starts_from_the_fleets_calibration(stub) -> None:
     # The fleet's requests so far realised 0.8 of what the model promised (the 'calibrated' segment's 5 above): a
     # segment never seen starts there, not at 1, and its first request, stalled, does not move it.
-    from controller.decide import calibration_factor
+    from controller.decision.decide import calibration_factor
 
     def decide() -> pb.Decision:
         request = pb.DecideRequest(segment="never-seen", batch_size=1, drafters=["draft"], max_new_tokens=128)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from redis.cluster import RedisCluster
 
-from controller.counts import Aggregate
-from controller.redis_conn import make_client, make_cluster_client
-from controller.redis_schema import GLOBAL_TAG
-from controller.store import RedisClient, StoreConfig, TelemetryStore
+from controller.decision.counts import Aggregate
+from controller.storage.redis_conn import make_client, make_cluster_client
+from controller.storage.redis_schema import GLOBAL_TAG
+from controller.storage.store import RedisClient, StoreConfig, TelemetryStore
 from specd_api.segments import OVERFLOW_SEGMENT
 from tests.controller.local_cluster import LocalCluster, cluster_mode_available, local_cluster
 from tests.controller.test_store import T0, FakeClock, run_threads, small
@@ -253,7 +253,7 @@ def test_segments_spread_over_slots_and_nodes(
 
 
 def test_cluster_url_connects(cluster: LocalCluster) -> None:
-    from controller.redis_conn import connect
+    from controller.storage.redis_conn import connect
 
     handle = connect(cluster.url, Path("/nonexistent"), 2.0)
     try:
@@ -265,7 +265,7 @@ def test_cluster_url_connects(cluster: LocalCluster) -> None:
 
 
 def test_cluster_down_at_start_up_is_a_clear_error() -> None:
-    from controller.redis_conn import RedisSetupError
+    from controller.storage.redis_conn import RedisSetupError
 
     with pytest.raises(RedisSetupError, match="no usable cluster"):
         make_cluster_client("redis+cluster://127.0.0.1:1", 0.5)

@@ -182,7 +182,7 @@ def test_a_second_controller_on_the_same_port_refuses_to_start(tmp_path, policy,
 
 
 def test_the_report_process_ends_with_a_killed_daemon(tmp_path, policy, embedded_redis_url):
-    """The child that stores reports (controller/report_process.py) exits once its daemon is SIGKILLed: outside
+    """The child that stores reports (controller/serving/report_process.py) exits once its daemon is SIGKILLed: outside
     systemd's control group nothing else would end it."""
     notify = NotifySocket(tmp_path / "notify.sock")
     process = start(write_config(tmp_path, embedded_redis_url, policy, free_port()),

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from controller.cost_model import BucketCosts
-from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import Beta, Request, best_arm, decide, deliberate, estimate_drafter, mean_arm
-from controller.policy import Settings, SettingsOverride, apply_override
+from controller.decision.cost_model import BucketCosts
+from controller.decision.counts import PositionCounts, SegmentCounts
+from controller.decision.decide import Beta, Request, best_arm, decide, deliberate, estimate_drafter, mean_arm
+from controller.decision.policy import Settings, SettingsOverride, apply_override
 from specd_api.plan import Plan
 from specd_api.speedup import speedup_curve
 

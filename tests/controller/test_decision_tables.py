@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from controller.config import ControllerConfig
-from controller.table_publisher import HEARTBEAT_PERIODS, PROBE_DRAWS, segment_table
+from controller.serving.table_publisher import HEARTBEAT_PERIODS, PROBE_DRAWS, segment_table
 from specd_api.plan import BATCH_RULE_REASON, Plan, off
 from specd_api.table_rule import BucketEntry, SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb

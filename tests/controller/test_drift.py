@@ -1,4 +1,4 @@
-"""The α drift alarm: a Page-Hinkley test on first-position counts per time bucket (controller.drift), and the
+"""The α drift alarm: a Page-Hinkley test on first-position counts per time bucket (controller.decision.drift), and the
 controller around it (the learner restarts the segment's regime, GetSegmentStats and `specd segments` show it)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.drift import page_hinkley
+from controller.decision.drift import page_hinkley
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.daemons import running_daemon
@@ -118,7 +118,7 @@ def test_a_segments_alarms_are_read_without_walking_every_segments() -> None:
     all cost 176 us a Decide, 5x the decision's own work (issue 22). Now it reads the segment's own, by drafter."""
     from prometheus_client import CollectorRegistry
 
-    from controller.drift_watch import DriftAlarm, DriftWatch
+    from controller.decision.drift_watch import DriftAlarm, DriftWatch
 
     watch = DriftWatch(CollectorRegistry(), 60.0, 60)
     alarms = OnlyLookedUp()

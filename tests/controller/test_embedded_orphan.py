@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller.redis_conn import PID_FILE, _running, make_client, start_embedded
+from controller.storage.redis_conn import PID_FILE, _running, make_client, start_embedded
 
 
 def test_a_restart_stops_the_orphaned_server_and_keeps_its_data(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The fleet's figures (each drafter's acceptance and calibration over every segment, controller/learner.py) are
+"""The fleet's figures (each drafter's acceptance and calibration over every segment, decision/learner.py) are
 computed when the learner's version moves, by whatever moved it, never by a Decide: at 1,000 segments they take 7 ms,
 which the first Decide after each refresh paid on the event loop (issue 22). A real daemon over gRPC."""
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-import controller.learner as learner_module
-from controller.learner import fleet_acceptance, fleet_calibration
+import controller.decision.learner as learner_module
+from controller.decision.learner import fleet_acceptance, fleet_calibration
 from controller.server import ControllerDaemon
 from specd_api.plan import DRAFTERS
 from specd_api.v1 import controller_pb2_grpc as pb_grpc

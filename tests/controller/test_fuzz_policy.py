@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given
 
-from controller.policy import PolicyDocument, load_policy
+from controller.decision.policy import PolicyDocument, load_policy
 from specd_api.yaml_config import ConfigError
 from tests.controller.yaml_strategies import (
     alias_documents,

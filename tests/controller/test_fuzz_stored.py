@@ -1,6 +1,6 @@
 """Stored values of every type at every key the controller reads (hypothesis, real Redis; issue 22, DESIGN contract 7:
 stored data never breaks decisions). A hand edit, a bug of another version or another tenant's writes can leave any
-Redis type with any contents at any of the schema's names (controller/redis_schema.py): a list where a segment's
+Redis type with any contents at any of the schema's names (controller/storage/redis_schema.py): a list where a segment's
 bucket hash belongs, a field naming draft position 3,000,000, NaN and Infinity as counters, a score of -inf, a
 prior document whose numbers overflow, rows that are not samples.
 
@@ -32,14 +32,14 @@ import redis
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from controller.decide import Request
-from controller.journal import Journal
-from controller.learner import Learner
-from controller.policy import DRAFTERS, PolicyStore, load_policy
-from controller.redis_conn import make_client
-from controller.service import Controller
-from controller.store import StoreConfig, TelemetryStore
-from controller.views import cost_model, segment_stats
+from controller.decision.core import Controller
+from controller.decision.decide import Request
+from controller.decision.learner import Learner
+from controller.decision.policy import DRAFTERS, PolicyStore, load_policy
+from controller.serving.views import cost_model, segment_stats
+from controller.storage.journal import Journal
+from controller.storage.redis_conn import make_client
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.plan import Plan
 from tests.controller.test_store import small
 from tests.daemons import DEFAULT_POLICY

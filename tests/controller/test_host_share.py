@@ -1,4 +1,4 @@
-"""Each client host's share of the handler pool (controller/host_share.py, issue 22): one host's flood of calls runs at
+"""Each client host's share of the handler pool (serving/host_share.py): one host's flood of calls runs at
 most ``max_calls_per_host`` of them at once, whatever its connections, its others waiting on the event loop, and
 another host's call is let in at once. Decide takes no share: it runs on the event loop itself. The turns themselves
 (order, cancellation) on an event loop; the daemon's over gRPC, with calls from two hosts of this machine (127.0.0.1
@@ -16,8 +16,8 @@ from contextlib import ExitStack
 import grpc
 import pytest
 
-from controller.host_share import HostShares
 from controller.server import ControllerDaemon
+from controller.serving.host_share import HostShares
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.daemons import ipv6_loopback, running_daemon
@@ -274,7 +274,7 @@ def test_one_host_holds_its_share_of_health_watch_streams_and_another_host_still
     stream from the other host opens, and a stream the first host closes gives its place back."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from controller.health_streams import MAX_HEALTH_STREAMS_PER_HOST, BoundedHealth
+    from controller.serving.health_streams import MAX_HEALTH_STREAMS_PER_HOST, BoundedHealth
 
     request = health_pb2.HealthCheckRequest(service="")
     with ExitStack() as stack:
@@ -303,7 +303,7 @@ def test_one_host_holds_its_share_of_health_watch_streams_and_another_host_still
 
 def test_health_watch_streams_are_bounded_in_all() -> None:
     """The total bound, on the servicer itself: past max_streams a stream is refused, whichever host opens it."""
-    from controller.health_streams import BoundedHealth
+    from controller.serving.health_streams import BoundedHealth
 
     class Context:
         def __init__(self, host: str) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import pytest
 
-from controller.auth import TokenCheck, Tokens
-from controller.decoding import RefuseUndecodable
-from controller.grpc_server import InFlight, PerMethod, ThreadedStreams
+from controller.serving.auth import TokenCheck, Tokens
+from controller.serving.decoding import RefuseUndecodable
+from controller.serving.grpc_server import InFlight, PerMethod, ThreadedStreams
 
 DECIDE = "/specd.v1.Controller/Decide"
 WATCH = "/specd.v1.Controller/WatchDecisions"

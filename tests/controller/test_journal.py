@@ -1,4 +1,4 @@
-"""The telemetry journal (controller/journal.py) and its replay, over real files, a real Redis and real gRPC.
+"""The telemetry journal (controller/storage/journal.py) and its replay, over real files, a real Redis and real gRPC.
 
 Issue 11 item 6: a journal bounded only by count grew to 77 MB while Redis was down, was re-parsed every second, and
 the next start replayed all of it before listening. Here: the byte bound holds and a report past it gets
@@ -22,13 +22,13 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import controller.journal as journal_module
-from controller.counts import Aggregate
-from controller.journal import Journal, JournalFull, record
-from controller.learner import Learner
-from controller.redis_conn import make_client, start_embedded
+import controller.storage.journal as journal_module
+from controller.decision.counts import Aggregate
+from controller.decision.learner import Learner
 from controller.server import REDIS_HEALTH, ControllerDaemon
-from controller.store import StoreConfig, TelemetryStore
+from controller.storage.journal import Journal, JournalFull, record
+from controller.storage.redis_conn import make_client, start_embedded
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError
@@ -123,7 +123,7 @@ def test_the_byte_bound_refuses_a_report_and_says_so_once(tmp_path: Path, caplog
     bound = 4096
     journal = Journal(tmp_path / "journal.jsonl", max_reports=10_000, max_bytes=bound)
     appended = 0
-    with caplog.at_level(logging.WARNING, logger="controller.journal"):
+    with caplog.at_level(logging.WARNING, logger="controller.storage.journal"):
         with pytest.raises(JournalFull) as refused:
             while True:
                 journal.append(f"r{appended}", [aggregate(3)])
@@ -184,7 +184,7 @@ def test_a_cursor_that_matches_nothing_replays_from_the_start(tmp_path: Path, ca
     for n in range(3):
         journal.append(f"r{n}", [aggregate(1)])
     journal.cursor_path.write_text("1 12\n")  # another inode, a mid-line offset
-    with caplog.at_level(logging.WARNING, logger="controller.journal"):
+    with caplog.at_level(logging.WARNING, logger="controller.storage.journal"):
         assert [rid for rid, _ in Journal(path, 100, 2**20).entries()] == ["r0", "r1", "r2"]
     assert "replaying it from the start" in caplog.text
 

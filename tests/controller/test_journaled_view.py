@@ -1,10 +1,10 @@
-"""The journaled view on its own (controller/journaled_view.py): a journaled report is shown until the snapshot that
+"""The journaled view on its own (storage/journaled_view.py): a journaled report is shown until the snapshot that
 holds it is installed, then taken off, never twice and never missed; a retry journaled twice is shown twice until
 both copies are replayed; a previous run's report (never shown) is ignored when replayed."""
 
 from __future__ import annotations
 
-from controller.journaled_view import JournaledView, report_counts
+from controller.storage.journaled_view import JournaledView, report_counts
 from tests.controller.test_journal import aggregate
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from controller.decide import Request
+from controller.decision.decide import Request
 from controller.server import ControllerDaemon
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_service import decide, draft_aggregate, report

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.config import ControllerConfig, MetricsConfig, load_config
-from controller.metrics_endpoint import MetricsServer, SegmentCollector, serve_metrics, start_metrics_server
-from controller.views import SegmentView
+from controller.decision.core import SegmentView
+from controller.serving.metrics_endpoint import MetricsServer, SegmentCollector, serve_metrics, start_metrics_server
 from specd import launch
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -296,9 +296,9 @@ def test_stored_entries_the_controller_skips_are_counted_and_logged_once(tmp_pat
                                                                           caplog):  # fmt: skip
     """Stored data the controller cannot read is skipped, counted in /metrics and logged once per key (issue 22):
     a prior that is a list, read at every refresh."""
-    from controller.redis_conn import make_client
+    from controller.storage.redis_conn import make_client
 
-    caplog.set_level(logging.WARNING, logger="controller.store")
+    caplog.set_level(logging.WARNING, logger="controller.storage.store")
     with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as daemon:
         controller = daemon.controller
         assert controller is not None

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from controller.timing_histogram import bin_low, bin_of
+from controller.decision.timing_histogram import bin_low, bin_of
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_calibration_service import until

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.policy import PolicyStore, load_policy, parse_policy
+from controller.decision.policy import PolicyStore, load_policy, parse_policy
 from specd_api.yaml_config import ConfigError, read_stable_text
 
 REPO = Path(__file__).resolve().parents[2]

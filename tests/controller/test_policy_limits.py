@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.policy import (
+from controller.decision.policy import (
     MAX_RULES,
     DrafterOverride,
     DrafterSettings,
@@ -26,7 +26,7 @@ from controller.policy import (
     load_policy,
     parse_policy,
 )
-from controller.redis_conn import _MAX_UNIX_PATH, make_client, short_socket_dir, start_embedded
+from controller.storage.redis_conn import _MAX_UNIX_PATH, make_client, short_socket_dir, start_embedded
 from specd_api.checks import MAX_BATCH_SIZE, MAX_INT32
 from specd_api.yaml_config import ConfigError
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from controller.prior import PriorModel, train_prior
+from controller.decision.prior import PriorModel, train_prior
 
 
 def rows(n: int = 400, seed: int = 0) -> list[dict[str, float | str]]:

@@ -1,4 +1,4 @@
-"""Realised speedup as the decision's currency (controller/realised.py, controller/decide.py): one reference for
+"""Realised speedup as the decision's currency (decision/realised.py, decision/decide.py): one reference for
 expected and realised speedups, the model as the prior and what a plan realised as the data, arms ranked by a lower
 credible bound; a chain priced and calibrated as the draft model it runs."""
 
@@ -11,11 +11,11 @@ from itertools import pairwise
 
 import pytest
 
-from controller.cost_model import BucketCosts
-from controller.counts import Aggregate, PositionCounts, SegmentCounts
-from controller.decide import Request, best_arm, component_histogram, decide, drafter_cost, estimate_drafter
-from controller.policy import Settings
-from controller.realised import (
+from controller.decision.cost_model import BucketCosts
+from controller.decision.counts import Aggregate, PositionCounts, SegmentCounts
+from controller.decision.decide import Request, best_arm, component_histogram, decide, drafter_cost, estimate_drafter
+from controller.decision.policy import Settings
+from controller.decision.realised import (
     LOWER_Z,
     MIN_REQUESTS,
     MODEL_LOG_SD,
@@ -25,7 +25,7 @@ from controller.realised import (
     posterior,
     realised,
 )
-from controller.timing_histogram import bin_low, bin_of
+from controller.decision.timing_histogram import bin_low, bin_of
 from specd_api.speedup import chain_cost_ratio, cost_component
 
 COSTS = BucketCosts(1, 0.001, {"draft": 0.2}, verify=tuple(1.0 + 0.1 * n for n in range(65)))
@@ -210,7 +210,7 @@ def test_a_request_adds_its_seconds_per_token_under_its_drafter_and_nothing_for_
 def test_a_segment_with_few_plain_rounds_of_its_own_has_its_plans_time_one() -> None:
     # Its reference is the fleet's until its own plain rounds come from REFERENCE_REQUESTS requests: until then each
     # plan runs one plain round first, in the request's own context; after, none.
-    from controller.realised import PLAIN_ROUNDS, REFERENCE_REQUESTS
+    from controller.decision.realised import PLAIN_ROUNDS, REFERENCE_REQUESTS
 
     draft = estimate(rates("draft", 0.8), "draft", 0.1)
     req = Request("s", 1, ("draft",), 128)

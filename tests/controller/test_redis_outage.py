@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import redis
 
-import controller.learner as learner_module
-from controller.counts import Aggregate
-from controller.journal import Journal, JournalFull
-from controller.learner import Learner
-from controller.redis_conn import RedisSetupError, connect, make_client, redact, start_embedded
-from controller.store import StoreConfig, TelemetryStore
+import controller.decision.learner as learner_module
+from controller.decision.counts import Aggregate
+from controller.decision.learner import Learner
+from controller.storage.journal import Journal, JournalFull
+from controller.storage.redis_conn import RedisSetupError, connect, make_client, redact, start_embedded
+from controller.storage.store import StoreConfig, TelemetryStore
 
 T0 = 1_000_000.0
 UNREACHABLE_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1

@@ -1,12 +1,12 @@
-"""The Redis schema (controller.redis_schema): the names written are the stored format, byte for byte, and every name
+"""The Redis schema (storage.redis_schema): the names written are the stored format, byte for byte, and every name
 written reads back as what was written. Each row's literal is a name data already in Redis has."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller import redis_schema as schema
-from controller.redis_schema import Keys
+from controller.storage import redis_schema as schema
+from controller.storage.redis_schema import Keys
 
 
 @pytest.mark.parametrize(

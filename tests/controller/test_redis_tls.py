@@ -24,10 +24,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.config import ControllerConfig, LearningConfig, load_config
-from controller.counts import Aggregate
-from controller.redis_conn import RedisSetupError, RedisTls, connect
+from controller.decision.counts import Aggregate
 from controller.server import REDIS_HEALTH, ControllerDaemon
-from controller.store import StoreConfig, TelemetryStore
+from controller.storage.redis_conn import RedisSetupError, RedisTls, connect
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError, parse_yaml_model

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.redis_conn import make_client
+from controller.storage.redis_conn import make_client
 from specd_api.security import ClientTls, ControllerCredentials
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""The per-peer budget of report work (controller/report_budget.py, issue 22): the token buckets and the peer
+"""The per-peer budget of report work (controller/serving/report_budget.py, issue 22): the token buckets and the peer
 parsing (pure, on a fake clock), the config, and the real path: a daemon on a dual-stack loopback socket, clients
 over gRPC from 127.0.0.1 and from ::1 (two peer hosts), and the worker's client library retrying a refused report.
 
@@ -21,8 +21,8 @@ import pytest
 from pydantic import ValidationError
 
 from controller.config import LearningConfig
-from controller.report_budget import SHARED_PEER, ReportBudget, peer_host
 from controller.server import ControllerDaemon
+from controller.serving.report_budget import SHARED_PEER, ReportBudget, peer_host
 from specd_api.checks import MAX_AGGREGATES
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc

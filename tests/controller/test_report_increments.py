@@ -1,4 +1,4 @@
-"""A report's increments summed per hash field (controller/report_increments.py) against the per-aggregate fields
+"""A report's increments summed per hash field (storage/report_increments.py) against the per-aggregate fields
 they replace (Aggregate.segment_fields, calibration_fields, cost_fields, added one by one as the store used to), in
 memory and as stored in Redis; and the Redis work of a report at the size bound."""
 
@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from controller.counts import Aggregate
-from controller.redis_conn import make_client
-from controller.report_increments import cost_increments, segment_increments
-from controller.store import StoreConfig, TelemetryStore
+from controller.decision.counts import Aggregate
+from controller.storage.redis_conn import make_client
+from controller.storage.report_increments import cost_increments, segment_increments
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.checks import MAX_AGGREGATES, MAX_REPORT_POSITIONS
 
 SEGMENTS = ("chat", "code", "sql/queries")

@@ -1,4 +1,4 @@
-"""Reports validated and stored in a child process (controller/report_process.py, issue 22), over gRPC against a real
+"""Reports validated and stored in a child process (serving/report_process.py), over gRPC against a real
 daemon and its real Redis: the daemon's learner never sees a report the child stored; an invalid report is refused
 with its reason; a retry is a duplicate; a report that must queue behind the journal's backlog, or one Redis refused
 in the child, is the daemon's (journaled); a child that dies is replaced, and no report is lost meanwhile. And the
@@ -16,12 +16,12 @@ import grpc
 import pytest
 import redis
 
-from controller import report_process, validation
-from controller.journal import Journal
-from controller.report_head import ReceivedReport
-from controller.report_process import Invalid, ReportProcess, Stored, StoreSpec, report_steps
 from controller.server import ControllerDaemon
-from controller.store import StoreConfig, TelemetryStore
+from controller.serving import report_process, validation
+from controller.serving.report_head import ReceivedReport
+from controller.serving.report_process import Invalid, ReportProcess, Stored, StoreSpec, report_steps
+from controller.storage.journal import Journal
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_service import draft_aggregate, report
@@ -88,7 +88,7 @@ def test_an_invalid_report_is_refused_by_the_child_with_its_reason(daemon, stub,
 
 def test_the_daemon_parses_a_reports_head_only_and_hands_the_child_its_bytes(daemon, stub, in_daemon,
                                                                              monkeypatch) -> None:  # fmt: skip
-    """The daemon reads the report id, and each aggregate's segment and batch size (controller/report_head.py); the
+    """The daemon reads the report id, and each aggregate's segment and batch size (serving/report_head.py); the
     child gets the bytes as they came and parses them whole (a parse and a serialization of 1 MiB each, in the
     daemon's interpreter, before)."""
     whole: list[bytes] = []

@@ -1,4 +1,4 @@
-"""A call's request has a deadline, and the calls waiting for theirs a cap (controller/request_wait.py, issue 22).
+"""A call's request has a deadline, and the calls waiting for theirs a cap (serving/request_wait.py).
 
 One `specd controller` process with tokens, a request deadline of ``WAIT_S`` and a cap of ``CAP`` waiting calls (the
 environment sets both; the defaults are 10 s and 1,000): calls that send their headers and never a message (over raw
@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controller.request_wait import (
+from controller.serving.request_wait import (
     MAX_WAITING_CALLS,
     MAX_WAITING_CALLS_PER_HOST,
     REQUEST_WAIT_SECONDS,

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from controller.cost_model import MIN_REQUESTS, build_cost_model
-from controller.counts import Aggregate, CostCounts, SegmentCounts
-from controller.decide import Request, decide, deliberate, estimate_drafter, probe_floor
-from controller.policy import Settings
-from controller.timing_histogram import bin_of, draw_median, median, quantile, relative_spread, total
+from controller.decision.cost_model import MIN_REQUESTS, build_cost_model
+from controller.decision.counts import Aggregate, CostCounts, SegmentCounts
+from controller.decision.decide import Request, decide, deliberate, estimate_drafter, probe_floor
+from controller.decision.policy import Settings
+from controller.decision.timing_histogram import bin_of, draw_median, median, quantile, relative_spread, total
 
 STEP = 0.001  # seconds of one plain step
 V = {0: 1.0, 1: 1.25, 2: 1.35, 3: 1.45, 4: 1.5}  # v(n)
@@ -147,7 +147,7 @@ def estimates(seg: SegmentCounts, settings: Settings, c_draft: float) -> dict[st
 def lookup_settled(draft_rounds: float) -> SegmentCounts:
     """A segment that settled on prompt lookup (α 0.8, always a match) whose draft looks worse (α 0.5), with
     ``draft_rounds`` rounds of evidence about the draft."""
-    from controller.counts import PositionCounts
+    from controller.decision.counts import PositionCounts
 
     seg = SegmentCounts()
     for i in range(16):
@@ -158,7 +158,7 @@ def lookup_settled(draft_rounds: float) -> SegmentCounts:
 
 
 def probes(seg: SegmentCounts, settings: Settings, c_draft: float = 0.3, n: int = 4000) -> int:
-    from controller.cost_model import BucketCosts
+    from controller.decision.cost_model import BucketCosts
 
     costs = BucketCosts(1, 0.001, verify=tuple(1.0 + 0.02 * i for i in range(65)))
     req = Request("s", 1, ("draft", "prompt_lookup"), 128)
@@ -254,7 +254,7 @@ def test_a_k_never_measured_is_priced_at_the_measured_slope() -> None:
 
 
 def test_the_calibration_factor_is_shrunk_and_bounded() -> None:
-    from controller.decide import CALIBRATION_BOUNDS, CALIBRATION_PRIOR_REQUESTS, calibration_factor
+    from controller.decision.decide import CALIBRATION_BOUNDS, CALIBRATION_PRIOR_REQUESTS, calibration_factor
 
     assert calibration_factor(0.5, 0.0) == 1.0  # no request: the model as it is
     assert calibration_factor(0.5, CALIBRATION_PRIOR_REQUESTS) == pytest.approx(0.5**0.5)  # half way, in log space
@@ -271,9 +271,9 @@ def test_a_segment_whose_requests_realise_less_than_the_model_is_switched_off() 
     # requests: the decision scales the arm by that and switches speculation off, saying so in the plan.
     from dataclasses import replace
 
-    from controller.cost_model import BucketCosts
-    from controller.counts import PositionCounts
-    from controller.decide import calibration_factor
+    from controller.decision.cost_model import BucketCosts
+    from controller.decision.counts import PositionCounts
+    from controller.decision.decide import calibration_factor
 
     seg = SegmentCounts()
     for i in range(16):
@@ -298,7 +298,7 @@ def test_a_segment_whose_requests_realise_less_than_the_model_is_switched_off() 
 def test_a_segment_s_calibration_starts_at_the_fleet_s_and_moves_to_its_own() -> None:
     # Hierarchical, as α: a new segment (no request of its own, or one, stalled or not) starts at the fleet's factor for
     # the drafter, not at 1; its own requests then move it, half way after CALIBRATION_PRIOR_REQUESTS of them.
-    from controller.decide import CALIBRATION_BOUNDS, CALIBRATION_PRIOR_REQUESTS, calibration_factor
+    from controller.decision.decide import CALIBRATION_BOUNDS, CALIBRATION_PRIOR_REQUESTS, calibration_factor
 
     assert calibration_factor(0.0, 0.0, toward=0.8) == pytest.approx(0.8)  # nothing of its own: the fleet's
     assert calibration_factor(0.1, 1.0, toward=0.8) == pytest.approx(0.8)  # one stalled request decides nothing

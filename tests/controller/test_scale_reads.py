@@ -18,14 +18,14 @@ import grpc
 import pytest
 import redis
 
-from controller.store import Snapshot, TelemetryStore
-from controller.table_publisher import (
+from controller.serving.table_publisher import (
     HEARTBEAT_PERIODS,
     MAX_HEARTBEATS_PER_SECOND,
     DecisionPublisher,
     heartbeat_wait,
     segment_table,
 )
+from controller.storage.store import Snapshot, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from tests.controller.test_client import started
 from tests.controller.test_decision_tables import (
@@ -248,7 +248,7 @@ def test_a_refresh_reads_in_chunks_and_gives_the_interpreter_back_between_them(
     segments reported in the last minute, at every refresh: Decide's p99 21-27 ms at 1,000 segments and 256
     streams). Now no round trip asks for more than a chunk of keys, the refresh paces between two of them, and the
     counts are those of an unpaced read."""
-    import controller.store as store_module
+    import controller.storage.store as store_module
 
     events: list[tuple[str, int]] = []  # ("read", keys in one round trip) and ("pace", 0), in order
 
@@ -385,7 +385,7 @@ def test_a_table_build_gives_the_interpreter_back_between_segments(
 ) -> None:
     """A decay step rebuilds every segment's table (seconds of CPU at 1,000 segments, on one thread): Decide's p99
     across the step was 28 ms at 300 segments, 4.5-5.6 ms with the build paced (a pause between segments)."""
-    import controller.table_publisher as table_publisher
+    import controller.serving.table_publisher as table_publisher
 
     paced: list[int] = []
 
@@ -522,7 +522,7 @@ def test_a_heartbeat_is_sent_from_the_serving_loop_while_the_streams_thread_wait
     the next wait back: at 256 streams ~4 % of a core for 51 empty messages a second."""
     from concurrent import futures
 
-    from controller.grpc_server import stream_in_pool
+    from controller.serving.grpc_server import stream_in_pool
 
     beats = Beats(period=0.05, hold=0.4)
 
@@ -544,7 +544,7 @@ def test_a_sent_message_is_let_go_of_while_the_next_one_waits() -> None:
     import weakref
     from concurrent import futures
 
-    from controller.grpc_server import stream_in_pool
+    from controller.serving.grpc_server import stream_in_pool
 
     class Big:
         pass
@@ -603,7 +603,7 @@ def test_a_stream_whose_call_ends_while_its_handler_is_called_closes_what_the_ha
     cancelled while the handler ran was never closed: its ``max_watchers`` slot held for good."""
     from concurrent import futures
 
-    from controller.grpc_server import stream_in_pool
+    from controller.serving.grpc_server import stream_in_pool
 
     closed = threading.Event()
 
@@ -727,7 +727,7 @@ def test_a_table_computes_each_drafters_posteriors_once_not_once_per_batch_bucke
 ) -> None:
     """The posteriors do not depend on the batch size (the cost ratio does, set per bucket): a segment's table (five
     buckets: 1, 2, 4, 8 and above) computed them five times over, at a decay step for every segment."""
-    import controller.service as service_module
+    import controller.decision.core as core_module
 
     with running(daemon_config(embedded_redis_url, tmp_path, prefix), clock=lambda: FIXED_NOW) as daemon:
         with started(client_config(daemon.address, watch=())) as reporter:
@@ -736,13 +736,13 @@ def test_a_table_computes_each_drafters_posteriors_once_not_once_per_batch_bucke
         controller = daemon.controller
         assert controller is not None
         calls: list[str] = []
-        estimate = service_module.estimate_drafter
+        estimate = core_module.estimate_drafter
 
         def counted(counts: Any, drafter: str, *args: Any) -> Any:
             calls.append(drafter)
             return estimate(counts, drafter, *args)
 
-        monkeypatch.setattr(service_module, "estimate_drafter", counted)
+        monkeypatch.setattr(core_module, "estimate_drafter", counted)
         table = segment_table(controller, "posteriors", DRAFTERS)
         assert table is not None and len(table.buckets) >= 3
         assert set(DRAFTERS) <= set(calls) and len(calls) == len(set(calls)), f"per drafter: {Counter(calls)}"

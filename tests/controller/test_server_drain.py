@@ -1,5 +1,5 @@
 """What the controller daemon's drain counts (controller/server.py): the RPCs in flight, the ones the grace period
-cut short, and a second Ctrl-C cancelling them at once. A real gRPC server (controller/grpc_server.py, as the daemon
+cut short, and a second Ctrl-C cancelling them at once. A real gRPC server (serving/grpc_server.py, as the daemon
 serves) whose one method blocks until told."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from controller.config import ControllerConfig
-from controller.grpc_server import GrpcServer, InFlight
 from controller.server import ControllerDaemon
+from controller.serving.grpc_server import GrpcServer, InFlight
 
 METHOD = "/test.Slow/Wait"
 

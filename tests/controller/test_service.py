@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controller.redis_conn import make_client
+from controller.storage.redis_conn import make_client
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
@@ -665,7 +665,7 @@ def test_stored_data_never_breaks_a_decision(fresh, embedded_redis_url, poison):
     stub.ReportRounds(report(draft_aggregate("poisoned")), timeout=RPC_TIMEOUT)
     wait_for_stats(stub, "poisoned", lambda s: s.rounds >= 10)
     client = make_client(embedded_redis_url, 2.0)
-    [key] = list(client.scan_iter("*:seg:{poisoned}:*"))  # the segment's hash tag (controller/store.py)
+    [key] = list(client.scan_iter("*:seg:{poisoned}:*"))  # the segment's hash tag (controller/storage/store.py)
     client.hset(key, mapping=poison)
     for k in client.scan_iter("*:cost:*"):
         # zero seconds for 9 rounds (a step of 0 s), negative drafting time (numbers, so later reports still add)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import redis
 
-from controller.counts import Aggregate, KCounts, PositionCounts
-from controller.redis_conn import make_client
-from controller.store import StoreConfig, TelemetryStore
+from controller.decision.counts import Aggregate, KCounts, PositionCounts
+from controller.storage.redis_conn import make_client
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.segments import OVERFLOW_SEGMENT
 
 T0 = 1_000_000.0  # a bucket boundary for every bucket_seconds used here

@@ -7,8 +7,8 @@ import json
 
 import redis
 
-from controller.redis_schema import GLOBAL_TAG
-from controller.store import StoreConfig, TelemetryStore
+from controller.storage.redis_schema import GLOBAL_TAG
+from controller.storage.store import StoreConfig, TelemetryStore
 from tests.controller.test_store import T0, FakeClock, raw_bucket, small
 
 
@@ -69,8 +69,8 @@ def test_untagged_keys_move_and_merge(redis_client: redis.Redis, prefix: str) ->
 
 
 def test_an_unreachable_redis_does_not_stop_a_start(caplog) -> None:
-    from controller.redis_conn import make_client
-    from controller.store import upgrade_keys
+    from controller.storage.redis_conn import make_client
+    from controller.storage.store import upgrade_keys
 
     store = TelemetryStore(make_client("redis://127.0.0.1:1/0", 0.3), StoreConfig(prefix="unused"), FakeClock())
     upgrade_keys(store)  # a start with Redis down goes on (contract 3)

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from controller.counts import SegmentCounts
-from controller.journal import Journal
-from controller.learner import Learner
-from controller.redis_schema import sample_row
-from controller.store import StoreConfig, TelemetryStore
+from controller.decision.counts import SegmentCounts
+from controller.decision.learner import Learner
+from controller.storage.journal import Journal
+from controller.storage.redis_schema import sample_row
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_store import small
@@ -87,7 +87,7 @@ INFINITE_TOKENS = (
 @pytest.mark.parametrize("prior", [b"\x00 not json", INFINITE_TOKENS, b"[" * 3000],
                          ids=["not-json", "infinite-tokens", "nested-past-the-recursion-limit"])  # fmt: skip
 def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_redis_url, tmp_path, prior) -> None:
-    from controller.redis_conn import make_client
+    from controller.storage.redis_conn import make_client
 
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
@@ -115,7 +115,7 @@ def test_reports_over_keys_of_the_wrong_type_are_stored_not_journaled(embedded_r
     set as a string: each once failed every report with WRONGTYPE, so that every report was journaled, the controller
     was stale and every Decide said so, until the key went. Now the report's writes replace them (a daemon over gRPC,
     its report process writing)."""
-    from controller.redis_conn import make_client
+    from controller.storage.redis_conn import make_client
     from tests.controller.test_calibration_service import draft_request
 
     with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as daemon, connected(daemon) as ch:

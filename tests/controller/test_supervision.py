@@ -1,4 +1,4 @@
-"""Supervision of the embedded Redis (controller/redis_conn.py ``Supervisor``), with real processes and real gRPC.
+"""Supervision of the embedded Redis (storage/redis_conn.py ``Supervisor``), with real processes and real gRPC.
 
 Issue 11 item 7: a dead embedded Redis was never restarted, and gRPC health stayed SERVING while the controller ran
 stale. Here: SIGKILL it under a running controller; the ``specd.redis`` health turns NOT_SERVING within seconds while
@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from controller.redis_conn import PID_FILE, Supervisor, _running, make_client, start_embedded
 from controller.server import REDIS_HEALTH, SERVICE_NAME
+from controller.storage.redis_conn import PID_FILE, Supervisor, _running, make_client, start_embedded
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_journal import (
@@ -111,7 +111,7 @@ def test_a_failed_restart_backs_off_and_a_later_one_succeeds(short_dir: Path, ca
     supervisor.start()
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with caplog.at_level(logging.INFO, logger="controller.redis_conn"):
+        with caplog.at_level(logging.INFO, logger="controller.storage.redis_conn"):
             os.kill(server._process.pid, signal.SIGKILL)
             path = url.removeprefix("unix://")
             os.unlink(path)  # what the dead server left; the squatter takes the name before the first try

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.systemd import Notifier, WatchdogPinger, notify_address
+from controller.serving.systemd import Notifier, WatchdogPinger, notify_address
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 UNIT = OPS / "specd-controller.service"
@@ -163,7 +163,7 @@ def test_notify_address(value: str | None, address: str | None) -> None:
 def test_sending_to_a_missing_socket_does_not_raise(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     notifier = Notifier.from_environment({"NOTIFY_SOCKET": str(tmp_path / "no-such-socket")})
     assert notifier.enabled  # it cannot know until it sends
-    with caplog.at_level("DEBUG", logger="controller.systemd"):
+    with caplog.at_level("DEBUG", logger="controller.serving.systemd"):
         notifier.ready()
         notifier.watchdog()
     assert "no-such-socket" in caplog.text  # the failure is logged, at debug level only

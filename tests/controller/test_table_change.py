@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.table_change import PROBABILITY_TOLERANCE, PROBE_SHARE_TOLERANCE, material_change
+from controller.serving.table_change import PROBABILITY_TOLERANCE, PROBE_SHARE_TOLERANCE, material_change
 from specd_api.v1 import controller_pb2 as pb
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import redis
 
-import controller.table_publisher as table_publisher
-from controller.journal import Journal
-from controller.learner import Learner
-from controller.policy import PolicyStore, parse_policy
-from controller.service import Controller
-from controller.table_publisher import TABLE_DECAY_STEPS, DecisionPublisher, TableKey, _differs
+import controller.serving.table_publisher as table_publisher
+from controller.decision.core import Controller
+from controller.decision.learner import Learner
+from controller.decision.policy import PolicyStore, parse_policy
+from controller.serving.table_publisher import TABLE_DECAY_STEPS, DecisionPublisher, TableKey, _differs
+from controller.storage.journal import Journal
 from specd_api.v1 import controller_pb2 as pb
 from tests.controller.test_store import T0, FakeClock, make_store, small
 

@@ -20,12 +20,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from controller.journal import Journal
-from controller.learner import Learner
-from controller.policy import PolicyStore, load_policy
-from controller.redis_conn import make_client
-from controller.service import Controller, ControllerServicer
-from controller.store import StoreConfig, TelemetryStore
+from controller.decision.core import Controller
+from controller.decision.learner import Learner
+from controller.decision.policy import PolicyStore, load_policy
+from controller.service import ControllerServicer
+from controller.storage.journal import Journal
+from controller.storage.redis_conn import make_client
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.tracing import metadata_with_context
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc

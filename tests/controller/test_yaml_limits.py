@@ -1,5 +1,5 @@
 """Hostile YAML files: each is refused quickly, in bounded memory, with file:line and a reason that quotes at
-most a short piece of the file, never a traceback. The policy loader (controller.policy.load_policy) is the
+most a short piece of the file, never a traceback. The policy loader (controller.decision.policy.load_policy) is the
 real path a policy reload takes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from controller.policy import load_policy, parse_policy
+from controller.decision.policy import load_policy, parse_policy
 from specd_api.yaml_config import (
     ConfigError,
     YamlLimits,
@@ -208,7 +208,7 @@ def test_a_file_that_never_settles_is_refused(tmp_path: Path):
 
 
 def test_text_handed_in_whole_is_bounded_too():
-    """parse_yaml_model (and so controller.policy.parse_policy) takes text already read: it is measured in UTF-8
+    """parse_yaml_model (and so decision.policy.parse_policy) takes text already read: it is measured in UTF-8
     bytes before it is composed. 200,000 'é' are 400,000 bytes: within 524,288; 300,000 are not."""
     parse_yaml_model("x: " + "é" * 200_000 + "\n", Anything, "p.yaml")
     message = refused(lambda: parse_yaml_model("x: " + "é" * 300_000 + "\n", Anything, "p.yaml"))[0]

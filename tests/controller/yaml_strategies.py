@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from hypothesis import strategies as st
 
-from controller.policy import DrafterSettings, PolicyDocument, SegmentRule, Settings
+from controller.decision.policy import DrafterSettings, PolicyDocument, SegmentRule, Settings
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.yaml"
 DEFAULT_TEXT = DEFAULT_POLICY.read_text()

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.redis_conn import PID_FILE, stop_orphan
+from controller.storage.redis_conn import PID_FILE, stop_orphan
 from specd.launch import Service, start
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import httpx
 
-from controller.policy import Policy, parse_policy
+from controller.decision.policy import Policy, parse_policy
 from specd_api.speedup import MODEL_DRAFTERS
 from tests.e2e.conftest import POLICY, Stack
 from tests.e2e.traffic import (
@@ -113,7 +113,7 @@ def posterior_means(
     rounds: dict[int, tuple[float, float]], positions: int, start: float, strength: float
 ) -> list[float]:
     """The acceptance estimate per position a controller that learns from these rounds holds, written out here
-    apart from controller/decide.py: each position's Beta posterior mean, shrunk by ``strength`` pseudo-rounds
+    apart from controller/decision/decide.py: each position's Beta posterior mean, shrunk by ``strength`` pseudo-rounds
     towards the drafter's pooled rate in the segment, which is itself shrunk by as many towards ``start``."""
     seen = [rounds.get(i, (0.0, 0.0)) for i in range(positions)]
     pooled = (sum(a for a, _ in seen) + strength * start) / (sum(v for _, v in seen) + strength)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from controller.redis_conn import PID_FILE, _running
+from controller.storage.redis_conn import PID_FILE, _running
 from tests.e2e.conftest import Stack
 from tests.e2e.traffic import Metrics, Reply, complete, in_threads, mixed_workload, wait_for_reports, wait_until
 from workloads import Prompt

@@ -5,7 +5,7 @@ A report at the bounds (1,000 aggregates, 32,768 draft positions) takes about 75
 store (its Lua scripts' arguments built, its samples encoded). In the daemon that ran under the interpreter every
 Decide needs: paced into 2 ms pieces, but each Decide still waited for the interpreter at every step, and one
 client's reports at its budget tripled another client's Decide p99. Here the daemon hands the report's bytes as they
-came (it parsed only their head: controller/report_head.py) to one child process, at a lower scheduling priority
+came (it parsed only their head: controller/serving/report_head.py) to one child process, at a lower scheduling priority
 (``NICE``), which parses, validates and stores it in Redis with a store of its own (the same keys, scripts and client
 settings: controller replicas already share one Redis), and answers what the daemon answers the worker. The daemon's
 part is a pickle of the bytes and a wait holding no interpreter.
@@ -44,12 +44,12 @@ from typing import Any
 import redis
 from google.protobuf.message import DecodeError
 
-from controller.decoding import undecodable
-from controller.prior import train_prior
-from controller.redis_conn import RedisTls, client_for
-from controller.report_head import METHOD
-from controller.store import StoreConfig, TelemetryStore
-from controller.validation import report as validated_report
+from controller.decision.prior import train_prior
+from controller.serving.decoding import undecodable
+from controller.serving.report_head import METHOD
+from controller.serving.validation import report as validated_report
+from controller.storage.redis_conn import RedisTls, client_for
+from controller.storage.store import StoreConfig, TelemetryStore
 from specd_api.checks import MAX_BATCH_SIZE
 from specd_api.modes import learning_segment
 from specd_api.plan import batch_bucket

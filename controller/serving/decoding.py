@@ -4,10 +4,10 @@ gRPC answers a request deserializer that raises with an error that says the serv
 synchronous server, UNKNOWN on grpc.aio's); yet any client can send such bytes (a string field that is not UTF-8, a
 field cut short). This interceptor parses the bytes itself and refuses the ones that do not parse, naming the message
 type. It wraps handlers of every flavour grpc.aio runs: synchronous ones (in the pool), coroutines and async
-generators (on the loop: the health service, and WatchDecisions as ``controller.grpc_server`` serves it).
+generators (on the loop: the health service, and WatchDecisions as ``controller.serving.grpc_server`` serves it).
 
 ``parsers`` gives a method another deserializer than its message's ``FromString``: ReportRounds is handed to its
-handler as a ``controller.report_head.ReceivedReport`` (its bytes and the few fields the daemon reads), and whoever
+handler as a ``serving.report_head.ReceivedReport`` (its bytes and the few fields the daemon reads), and whoever
 parses the rest says what does not parse in the same words (``undecodable``).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from controller.grpc_server import PerMethod
+from controller.serving.grpc_server import PerMethod
 from specd_api.checks import quoted
 
 

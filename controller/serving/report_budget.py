@@ -36,7 +36,7 @@ SHARED_PEER = "unknown"  # every peer whose address does not parse (Unix sockets
 DEFAULT_MAX_PEERS = 4096
 LOG_EVERY_SECONDS = 60.0
 # The longest a call is held before its request is read (``hold_seconds``): a client over its budget of report work
-# is paced by it; one whose report still does not fit when read is refused (controller/request_wait.py holds it).
+# is paced by it; one whose report still does not fit when read is refused (serving/request_wait.py holds it).
 MAX_HOLD_SECONDS = 5.0
 
 

@@ -26,15 +26,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from controller.decide import Request
+from controller.decision.decide import Request
+from controller.decision.policy import DRAFTERS, Settings
 from controller.pacing import Pacer
-from controller.policy import DRAFTERS, Settings
-from controller.report_budget import SHARED_PEER
-from controller.table_change import material_change
+from controller.serving.report_budget import SHARED_PEER
+from controller.serving.table_change import material_change
 from specd_api.v1 import controller_pb2 as pb
 
 if TYPE_CHECKING:
-    from controller.service import Controller
+    from controller.decision.core import Controller
 
 PROBE_DRAWS = 64  # decisions drawn per bucket and refresh to estimate the probes' shares (±6 % at a share of 0.1)
 # Refreshes between a stream's messages when nothing changed. Each message wakes the stream's thread and the event

@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, zip_longest
 from operator import truediv
 
-from controller import redis_schema as schema
-from controller.counts import Aggregate
+from controller.decision.counts import Aggregate
+from controller.decision.timing_histogram import bin_of, count_bins
 from controller.pacing import no_pause
-from controller.timing_histogram import bin_of, count_bins
+from controller.storage import redis_schema as schema
 from specd_api.modes import Mode
 from specd_api.plan import batch_bucket
 

@@ -9,7 +9,7 @@ interpolated between its measured neighbours (beyond the largest, extended at th
 with no timings borrows its nearest measured neighbour's ratios. Every figure is total: whatever is stored,
 nothing here divides by zero or returns a non-finite number.
 
-Each timing is the median of per-request observations (controller/timing_histogram.py), not a mean of summed
+Each timing is the median of per-request observations (controller/decision/timing_histogram.py), not a mean of summed
 seconds: on a shared machine a few stalled requests would otherwise set the costs (one 1.5 s stall among rounds of
 1 ms made the draft model look 8x dearer and switched it off for good). ``BucketCosts.draw`` gives the costs under a
 draw from each median's sampling distribution, which Thompson sampling uses beside its draws of α (decide.py).
@@ -22,8 +22,8 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from controller.counts import CostCounts
-from controller.timing_histogram import Histogram, draw_median, median, relative_spread, total
+from controller.decision.counts import CostCounts
+from controller.decision.timing_histogram import Histogram, draw_median, median, relative_spread, total
 from specd_api.checks import MAX_K
 from specd_api.modes import GREEDY, MODES, Mode
 from specd_api.plan import batch_bucket

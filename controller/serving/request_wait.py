@@ -47,10 +47,10 @@ from typing import Any, NoReturn
 
 import grpc
 
-from controller.auth import RefusalLog
-from controller.grpc_server import LoopAbort, LoopContext, PerMethod, ThreadContext, is_async
-from controller.host_share import HostShares
-from controller.report_budget import MAX_HOLD_SECONDS, peer_host
+from controller.serving.auth import RefusalLog
+from controller.serving.grpc_server import LoopAbort, LoopContext, PerMethod, ThreadContext, is_async
+from controller.serving.host_share import HostShares
+from controller.serving.report_budget import MAX_HOLD_SECONDS, peer_host
 from specd_api.host_counts import HostCounts
 
 # A client sends its request with its headers: on a loopback or a LAN it is in within a millisecond, and the largest

@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from controller.timing_histogram import MAX_BIN, MIN_BIN
+from controller.decision.timing_histogram import MAX_BIN, MIN_BIN
 from specd_api.checks import MAX_K
 from specd_api.modes import GREEDY, MODES, SAMPLED, Mode
 

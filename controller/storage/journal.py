@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from controller.counts import Aggregate
+from controller.decision.counts import Aggregate
 
 log = logging.getLogger(__name__)
 

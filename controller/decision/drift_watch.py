@@ -1,5 +1,5 @@
 """The controller's drift state: each segment's active α drift alarms and the bucket its current regime began in,
-kept across refreshes, with their Prometheus series. The test itself is controller.drift (pure)."""
+kept across refreshes, with their Prometheus series. The test itself is controller.decision.drift (pure)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controller.drift import page_hinkley
-from controller.store import Snapshot
+from controller.decision.drift import page_hinkley
+from controller.storage.store import Snapshot
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DriftAlarm:
-    """An active α drift alarm of one segment and drafter (controller.drift)."""
+    """An active α drift alarm of one segment and drafter (controller.decision.drift)."""
 
     segment: str
     drafter: str

@@ -30,8 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from controller.config import MetricsConfig
-from controller.service import Controller
-from controller.views import segment_stats
+from controller.decision.core import Controller
+from controller.serving.views import segment_stats
 from specd_api.speedup import ratio
 from specd_api.v1 import controller_pb2 as pb
 

@@ -3,32 +3,13 @@ that ``Controller`` itself stays independent of gRPC."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
-from controller.cost_model import BucketCosts, CostModel
-from controller.counts import PositionCounts, SegmentCounts
-from controller.decide import Arm, DrafterEstimate
-from controller.drift_watch import DriftAlarm
-from controller.policy import DRAFTERS
-from controller.timing_histogram import median, total
-from specd_api.plan import Plan
+from controller.decision.core import SegmentView
+from controller.decision.cost_model import CostModel
+from controller.decision.counts import PositionCounts
+from controller.decision.policy import DRAFTERS
+from controller.decision.timing_histogram import median, total
 from specd_api.speedup import ratio, speedup_curve, wilson_interval
 from specd_api.v1 import controller_pb2 as pb
-
-
-@dataclass(frozen=True)
-class SegmentView:
-    """What is known of one segment at one moment (``Controller.segment_view``)."""
-
-    segment: str
-    counts: SegmentCounts
-    estimates: dict[str, DrafterEstimate]
-    costs: BucketCosts  # at batch 1
-    decision: Plan  # what Decide would answer now for a typical request
-    arms: dict[str, Arm]  # each drafter's arm for that request, where its settings let it run
-    drift: Sequence[DriftAlarm]
-    stale: bool
 
 
 def segment_stats(view: SegmentView) -> pb.SegmentStats:

@@ -1,12 +1,12 @@
 """The journaled reports as decisions see them: counts on top of the snapshot until the snapshot holds them.
 
-While Redis is down, a report goes to the local journal (controller/journal.py), and its counts are added here so
+While Redis is down, a report goes to the local journal (storage/journal.py), and its counts are added here so
 that decisions learn from it at once. When the journal is replayed into Redis, a report stays here until the
 snapshot that includes it is installed, then it is taken off: never shown twice, never missed. A previous run's
 journal is not read up front: its reports show up through the snapshot as they are replayed, never here.
 
 Not thread-safe on its own: the learner calls it under the lock that also guards its snapshot, so that the
-journal, the snapshot and this view change together (controller/learner.py).
+journal, the snapshot and this view change together (controller/decision/learner.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from controller.counts import Aggregate, CostCounts, SegmentCounts
-from controller.report_increments import cost_increments, segment_increments
-from controller.store import Snapshot
+from controller.decision.counts import Aggregate, CostCounts, SegmentCounts
+from controller.storage.report_increments import cost_increments, segment_increments
+from controller.storage.store import Snapshot
 
 
 class JournaledView:

@@ -7,7 +7,7 @@ The order of the rules is the order of the reasons a plan can carry:
 
 The learned choice scores every (drafter, K) by the speedup model under the posterior means of the per-position
 acceptance and the measured costs (specd_api.speedup), scaled by its calibration: the prior of each drafter's
-speedup. Where the drafter's requests in this segment realised a speedup (controller/realised.py), that is the data:
+speedup. Where the drafter's requests in this segment realised a speedup (decision/realised.py), that is the data:
 each arm's expected speedup is the posterior of the two, and arms are ranked by its lower credible bound, so that an
 arm seen only through its prior cannot beat one that was measured unless its prior is well clear of it. The best arm
 is chosen when its expected speedup clears ``min_speedup``; nothing else can veto it.
@@ -27,11 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from controller.cost_model import BucketCosts
-from controller.counts import SegmentCounts
-from controller.policy import Settings
-from controller.realised import PLAIN_ROUNDS, REFERENCE_REQUESTS, Realised, posterior
-from controller.timing_histogram import Histogram, add_into
+from controller.decision.cost_model import BucketCosts
+from controller.decision.counts import SegmentCounts
+from controller.decision.policy import Settings
+from controller.decision.realised import PLAIN_ROUNDS, REFERENCE_REQUESTS, Realised, posterior
+from controller.decision.timing_histogram import Histogram, add_into
 from specd_api.modes import SAMPLED, mode_of
 from specd_api.plan import BATCH_RULE_REASON, SCORABLE, Plan, off, speculation_allowed
 from specd_api.speedup import (

@@ -40,10 +40,10 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from controller.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
+from controller.decision.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
 from controller.pacing import Pacer, no_pause
-from controller.redis_schema import Keys, encode_sample, first_position, sample_row, stored_json
-from controller.report_increments import cost_increments, segment_increments
+from controller.storage.redis_schema import Keys, encode_sample, first_position, sample_row, stored_json
+from controller.storage.report_increments import cost_increments, segment_increments
 from specd_api.modes import valid_learning_segment
 from specd_api.segments import OVERFLOW_SEGMENT
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from controller import redis_schema as schema
-from controller.timing_histogram import add_into, bin_of
+from controller.decision.timing_histogram import add_into, bin_of
+from controller.storage import redis_schema as schema
 from specd_api.modes import Mode, sampling_mode
 from specd_api.plan import batch_bucket
 
@@ -55,7 +55,7 @@ class SegmentCounts:
     # batch bucket -> bin -> requests whose plain steps took that long: the segment's own plain pace (its contexts)
     plain_step: dict[int, dict[int, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     # (drafter, batch bucket) -> bin -> requests that speculated with it, by seconds per emitted token: what plans
-    # realised here (controller/realised.py reads them against plain_step)
+    # realised here (controller/decision/realised.py reads them against plain_step)
     realised: dict[tuple[str, int], dict[int, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from controller.counts import Aggregate
-from controller.decide import Request
+from controller.decision.counts import Aggregate
+from controller.decision.decide import Request
 from controller.pacing import Pacer
 from specd_api.checks import (
     MAX_AGGREGATES,

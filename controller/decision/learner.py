@@ -26,17 +26,17 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry
 
-from controller.cost_model import BucketCosts, CostModel, build_cost_model
-from controller.counts import Aggregate, CostCounts, SegmentCounts
-from controller.decide import component_histogram
-from controller.drift_watch import DriftAlarm, DriftWatch
-from controller.journal import Journal, JournalFull, entry
-from controller.journaled_view import JournaledView, report_counts
+from controller.decision.cost_model import BucketCosts, CostModel, build_cost_model
+from controller.decision.counts import Aggregate, CostCounts, SegmentCounts
+from controller.decision.decide import component_histogram
+from controller.decision.drift_watch import DriftAlarm, DriftWatch
+from controller.decision.prior import PriorModel, train_prior
+from controller.decision.realised import plain_reference
+from controller.decision.timing_histogram import add_into, median, total
 from controller.pacing import Pacer
-from controller.prior import PriorModel, train_prior
-from controller.realised import plain_reference
-from controller.store import IngestResult, Snapshot, TelemetryStore
-from controller.timing_histogram import add_into, median, total
+from controller.storage.journal import Journal, JournalFull, entry
+from controller.storage.journaled_view import JournaledView, report_counts
+from controller.storage.store import IngestResult, Snapshot, TelemetryStore
 from specd_api.modes import Mode, mode_of
 from specd_api.plan import DRAFTERS, batch_bucket
 from specd_api.segments import OVERFLOW_SEGMENT
@@ -106,7 +106,7 @@ class Learner:
         # report's encoding, counting and fsync while Redis was down: 214 ms at the bounds, issue 22). The entry and
         # the counts are made before it; the report is shown, then written and synced with the lock free. Meanwhile
         # ``_appending`` keeps a refresh from taking it off the view, and a replay can only find it in the file once
-        # it is shown: never missed, never shown twice (controller/journaled_view.py).
+        # it is shown: never missed, never shown twice (controller/storage/journaled_view.py).
         data, counts = entry(report_id, aggregates), report_counts(aggregates)
         with self._lock:
             moved = self._journaled.journaled(report_id, counts)

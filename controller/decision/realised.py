@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from controller.timing_histogram import Histogram, median, quantile, total
+from controller.decision.timing_histogram import Histogram, median, quantile, total
 
 REFERENCE_PRIOR_REQUESTS = 3.0  # the fleet's plain step weighs as much as this many of the segment's own requests
 # Until a segment's own plain rounds come from this many (decayed) requests, its plans run PLAIN_ROUNDS plain rounds

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from controller.report_budget import peer_host
+from controller.serving.report_budget import peer_host
 from specd_api.host_counts import HostCounts
 
 MAX_HEALTH_STREAMS = 1024
