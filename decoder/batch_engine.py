@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig, SuffixCache
-from decoder.drafters.draft_model import propose_together
+from decoder.drafters.draft_model import draft_model_of, propose_together
 from decoder.engine import DecodeSession, SpeculativeDecoder
 from decoder.kv_cache import ModelSequence
 from decoder.models import LoadedModel
@@ -166,7 +166,7 @@ class BatchEngine(SpeculativeDecoder):
             if ks[i] > 0:
                 s.ready_drafter()  # its first drafting round: the drafter prefills (timed apart)
             started = time.perf_counter()
-            model = s.drafter.draft_model
+            model = draft_model_of(s.drafter)
             if model is not None and s.drafter.drafts_with_model(s.context, ks[i]):
                 together.append(i)
                 models.append(model)
@@ -206,7 +206,7 @@ class BatchEngine(SpeculativeDecoder):
         return [d for d in drafts if d is not None]
 
     def _release_drafter(self, drafter: Drafter) -> None:
-        model = drafter.draft_model
+        model = draft_model_of(drafter)
         if model is not None and self.draft_pool is not None:
             assert isinstance(model.seq, PooledSequence)
             self.draft_pool.release(model.seq)

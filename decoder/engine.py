@@ -36,6 +36,7 @@ from decoder.drafters import (
     SuffixCache,
     SuffixConfig,
     SuffixDrafter,
+    draft_model_of,
 )
 from decoder.kv_cache import ModelSequence, SparePools, open_sequence
 from decoder.models import LoadedModel, check_pair
@@ -311,7 +312,7 @@ class SpeculativeDecoder:
     def _give_back(self, session: DecodeSession) -> None:
         """``session``'s slots back to the spare pools (it came from ``session``)."""
         self.spare_target.release(session.target)
-        model = session.drafter.draft_model
+        model = draft_model_of(session.drafter)
         if model is not None and self.spare_draft is not None:
             self.spare_draft.release(model.seq)
 

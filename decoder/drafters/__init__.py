@@ -3,7 +3,7 @@
 from decoder.choices import DRAFTER_NAMES
 from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter, NoDrafter
 from decoder.drafters.chain import ChainDrafter
-from decoder.drafters.draft_model import DraftModelDrafter
+from decoder.drafters.draft_model import DraftModelDrafter, draft_model_of
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, find_continuation
 from decoder.drafters.suffix import SuffixDrafter
 from decoder.drafters.suffix_cache import SuffixCache, SuffixConfig
@@ -21,5 +21,6 @@ __all__ = [
     "SuffixCache",
     "SuffixConfig",
     "SuffixDrafter",
+    "draft_model_of",
     "find_continuation",
 ]

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
-
-if TYPE_CHECKING:
-    from decoder.drafters.draft_model import DraftModelDrafter
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +45,10 @@ class Drafter(ABC):
     def rollback(self, context: torch.Tensor) -> None:  # noqa: B027 (stateless drafters keep nothing)
         """After verification: forget whatever is not a prefix of the new ``context``.  # [t] int64 on CPU"""
 
-    @property
-    def draft_model(self) -> DraftModelDrafter | None:
-        """The draft model this drafter runs, if any (an engine that pools KV slots gives its slot back)."""
-        return None
-
     def drafts_with_model(self, context: torch.Tensor, k: int) -> bool:
-        """Would ``propose(context, k)`` draft with ``draft_model`` this round? An engine that batches the draft
-        model across sequences (``propose_together``) drafts those rounds itself, and calls ``propose`` for the
-        others.  # context: [t] int64 on CPU"""
+        """Would ``propose(context, k)`` draft with its draft model this round (``draft_model_of``)? An engine that
+        batches the draft model across sequences (``propose_together``) drafts those rounds itself, and calls
+        ``propose`` for the others.  # context: [t] int64 on CPU"""
         return False
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 
 from decoder.drafters.base import Draft, Drafter
-from decoder.drafters.draft_model import DraftModelDrafter
+from decoder.drafters.draft_model import DraftModelDrafter, RunsDraftModel
 from decoder.drafters.prompt_lookup import PromptLookupDrafter
 
 
-class ChainDrafter(Drafter):
+class ChainDrafter(Drafter, RunsDraftModel):
     name = "chain"
 
     def __init__(self, lookup: PromptLookupDrafter, model: DraftModelDrafter) -> None:

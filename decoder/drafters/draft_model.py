@@ -9,6 +9,7 @@ no longer reproduce the target's distribution).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,7 +23,21 @@ from decoder.sampling import SamplingParams, logits_to_probs, sample
 ForwardMany = Callable[[list[tuple[ModelSequence, torch.Tensor]]], list[torch.Tensor]]
 
 
-class DraftModelDrafter(Drafter):
+class RunsDraftModel(ABC):
+    """A drafter that runs a draft model: an engine that pools KV slots gives the model's slot back when the sequence
+    ends, and one that batches the draft model across sequences drafts its rounds itself."""
+
+    @property
+    @abstractmethod
+    def draft_model(self) -> DraftModelDrafter: ...
+
+
+def draft_model_of(drafter: Drafter) -> DraftModelDrafter | None:
+    """The draft model ``drafter`` runs (a draft model drafter's own, a chain's), or None."""
+    return drafter.draft_model if isinstance(drafter, RunsDraftModel) else None
+
+
+class DraftModelDrafter(Drafter, RunsDraftModel):
     name = "draft"
 
     def __init__(

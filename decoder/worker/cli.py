@@ -10,8 +10,6 @@ import argparse
 import logging
 from typing import Any
 
-from specd_api.errors import UsageError
-
 
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("worker", help="serve the OpenAI-compatible decode worker")
@@ -22,18 +20,8 @@ def add_parser(commands: Any) -> None:
     p.set_defaults(handler=run)
 
 
-def split_address(listen: str) -> tuple[str, int]:
-    """``host:port``, the host of an IPv6 address in brackets (``[::]:8000``, every address of both families)."""
-    host, _, port = listen.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or not port.isdigit():
-        raise UsageError(f"listen address must be host:port, got {listen!r}")
-    return host, int(port)
-
-
 def run(args: argparse.Namespace) -> int:
-    from decoder.worker.config import load_worker_config
+    from decoder.worker.config import load_worker_config, split_address
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_worker_config(args.config)  # before the heavy imports (torch, uvicorn): a bad file fails at once

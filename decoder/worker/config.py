@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from specd_api.config_base import Strict, TelemetryConfig
+from specd_api.errors import UsageError
 from specd_api.security import ClientTls, ControllerCredentials, Secret
 from specd_api.segments import SEGMENT_PATTERN
 from specd_api.targets import check_address, parse_target
@@ -270,3 +271,13 @@ def load_worker_config(path: str | Path) -> WorkerConfig:
     """Read the config; raises ConfigError (file, line, field) when invalid."""
     config, _ = load_yaml_model(path, WorkerConfig)
     return config.resolve(Path(path).resolve().parent)
+
+
+def split_address(listen: str) -> tuple[str, int]:
+    """``host:port``, the host of an IPv6 address in brackets (``[::]:8000``, every address of both families)."""
+    host, _, port = listen.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdigit():
+        raise UsageError(f"listen address must be host:port, got {listen!r}")
+    return host, int(port)

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from decoder.worker.app import build_app
-from decoder.worker.cli import split_address
-from decoder.worker.config import WorkerConfig
+from decoder.worker.config import WorkerConfig, split_address
 from decoder.worker.connections import uvicorn_options
 from decoder.worker.service import WorkerService
 from specd_api.errors import UsageError

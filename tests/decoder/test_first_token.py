@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from decoder.batch_engine import BatchEngine
+from decoder.drafters import draft_model_of
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
 from specd_api.plan import requested
@@ -32,7 +33,7 @@ def test_a_sequence_opens_with_its_first_token_and_an_unprefilled_drafter(engine
         assert session.generated == plain.generated, "the prefill's token is target-only's first token"
         assert session.target.length == len(PROMPT), "the target's cache holds the context but its last token"
         assert not session.drafter_ready and session.stats.draft_prefill_seconds == 0.0
-        model = session.drafter.draft_model
+        model = draft_model_of(session.drafter)
         assert model is None or model.seq.length == 0, "no draft model pass before the first token"
         engine.step([session])
         assert session.drafter_ready == (drafter != "none"), "the first round that drafts prefilled the drafter"
