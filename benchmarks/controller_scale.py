@@ -1,4 +1,4 @@
-"""The controller at scale and beside hostile clients (issue 22), with real processes, in one run.
+"""The controller at scale and beside hostile clients, with real processes, in one run.
 
 Starts `specd controller` as its own process (embedded Redis, the default pool: 16 unary threads, 256 watchers,
 refresh every second). A steady client in a process of its own sends Decide over loopback at --rate calls a second,
@@ -43,7 +43,7 @@ from its first byte (the opening burst included), the ratio of the p99s (a stall
 the paced client skips the calls it would have made meanwhile: fewer calls and a slow maximum, not a higher p99),
 the controller's CPU, threads and RSS in each window, and how long the controller stayed busy once the attacker
 stopped (the next attack waits for it, up to 120 s).
-The issue's goal: no client makes another's request fail or slows it by more than 2x (ratio <= 2, no failure).
+The goal: no client makes another's request fail or slows it by more than 2x (ratio <= 2, no failure).
 A missed goal is printed as MISSED; the exit status is 1 only on a crash.
 
     python -m benchmarks.controller_scale [--segments 1000] [--streams 256] [--seconds 5] [--rate 100]

@@ -1,4 +1,4 @@
-"""Issue 20's GPU measurements in one command, for a session lent a GPU for 30 minutes: run it in ONE device call.
+"""The GPU measurements in one command, for a session lent a GPU for 30 minutes: run it in ONE device call.
 
 The call (the device tool's ``run``; the whole command, well under its 2,000 characters):
 
@@ -9,7 +9,7 @@ The call (the device tool's ``run``; the whole command, well under its 2,000 cha
 (``tests/decoder`` and the benchmarks need neither the controller nor the worker's HTTP stack). Wheels found there
 are installed first, as /work/.library/device/README.md says; a carry of a folder that is not here is harmless.
 What comes back under files_at: ``suite.log`` (every step's output), ``summary.json`` (each step's exit status
-and seconds, every figure against its goal in the issue, and every step's JSON) and ``results.tar.gz`` (each step's
+and seconds, every figure against its goal (``GOALS``), and every step's JSON) and ``results.tar.gz`` (each step's
 JSON and log). They are rewritten after every step, so a call cut short still returns the steps that finished.
 
 Steps, in order, each in its own process group with its own time limit (cut to what is left of ``--budget``, so
@@ -21,9 +21,9 @@ one hang costs its own step only):
   decode_1b_auto      decode_loop on the 1b pair, runner auto: the step, kernels, first visits, roofline, v(K) to 8,
                       transformers' generate() beside ours, and the α × K speedup curve (set-acceptance drafter)
   decode_ref_auto     decode_loop on the shipped pair, runner auto, every variant
-  decode_ref_lean     the same with the lean pass (before the graphs pass, side by side)
+  decode_ref_lean     the same with the lean pass (beside auto's graphs pass)
   worker_throughput   the batch engine on the shipped pair, batch 1..64, none and draft
-  decode_1b_lean      decode_loop on the 1b pair with the lean pass (before the graphs pass)
+  decode_1b_lean      decode_loop on the 1b pair with the lean pass (beside auto's graphs pass)
 
 ``--smoke`` runs the same steps on the CPU with the tiny shape and fewer tokens, in under three minutes: the check
 that the suite works end to end before device time is spent on it.
@@ -172,7 +172,7 @@ def install_wheels() -> str:
     return f"installed {len(wheels)} wheels into {SITE}"
 
 
-# ---- the summary: each figure beside its goal (issue 20) ---------------------------------------------------------
+# ---- the summary: each figure beside its goal ----------------------------------------------------------------------
 
 
 def load(work: Path, name: str | None) -> dict[str, Any] | None:
@@ -186,7 +186,7 @@ def load(work: Path, name: str | None) -> dict[str, Any] | None:
 
 
 def decode_figures(doc: dict[str, Any]) -> dict[str, Any]:
-    """The issue's figures from one decode_loop JSON."""
+    """The figures ``GOALS`` holds to their goals, from one decode_loop JSON."""
     variants = doc.get("variants", {})
     alone = doc.get("costs", {}).get("forward_alone", {})
     roof = doc.get("step_roofline", {}).get("target", {})
@@ -226,7 +226,7 @@ def worker_figures(doc: dict[str, Any]) -> dict[str, Any]:
     return figures
 
 
-GOALS = (  # (step, figure, goal, holds) from issue 20's "Goals"
+GOALS = (  # (step, figure, goal, holds): what each GPU figure must reach
     ("decode_1b_auto", "target_step_ms", "<= 1.5 ms", lambda x: x <= 1.5),
     ("decode_1b_auto", "bandwidth_share", ">= 0.50", lambda x: x >= 0.5),
     ("decode_1b_auto", "v_max_k_le_8", "<= 1.10", lambda x: x <= 1.10),
@@ -282,7 +282,7 @@ def print_goals(summary: dict[str, Any]) -> None:
     for s in summary["steps"]:
         status = "not run" if s["rc"] is None else ("TIMED OUT" if s["timed_out"] else f"rc {s['rc']}")
         print(f"  {s['name']:<18} {status:<10} {s['seconds']:>6.1f} s  {s['note']}")
-    print("== goals (issue 20)" + ("  [smoke run on the CPU: the figures say nothing about a GPU]" if summary["smoke"]
+    print("== goals" + ("  [smoke run on the CPU: the figures say nothing about a GPU]" if summary["smoke"]
                                   else ""))  # fmt: skip
     for g in summary["goals"]:
         mark = {True: "met", False: "MISSED", None: "-"}[g["met"]]

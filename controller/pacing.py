@@ -3,12 +3,12 @@ gives it over for as long as a latency-bound call (Decide) is being served.
 
 Python runs one thread at a time, and a thread that wants the interpreter waits for the running one to give it up:
 up to one switch interval (5 ms). Decide crosses threads several times (the event loop, the pool, the loop again),
-so beside a report being validated and summed it waited up to 5 ms at each crossing. A report's work (and the
-refresh's reads, a decay step's table builds) now calls a ``Pacer`` between its units (an aggregate, a segment, a
+so beside a report being validated and summed it would wait up to 5 ms at each crossing. A report's work (and the
+refresh's reads, a decay step's table builds) calls a ``Pacer`` between its units (an aggregate, a segment, a
 column of timings). Every CHUNK_SECONDS the pacer sleeps PAUSE_SECONDS. A real sleep: ``time.sleep(0)`` releases
-the interpreter too, but the sleeper takes it back before a waiting thread has woken (measured: no change to another
-client's Decide p99). That caps the share of the interpreter one client's back-to-back reports take at
-CHUNK / (CHUNK + PAUSE), which still doubled another client's Decide p50 beside them (issue 22).
+the interpreter too, but the sleeper takes it back before a waiting thread has woken, so another client's Decide
+waits as long as without it. That caps the share of the interpreter one client's back-to-back reports take at
+CHUNK / (CHUNK + PAUSE); a cap alone still lets them double another client's Decide p50, hence ``URGENT``.
 
 ``URGENT`` counts the latency-bound calls in flight: while one is, a pacer waits at its next call (up to
 MAX_YIELD_SECONDS at a time, so that bulk work always moves on) instead of taking the interpreter back. Bulk work

@@ -56,9 +56,9 @@ log = logging.getLogger("specd.controller")
 WATCH_DECISIONS = "/specd.v1.Controller/WatchDecisions"
 DECIDE = "/specd.v1.Controller/Decide"
 # Decide is served on the event loop, in the thread that read its request: it reads memory only (contract 3), under
-# locks never held across I/O or long work (the learner's, the caches'), in tens of microseconds. Its hop to the pool
-# and back was two waits for the interpreter, each as long as whatever else held it: a report being summed, a burst
-# of streams opening (issue 22).
+# locks never held across I/O or long work (the learner's, the caches'), in tens of microseconds. A hop to the pool
+# and back would be two waits for the interpreter, each as long as whatever else held it: a report being summed, a
+# burst of streams opening.
 ON_LOOP = frozenset({DECIDE})
 SWITCH_INTERVAL_S = 0.001  # the interpreter's switch interval in the daemon (Python's default: 5 ms)
 SERVICE_NAME = controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name
@@ -115,7 +115,7 @@ class ControllerDaemon:
         freeze_startup_heap()  # the modules, the policy, the prior, the first snapshot
         # A thread that wants the interpreter waits for the running one to give it up, or for the switch interval:
         # beside a report's unpaced stretches (its Redis command built, its samples encoded: milliseconds each) a
-        # Decide waited up to 5 ms at each of its thread crossings. 1 ms bounds each wait (issue 22).
+        # Decide would wait up to 5 ms (the default) at each of its thread crossings. 1 ms bounds each wait.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._serve_metrics()
         budget = (

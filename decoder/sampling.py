@@ -67,10 +67,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def _shifted_to_zero(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` minus each row's largest, so that dividing by a small temperature cannot overflow: softmax, top-k and
-    top-p are all unchanged by a shift, and every entry is now <= 0 (a float16 or bfloat16 model's logits near the
-    dtype's range, over a temperature of 1e-5, were +inf and made the row NaN; issue 22). Entries at +inf (a float16
-    overflow) become 0 and the rest -inf: the row's limit, uniform over its infinite tokens. A row with every entry
-    -inf (or NaN) stays NaN: there is no distribution to draw from, and the sampler's error fails that request."""
+    top-p are all unchanged by a shift, and every entry is then <= 0 (unshifted, a float16 or bfloat16 model's logits
+    near the dtype's range, over a temperature of 1e-5, overflow to +inf and make the row NaN). Entries at +inf (a
+    float16 overflow) become 0 and the rest -inf: the row's limit, uniform over its infinite tokens. A row with every
+    entry -inf (or NaN) stays NaN: there is no distribution to draw from, and the sampler's error fails that request."""
     # logits: [n, vocab] float32
     top = logits.amax(dim=-1, keepdim=True)  # [n, 1]
     return torch.where(torch.isposinf(logits), 0.0, logits - top)
@@ -83,7 +83,7 @@ def _mask_outside_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # [n, vocab]
     # A token is dropped when the mass strictly before it already reaches top_p. The most likely token always stays:
     # its mass before is 0, and so is a top_p under float32's smallest number (1e-46 compares as 0 with a float32
-    # tensor), which once dropped every token and killed the decode loop (issue 22).
+    # tensor): no top_p drops every token, which would leave no distribution and kill the decode loop.
     mass_before = cumulative - torch.softmax(sorted_logits, dim=-1)
     drop_sorted = mass_before >= top_p
     drop_sorted[:, 0] = False

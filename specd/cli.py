@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from specd_api.errors import SpecdError, UsageError
 
 # gRPC's core logs one INFO line per refused TLS handshake, with no rate limit: a client reconnecting without a
-# certificate to a mutual-TLS port wrote ~1 GB of log an hour (issue 22). Errors only, unless the environment says.
+# certificate to a mutual-TLS port writes ~1 GB of log an hour. Errors only, unless the environment says.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 

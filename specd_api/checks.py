@@ -21,11 +21,11 @@ from specd_api.v1 import controller_pb2 as pb
 
 MAX_K = 64
 # A request's list of drafters names each one once (DRAFTER_NAMES has 5): a list bounded only by the message size
-# (120,000 names in 840 KB) took 27 ms of the interpreter to check, at once, in a Decide handler (issue 22)
+# (120,000 names in 840 KB) takes 27 ms of the interpreter to check, at once, in a Decide handler
 MAX_DRAFTERS_LISTED = 16
 MAX_AGGREGATES = 1_000  # per report: twice the client's default batch (500)
 # Per report, the sum of the aggregates' K: what its Lua scripts and JSON work grow with (a 0.9 MB report of 10,000
-# aggregates stalled Decide for 2.4 s under the GIL). 1,000 aggregates at K 32 fit.
+# aggregates stalls Decide for 2.4 s under the GIL). 1,000 aggregates at K 32 fit.
 MAX_REPORT_POSITIONS = 32_768
 MAX_REPORT_BYTES = 2**20  # the controller's gRPC receive limit
 MAX_ROUNDS = 1_000_000_000  # per aggregate: far above any real request, far below float precision limits

@@ -1,7 +1,7 @@
 """How many of something each client host holds (waiting calls, streams, connections), and all hosts together.
 
-One home for the count behind every per-host share (issue 22: one host's flood may take its share, not every
-host's place). Not thread-safe: each user touches it from one event loop. Stdlib only: both halves import it.
+One home for the count behind every per-host share (one host's flood may take its share, not every host's
+place). Not thread-safe: each user touches it from one event loop. Stdlib only: both halves import it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def freeze_startup_heap() -> None:
     """Put what start-up made (modules, models, tokenizers, the policy) out of the cyclic collector's reach, so that a
     full collection walks only what came since. A full collection holds the interpreter for as long as it walks: in
     the controller 50-60 ms every few reports at the size bound, in a worker with transformers loaded 0.2 s during a
-    large prompt; either way every request on the event loop waited for it (issue 22). Call it once, when start-up
+    large prompt; either way every request on the event loop waits for it. Call it once, when start-up
     is done and before serving."""
     gc.collect()
     gc.freeze()

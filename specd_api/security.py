@@ -51,7 +51,7 @@ def resolve_path(path: Path, info: ValidationInfo) -> Path:
 
 def read_checked(path: Path) -> bytes:
     """The file's bytes; a ValueError that names the path and says what is wrong (never what the file holds). Only a
-    regular file is read: a FIFO there once blocked the start for good, before the process listened (issue 22)."""
+    regular file is read: a FIFO there would block the start for good, before the process listens."""
     try:
         data = read_regular_file(path, MAX_FILE_BYTES + 1)
     except FileNotFoundError:

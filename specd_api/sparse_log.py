@@ -1,6 +1,6 @@
-"""A log line that a client can set off at will, written at most once per interval (issue 22: one client's thousands
-of refused calls, half-sent connections or made-up names must not write thousands of lines). Stdlib only: both
-halves import it.
+"""A log line that a client can set off at will, written at most once per interval (one client's thousands of
+refused calls, half-sent connections or made-up names must not write thousands of lines). Stdlib only: both halves
+import it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 
 # The values where a JSON double's meaning changes on its way to a tensor: float32 / bfloat16 / float16 subnormals and
 # smallest normals (1e-46 is 0 in float32), the last value under 1 each dtype holds, and each dtype's largest finite
-# value (sampling parameters at these limits once killed the worker's decode loop: issue 22)
+# value (sampling parameters at these limits must never kill the worker's decode loop)
 DTYPE_LIMITS = (
     5e-324, 1e-46, 2.0**-149, 2.0**-150, 2.0**-126, 2.0**-133, 2.0**-24, 2.0**-14, 6e-8,
     1 - 2.0**-53, 1 - 2.0**-24, 1 - 2.0**-8, 1 - 2.0**-11,

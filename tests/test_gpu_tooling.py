@@ -1,8 +1,8 @@
-"""Issue 20's GPU tooling, checked on the CPU: the 1b-shaped pair, decode_loop's new figures, the GPU suite's plan.
+"""The GPU tooling, checked on the CPU: the 1b-shaped pair, decode_loop's GPU figures, the GPU suite's plan.
 
 None of these measure a GPU; they check that a session lent one spends its minutes measuring, not debugging: the
-pair has the shape the goals are stated for, decode_loop writes every figure the suite summarises (its old keys
-kept), and the one prepared command runs what the issue asks with the limits the device tool sets.
+pair has the shape the goals are stated for, decode_loop writes every figure the suite summarises (and every key its
+other readers use), and the one prepared command runs what the goals ask for with the limits the device tool sets.
 """
 
 from __future__ import annotations

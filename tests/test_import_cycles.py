@@ -68,8 +68,9 @@ def test_no_module_imports_a_module_that_imports_it_back() -> None:
     graph = import_graph(REPO)
     assert len(graph) > 100, "too few modules: is REPO the repository root?"
     found = cycles(graph)
-    assert not found, "file-level import cycles (break each: move what both need to a module of its own):\n" + "\n".join(
-        " <-> ".join(component) for component in found
+    assert not found, (
+        "file-level import cycles (break each: move what both need to a module of its own):\n"
+        + "\n".join(" <-> ".join(component) for component in found)
     )
 
 

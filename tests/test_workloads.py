@@ -1,4 +1,4 @@
-"""The segment workloads: they load, they are what the issue asks for, none of them is in the training split,
+"""The segment workloads: they load, they are what each segment calls for, none of them is in the training split,
 the loader rejects bad lines with file:line:field messages, and the builder reproduces the committed files."""
 
 from __future__ import annotations

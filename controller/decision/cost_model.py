@@ -186,8 +186,8 @@ def _bucket(costs: CostCounts, bucket: int, mode: Mode = GREEDY) -> BucketCosts 
 def _interpolate(points: Mapping[int, float], n: int) -> float:
     """v(n) from measured points (0 always among them): the point itself, else linear between the nearest measured
     neighbours, else beyond the largest at the measured mean slope (v(largest) - 1) / largest, never below the
-    default: on a CPU verifying grows by 0.1-0.2 steps a token, and the GPU's 0.02 made a K never tried look almost
-    free (v(8) read 1.58 where it was 2.56, and the controller chose K 5-6 where 2-3 was best)."""
+    default: on a CPU verifying grows by 0.1-0.2 steps a token, and the GPU's 0.02 would make a K never tried look
+    almost free (v(8) read as 1.58 where it is 2.56, and K 5-6 chosen where 2-3 is best)."""
     if n in points:
         return points[n]
     below = max(m for m in points if m < n)

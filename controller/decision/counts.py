@@ -104,7 +104,7 @@ class SegmentCounts:
         """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age). A field the schema does
         not know (a newer schema's, or corrupt) is ignored: stored data never breaks a read. A bucket's counters of
         one position (or one K) are made consistent before they count (``consistent``): a hand-edited or corrupt
-        bucket with more proposals than offers made a rate above 1 and a Beta with negative failures (issue 22)."""
+        bucket with more proposals than offers never makes a rate above 1 or a Beta with negative failures."""
         # this bucket's counters per (table, drafter, index), in the dataclasses' field order, before they count
         bucket: dict[tuple[int, str, int], list[float]] = {}
         for name, value in values.items():
@@ -225,8 +225,8 @@ def _add_dataclass(into: KCounts | PositionCounts, other: KCounts | PositionCoun
         setattr(into, f.name, getattr(into, f.name) + getattr(other, f.name))
 
 
-# No counter a worker writes comes near this (a million rounds a second for 30 years); past it a value is corrupt, and
-# a few of them (1e308) added up overflowed to inf and made every rate of the segment NaN (issue 22).
+# No counter a worker writes comes near this (a million rounds a second for 30 years); past it a value is corrupt and
+# counts as 0, so a few of them (1e308) added up never overflow to inf and make every rate of the segment NaN.
 MAX_STORED_COUNT = 1e15
 
 

@@ -66,8 +66,8 @@ NEUTRAL_SAMPLED_TEMPERATURE = 1.0
 
 
 # Pseudo-counts past which a posterior is a point: its draw is its mean (the spread is below 1e-6). Near the float
-# limit random.betavariate never returns (gammavariate's 2 * alpha overflows): a policy's prior_strength of 1e308 hung
-# every Decide that explored (found by tests/controller/test_fuzz_grpc.py).
+# limit random.betavariate never returns (gammavariate's 2 * alpha overflows): a policy's prior_strength of 1e308
+# would hang every Decide that explored.
 POINT_MASS_WEIGHT = 1e12
 
 
@@ -188,7 +188,7 @@ MEAN_ARMS_KEPT = 64  # per estimate: a segment's requests come in a few K bounds
 def mean_arm(estimate: DrafterEstimate, k_min: int, k_max: int, costs: BucketCosts) -> Arm:
     """``best_arm`` under the posterior means, kept on the estimate (which is cached across Decides until the
     segment's counts or costs move) per K bounds and verify table, all that it reads besides the estimate: the
-    exploit arms were half of a Decide's work, recomputed identically on every call."""
+    exploit arms, recomputed identically on every call, would be half of a Decide's work."""
     key = (k_min, k_max, costs.verify_table(k_max))
     kept = estimate.mean_arms.get(key)
     if kept is None:

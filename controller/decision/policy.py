@@ -43,8 +43,8 @@ DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain", "suffix"
 
 class PolicyModel(Strict):
     """A part of the policy file: strict, and every number in it finite. An infinite value would be accepted by the
-    bounds below (``ge=``, ``gt=``) and then break decisions: ``prior_strength: .inf`` made Thompson sampling's
-    ``random.betavariate`` loop forever, hanging every Decide (found by tests/controller/test_fuzz_grpc.py)."""
+    bounds below (``ge=``, ``gt=``) and then break decisions: ``prior_strength: .inf`` makes Thompson sampling's
+    ``random.betavariate`` loop forever, hanging every Decide."""
 
     model_config = ConfigDict(allow_inf_nan=False)
 

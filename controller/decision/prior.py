@@ -56,8 +56,8 @@ class PriorModel:
     @staticmethod
     def from_json(document: Mapping[str, Any]) -> PriorModel:
         """Parse a stored model; raises ValueError on anything unexpected (it came from a shared store): a missing
-        key, a value of another type, a number out of range ("tokens": Infinity raised OverflowError, which no caller
-        expected: the controller could not start over it; issue 22)."""
+        key, a value of another type, a number out of range ("tokens": Infinity raises OverflowError, which no caller
+        expects: it is reported as ValueError, so the controller starts whatever the stored document holds)."""
         try:
             return PriorModel._parsed(document)
         except (KeyError, TypeError, AttributeError, OverflowError) as e:

@@ -148,7 +148,7 @@ def refusing_handler(
     """A handler that refuses the call as soon as its headers are in, on the event loop, without waiting for its
     request: a request-streaming handler, which grpc.aio runs at once and which never reads (on the wire every kind
     of call is a stream, so the client sees its status whatever the method's kind). A caller not yet trusted holds
-    no thread, no stream and no parse of its bytes, even when it never sends a message (issue 22)."""
+    no thread, no stream and no parse of its bytes, even when it never sends a message."""
 
     async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         refusals.note(method, context.peer(), code, reason)

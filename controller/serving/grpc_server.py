@@ -1,13 +1,11 @@
 """The controller's gRPC server: grpc.aio on an event loop in a thread of its own, the handlers in a bounded pool.
 
-Why asyncio (issue 22): gRPC's synchronous server hands a call a pool thread as soon as its headers arrive, and the
-thread then waits for the request message. Calls that send headers and never a message (refused ones too: a refusal
-waited for the message as well) each held one, and about 270 of them took the whole pool: every Decide timed out.
+Why asyncio: gRPC's synchronous server hands a call a pool thread as soon as its headers arrive, and the thread
+then waits for the request message. Calls that send headers and never a message (refused ones too: a refusal waits
+for the message as well) each hold one there, and about 270 of them take the whole pool: every Decide times out.
 Here the event loop reads the headers, runs the interceptors and waits for the message; a handler gets a pool thread
 only once its request is in, for as long as it computes. A call that never sends its message holds a coroutine and
-an HTTP/2 stream (about 22 KiB), no thread. Measured with grpcio 1.85 (300 such calls, a pool of 12): the
-synchronous server's 12 threads were all taken and Decide timed out at 3 s; this server's thread count grew by one
-and Decide answered in 0.6 ms.
+an HTTP/2 stream (about 22 KiB), no thread: any number of them leave the pool to Decide.
 
 The servicers stay synchronous (they do blocking Redis I/O and are thread-safe). A unary handler runs in the pool as
 grpc.aio runs one (``migration_thread_pool``); a response stream (WatchDecisions) runs one message at a time in the
@@ -156,7 +154,7 @@ class PerMethod:
     """An interceptor's wrapping of a method's handler, built once per method rather than once per call: the
     service's handlers are one object per method, so the wrapped one can be kept and handed out again. Every call
     goes through every interceptor on the one event loop, so this is paid by every call, refused ones included (a
-    burst of calls refused for their token is the loop's work and nothing else: issue 22). ``wrap(handler, method)``
+    burst of calls refused for their token is the loop's work and nothing else). ``wrap(handler, method)``
     returns the handler to serve; a ``None`` handler (no such method) passes through, and is never kept."""
 
     LIMIT = 256  # methods kept; the service has a handful, and a method name a client makes up finds no handler
@@ -222,7 +220,7 @@ def stream_in_pool(
                     return
                 yield response
                 # let go of it: the next message may be a long wait away (a stream's first, every table, 1.2 MiB at
-                # 1,000 segments: 256 streams held 1.1 GiB between changes once heartbeats no longer replaced it)
+                # 1,000 segments: 256 streams keeping theirs between changes would hold 1.1 GiB)
                 del response, pending
         finally:
             threaded.end()

@@ -1,10 +1,10 @@
-"""The health service with a bound on its Watch streams (issue 22).
+"""The health service with a bound on its Watch streams.
 
-``grpc.health.v1.Health/Watch`` needs no token (load balancers and probes call it), and each stream holds about
-20 KiB for as long as its client likes: 10,000 of them from one client without a token grew the controller by 200 MB,
-and nothing bounded how many. Here at most ``MAX_HEALTH_STREAMS`` are open at once, ``MAX_HEALTH_STREAMS_PER_HOST`` of
+``grpc.health.v1.Health/Watch`` needs no token (load balancers and probes call it), and each stream holds about 20 KiB
+for as long as its client likes: 10,000 of them from one client without a token would grow the controller by 200 MB, and
+gRPC does not bound how many. Here at most ``MAX_HEALTH_STREAMS`` are open at once, ``MAX_HEALTH_STREAMS_PER_HOST`` of
 them from one client host (a balancer or a worker keeps one per connection); a stream past either is refused with
-RESOURCE_EXHAUSTED, naming the bound, before it holds anything. ``Check`` is unchanged (it holds nothing once
+RESOURCE_EXHAUSTED, naming the bound, before it holds anything. ``Check`` is not bounded (it holds nothing once
 answered). The counts are touched only by coroutines on the server's one event loop: no lock.
 """
 

@@ -1,12 +1,12 @@
-"""Each client host's share of the handler pool (issue 22): at most ``per_host`` of its unary calls run at once; its
+"""Each client host's share of the handler pool: at most ``per_host`` of its unary calls run at once; its
 others wait their turn on the event loop, holding no thread.
 
-One client calling Decide back to back from 4 threads had 4 calls running beside another client's one: every
-handler wants the one interpreter, so the other client's Decide got a fifth of it and took 2-3x as long (10x with a
-made-up segment per call). With a share per host, a flooding host has ``per_host`` calls running whatever its
-concurrency, and a host with none running is let in at once: its call competes with ``per_host`` others, not with
-the flood's whole depth. A host alone still has the whole controller (a GIL-bound server is as fast with 2 calls
-running as with 16).
+Without a share, one client calling Decide back to back from 4 threads has 4 calls running beside another client's one:
+every handler wants the one interpreter, so the other client's Decide gets a fifth of it and takes 2-3x as long (10x
+with a made-up segment per call). With a share per host, a flooding host has ``per_host`` calls running whatever its
+concurrency, and a host with none running is let in at once: its call competes with ``per_host`` others, not with the
+flood's whole depth. A host alone still has the whole controller (a GIL-bound server is as fast with 2 calls running as
+with 16).
 
 The host is the IP of the call's peer (``report_budget.peer_host``), as for the report budget: a client opens as many
 connections as it likes, but not as many addresses. Peers without one (Unix sockets) share one turn.

@@ -1,6 +1,6 @@
-"""A budget of report work per peer host (issue 22): a token bucket per client IP, charged by a report's aggregates.
+"""A budget of report work per peer host: a token bucket per client IP, charged by a report's aggregates.
 
-One client sending ReportRounds at the size bound back to back took the CPU the other clients' Decide needed (the
+One client sending ReportRounds at the size bound back to back would take the CPU the other clients' Decide needs (the
 parsing, the checks, the sums, and Redis's 2,300 HINCRBYFLOATs per report). ``ReportBudget`` gives each peer host
 ``rate`` aggregates a second with a burst of ``burst``; the service asks it right after a report's cheap size check
 and refuses a report over budget with RESOURCE_EXHAUSTED before any of that work, storing nothing (so a retry of the
@@ -124,8 +124,8 @@ class ReportBudget:
     def hold_seconds(self, peer: str) -> float:
         """How long to hold ``peer``'s next report before reading it: until its bucket holds what its last report
         cost (0 for a peer with budget to spare, or never seen). A client sending back to back is paced to its
-        budget by the hold, before its report is read and parsed (a refusal after parsing still cost ~4 ms of the
-        controller's interpreter for a report at the size bound: refused 130 times a second, the attack went on)."""
+        budget by the hold, before its report is read and parsed (a refusal after parsing still costs ~4 ms of the
+        controller's interpreter for a report at the size bound: refused 130 times a second, an attack goes on)."""
         now = self.clock()
         with self._lock:
             bucket = self._buckets.get(peer)

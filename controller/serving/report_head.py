@@ -1,9 +1,9 @@
 """A report as it arrives: its bytes, and the little of it the daemon reads before the report process takes them.
 
-A ReportRounds request at the size bound is 1 MiB. Parsing all of it into a ``ReportRoundsRequest`` took 1.2 ms, on
+A ReportRounds request at the size bound is 1 MiB. Parsing all of it into a ``ReportRoundsRequest`` takes 1.2 ms, on
 the event loop's thread (gRPC deserializes there, in the coroutine that reads the request), which every Decide runs
-in; handing it to the report process then serialized it again, 1.5 ms in a pool thread holding the interpreter
-(AVX2 EPYC). Yet before the child takes over, the daemon needs three things only: how many aggregates there are (the
+in; handing it to the report process would then serialize it again, 1.5 ms in a pool thread holding the interpreter.
+Yet before the child takes over, the daemon needs three things only: how many aggregates there are (the
 report budget is charged by them), the (segment, batch size) pairs (the step times the child reads realised
 speedups at), and the report id. ``ReportHead`` is a message with just those fields, at the same field numbers, so
 protobuf walks past the rest without building it: 0.19 ms for the same 1 MiB. The child parses the whole bytes

@@ -24,7 +24,7 @@ loads) runs in the same child, between reports: a report that waits for it longe
 daemon's, as any late one.
 
 The child starts in the background when the daemon does (it imports the store and validation: about a second), and a
-report that comes before it has answered, or while it is being replaced after it died, is the daemon's, as before.
+report that comes before it has answered, or while it is being replaced after it died, is the daemon's.
 It is used only with the wall clock: a daemon on another clock (tests) keeps every report.
 """
 

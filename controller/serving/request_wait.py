@@ -1,9 +1,9 @@
 """A call's request message has ``REQUEST_WAIT_SECONDS`` to arrive, and at most ``MAX_WAITING_CALLS`` calls wait for
-theirs at once (issue 22).
+theirs at once.
 
 grpc.aio waits for a call's request message on the event loop, holding no thread, but with no deadline: a call that
-sends its headers and never its message (a valid token, or no token configured) held its coroutine and its HTTP/2
-stream, about 22 KiB, until its client went away, and nothing but the number of connections bounded how many did.
+sends its headers and never its message (a valid token, or no token configured) holds its coroutine and its HTTP/2
+stream, about 22 KiB, until its client goes away, and nothing but the number of connections bounds how many do.
 ``RequestWait`` serves each method that takes one request (unary and response-streaming: Decide, ReportRounds,
 WatchDecisions, health Check and Watch) as a request-streaming one, which carries the same frames on the wire (every
 gRPC call is an HTTP/2 stream; only the server's way of reading it changes), so that its own coroutine reads the
@@ -19,14 +19,14 @@ request, under a deadline:
 - a call that ends its request stream with no message, or sends a second one, is refused with INVALID_ARGUMENT (a
   unary method takes exactly one message), not with the INTERNAL or UNKNOWN a server error would be;
 - a method's gate (``gates``: WatchDecisions' stream caps) is asked once the request is in, and a call it refuses
-  ends with RESOURCE_EXHAUSTED there, on the loop: a burst of 192 streams over their caps, each refused from a pool
-  thread and back, stalled another host's Decide (issue 22). The handler checks the limit again, and decides.
+  ends with RESOURCE_EXHAUSTED there, on the loop: a burst of streams over their caps, each refused from a pool
+  thread and back, would stall another host's Decide. The handler checks the limit again, and decides.
 
-Then the method runs as grpc.aio would run it: a synchronous handler in the pool (one hop to a thread, as before;
+Then the method runs as grpc.aio would run it: a synchronous handler in the pool (one hop to a thread, as ever;
 ``InFlight`` counts it there) once its client host has a turn (``host_share``: a host's flood waits on the loop,
 holding no thread), a coroutine or an async generator (health, WatchDecisions as ``ThreadedStreams``
-serves it) on the loop. The interceptor goes after the token check (a refused call never reaches it, and costs what
-it did) and before every interceptor that wraps a unary handler (they see the handler they know).
+serves it) on the loop. The interceptor goes after the token check (a refused call never reaches it, and costs no
+more for it) and before every interceptor that wraps a unary handler (they see the handler they know).
 
 The counter of waiting calls is only touched by coroutines on the server's one event loop: no lock.
 ``SPECD_REQUEST_WAIT_SECONDS``, ``SPECD_MAX_WAITING_CALLS`` and ``SPECD_MAX_WAITING_CALLS_PER_HOST`` in the
@@ -61,8 +61,8 @@ REQUEST_WAIT_SECONDS = 10.0
 # second keep about 100 of them waiting at once; past 1,000 the waiting ones are a flood, not traffic.
 MAX_WAITING_CALLS = 1000
 # One client host's share of them: a host past it waits like a call past the cap, so one host's flood of waiting calls
-# (health checks need no token) leaves the other hosts' calls their full wait (a report crossing a slow link took
-# 0.94 s, and was refused after 0.1 s beside another host's 1,500 waiting health checks; issue 22).
+# (health checks need no token) leaves the other hosts' calls their full wait (a report crossing a slow link can take
+# most of a second, and the 0.1 s of a call past the cap would refuse it).
 MAX_WAITING_CALLS_PER_HOST = 250
 # Past the cap a new call is not refused before it reads: whether its request is already in (a real client sends it
 # with the headers) shows only once a read returns, and refusing it unread would let a flood of waiting calls refuse

@@ -1,6 +1,6 @@
 """Is a recomputed decision table worth sending? A table moves a little at every decay step and prior refit (its
 estimates are posterior means, its probe shares the counts of 64 draws), and sending 1,000 tables to 256 streams for
-moves no worker's choice can feel cost more than computing them (issue 22). A table is sent again only when it
+moves no worker's choice can feel costs more than computing them. A table is sent again only when it
 differs from the one the streams hold by more than these tolerances: a plan (drafter, K, reason, flags, the policy's
 settings) must be the same exactly; its estimates may differ by a little. The tolerance is against the table the
 streams hold, not the last one computed, so that moves add up until they are sent. Pure functions.

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 PROBE_DRAWS = 64  # decisions drawn per bucket and refresh to estimate the probes' shares (±6 % at a share of 0.1)
 # Refreshes between a stream's messages when nothing changed. Each message wakes the stream's thread and the event
-# loop: at 256 streams and a heartbeat per refresh that was ~9 % of a core doing nothing (issue 22).
+# loop: at 256 streams a heartbeat per refresh would be ~9 % of a core doing nothing.
 HEARTBEAT_PERIODS = 5.0
 # The heartbeats of all streams together, a second, at most: with more than MAX_HEARTBEATS_PER_SECOND x the period
 # streams open, the period grows with their count, so that what heartbeats cost (gRPC's sending, ~0.7 ms of CPU each
@@ -117,7 +117,7 @@ def table_key(controller: Controller, segment: str, drafters: Drafters) -> Table
 def decay_epoch(controller: Controller, segment: str) -> int:
     """The segment's decay epoch: it turns every TABLE_DECAY_STEPS decay steps, each segment at its own phase, so
     that a decay step recomputes about 1 / TABLE_DECAY_STEPS of the tables whose segment had no report (all of them,
-    at 1,000 segments, was 1-2 s of CPU a step, and as many tables sent to every stream)."""
+    at 1,000 segments, would be 1-2 s of CPU a step, and as many tables sent to every stream)."""
     phase = zlib.crc32(segment.encode()) % TABLE_DECAY_STEPS
     return (controller.learner.decay_steps + phase) // TABLE_DECAY_STEPS
 
@@ -172,8 +172,8 @@ class DecisionPublisher:
         self.controller = controller
         self.refresh_seconds = refresh_seconds
         self.max_watchers = max_watchers
-        # one client host's streams at most (None: max_watchers): one host opening max_watchers streams left no slot
-        # for any other host's workers, and its burst of first messages stalled Decide (issue 22)
+        # one client host's streams at most (None: max_watchers): one host opening max_watchers streams would leave no
+        # slot for any other host's workers, and its burst of first messages would stall Decide
         self.max_watchers_per_host = max_watchers if max_watchers_per_host is None else max_watchers_per_host
         self._per_host: Counter[str] = Counter()  # the streams open per client host (watch's ``host``)
         self.clock = clock
@@ -239,9 +239,9 @@ class DecisionPublisher:
                     del self._tables[drafters]
                     self._deltas.pop(drafters, None)
                     self._firsts.pop(drafters, None)
-                # Waking every stream's thread at every refresh to find nothing moved was 256 threads taking the
-                # interpreter and the condition's lock in turn, once a second (issue 22): a stream whose predicate
-                # cannot have turned true sleeps on to its heartbeat.
+                # Waking every stream's thread at every refresh to find nothing moved would be 256 threads taking
+                # the interpreter and the condition's lock in turn, once a second: a stream whose predicate cannot
+                # have turned true sleeps on to its heartbeat.
                 if moved:
                     self._cond.notify_all()
 
@@ -272,7 +272,7 @@ class DecisionPublisher:
     def refusal(self, host: str) -> str | None:
         """Why a new stream from ``host`` would be refused now (None: it has room). Read without the lock, so that the
         server's event loop can ask it before a stream's handler takes a pool thread (``RequestWait``'s gates: a burst
-        of streams over the caps was refused on the loop, not each through the pool and back, issue 22); ``watch``
+        of streams over the caps is refused on the loop, not each through the pool and back); ``watch``
         asks it again under the lock, which decides."""
         if self._streams >= self.max_watchers:
             return (f"this controller already serves {self.max_watchers} WatchDecisions streams (max_watchers); ask "
@@ -405,8 +405,8 @@ class Watch:
     waiting for one, until the caller goes away (``is_active``) or the publisher closes. ``beat_in`` and ``beat`` (on
     the serving event loop, ``grpc_server.stream_in_pool``, while ``next`` waits): when the stream's next heartbeat is
     due, and the heartbeat, an empty message (None: a change is on its way, which says what a heartbeat would). A
-    heartbeat made on the loop wakes no thread: at 256 streams, each heartbeat woke the stream's thread, which handed
-    it to the loop and was handed the next wait back, ~4 % of a core for 51 empty messages a second (issue 22).
+    heartbeat made on the loop wakes no thread: at 256 streams, waking the stream's thread for each heartbeat, to
+    hand it to the loop and be handed the next wait back, would cost ~4 % of a core for 51 empty messages a second.
     Heartbeats fall on a grid of the stream's own random phase: streams opened together (a fleet's restart) would
     otherwise all beat together."""
 

@@ -266,7 +266,7 @@ _RECORDED = tuple((f.name, WRITTEN_AS.get(f.name, f.name)) for f in fields(Aggre
 
 def record(a: Aggregate) -> dict[str, object]:
     """``a`` as an entry of a journal line holds it. Its fields are numbers, strings and tuples of them, which JSON
-    writes as they are: ``dataclasses.asdict``'s deep copy took 85 % of a report's encoding (194 ms at the bounds)."""
+    writes as they are: ``dataclasses.asdict``'s deep copy takes 85 % of a report's encoding (194 ms at the bounds)."""
     return {written: getattr(a, name) for name, written in _RECORDED}
 
 

@@ -250,7 +250,7 @@ def segment_field(name: str) -> SegmentField | None:
             return KField(parts[1], k, k_counter) if 0 <= k <= MAX_K else None
         if parts[0] in (SERVED, COUNTERFACTUAL) and len(parts) == 4 and (counter := POSITION_COUNTERS.get(parts[3])):
             i = int(parts[2])
-            # a draft position past any K: corrupt (position 3,000,000 cost 7.7 s a read)
+            # a draft position past any K: corrupt (position 3,000,000 costs 7.7 s a read)
             return PositionField(parts[1], i, counter, parts[0] == COUNTERFACTUAL) if 0 <= i < MAX_K else None
         if parts[0] in (CALIBRATION, PLAIN_STEP) and len(parts) == 3:
             b = int(parts[2])
@@ -416,8 +416,8 @@ def encode_sample(
 
 def stored_json(raw: object) -> object | None:
     """A stored value read as JSON (a sample row, the prior's document), or None when it is not JSON: not text, not
-    UTF-8, not JSON, or nested deeper than the parser recurses (3,000 brackets raised RecursionError, which no reader
-    expected: the controller could not start, and at run time every refresh failed; issue 22)."""
+    UTF-8, not JSON, or nested deeper than the parser recurses (3,000 brackets raise RecursionError, which no reader
+    expects: None keeps the controller starting and every refresh going)."""
     try:
         return json.loads(raw)  # type: ignore[arg-type]
     except (ValueError, TypeError, UnicodeDecodeError, RecursionError):

@@ -11,7 +11,7 @@ A report is applied in parts, each by one Lua script, atomically, with its own d
 A retry (same report_id) re-runs every part; each part that was applied before changes nothing, so a report cut
 short between parts (a lost connection, a failed node) is completed by its retry and every part counts exactly once.
 Concurrent reporters and controller replicas never lose or double an increment. The cap is decided in one script
-on one slot, so it is exact: two new segments racing for the last place are serialized there. What is no longer
+on one slot, so it is exact: two new segments racing for the last place are serialized there. What is not
 atomic is the report as a whole: between parts, a reader may see a segment admitted whose counts have not landed.
 
 3. the change marks (``MARK_LUA``, slot of ``{#global}``), after the segment parts: each segment counted gets the
@@ -52,14 +52,14 @@ log = logging.getLogger(__name__)
 RedisClient = redis.Redis | RedisCluster  # one server, or a cluster (``redis+cluster://``; redis_conn.py)
 BucketFields = tuple[tuple[int, dict[str, float]], ...]  # (bucket, its hash's fields), in time order, none empty
 # Bucket hashes a refresh asks for in one round trip. The replies are parsed in Python with the interpreter held: in
-# one pipeline, the 2,000 keys of 1,000 segments reported in the last minute held it ~100 ms at every refresh, and
-# Decide's p99 at 1,000 segments and 256 streams was 21-27 ms (issue 22). Between chunks the refresh is paced.
+# one pipeline, the 2,000 keys of 1,000 segments reported in the last minute would hold it ~100 ms at every refresh,
+# and every Decide waits for the interpreter. Between chunks the refresh is paced.
 READ_CHUNK_KEYS = 32
 
-# What every write script starts with: stored data a writer cannot use never stops the writes (issue 22: one cost
-# bucket, samples list or segments set of another type, set by hand or by another program, once failed every report
-# with WRONGTYPE: all of them journaled, the controller stale, until the key went; and a segment's field holding no
-# number failed HINCRBYFLOAT after the part's dedup marker was set, so the part was lost and its retry a duplicate).
+# What every write script starts with: stored data a writer cannot use never stops the writes (without it, one cost
+# bucket, samples list or segments set of another type, set by hand or by another program, fails every report with
+# WRONGTYPE: all of them journaled, the controller stale, until the key goes; and a segment's field holding no
+# number fails HINCRBYFLOAT after the part's dedup marker is set, so the part is lost and its retry a duplicate).
 # A key of another type than its name says holds nothing a reader can use (the reads skip it): it is deleted before
 # the script writes there. A field whose value is not a number, or whose sum would not be finite, is set to the
 # increment. The script's reply names each ('key' or 'key field'): the writer counts and logs them.
@@ -252,7 +252,7 @@ class StoreConfig:
     @property
     def late_write_seconds(self) -> float:
         """How long before a refresh (by its clock) a write it did not see may be dated: another replica's clock
-        skew, a report's segment parts landing after its head. One bucket period (the old closed-bucket re-read's)."""
+        skew, a report's segment parts landing after its head. One bucket period."""
         return self.bucket_seconds
 
 

@@ -242,7 +242,7 @@ class TextSuffixTrie(TrieNodes):
     in the text: a string seen once is a leaf that remembers where it ended, and what follows it is read from the
     text. A string gets its node the moment it occurs a second time; then its earlier occurrence's continuation
     becomes its child. Novel text costs one or two nodes a token instead of ``depth`` (the eager trie's 15 us a token
-    here was most of a round's drafting time). Counts and proposals are ``SuffixTrie``'s with the whole text inserted
+    here is most of a round's drafting time). Counts and proposals are ``SuffixTrie``'s with the whole text inserted
     (tests/decoder/test_suffix.py compares them)."""
 
     def __init__(self, depth: int) -> None:

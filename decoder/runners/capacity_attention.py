@@ -2,16 +2,16 @@
 fixed shape.
 
 Chosen: an explicit matmul -> softmax -> matmul, all in float32 whatever the model's dtype (as fused kernels keep
-their scores; transformers' eager attention rounds the scores to bfloat16 first, and was 0.23 off on bfloat16 logits
-where its SDPA forward was 0.15), one call per sequence, its queries padded to ``Q`` = K_max+1 rows, over all ``C``
+their scores; transformers' eager attention rounds the scores to bfloat16 first, and is 0.23 off on bfloat16 logits
+where its SDPA forward is 0.15), one call per sequence, its queries padded to ``Q`` = K_max+1 rows, over all ``C``
 positions of the slot with the positions after each query's own masked out. Every call has the same shape whatever
 the bucket, the batch or the sequence's length, so:
 
 - it is capturable: no shape depends on a length, nothing synchronises with the host;
-- it builds no plan per length: cuDNN's SDPA built one per new KV length (+40-60 ms each on an H100, issue 20),
+- it builds no plan per length: cuDNN's SDPA builds one per new KV length (+40-60 ms each on an H100),
   here there is one shape per model;
 - it is batch-invariant: a query's scores, softmax and weighted sum are computed by the same kernels in the same
-  order whatever else shares the pass. SDPA's fused kernels were not chosen: their backend and, on a GPU, their
+  order whatever else shares the pass. SDPA's fused kernels are not used: their backend and, on a GPU, their
   split of the KV positions across thread blocks (flash-decoding) are picked by batch size and length, which is
   exactly what makes a row's bits depend on its neighbours; and a batched matmul over all sequences at once would
   let cuBLAS pick its algorithm (split-K included) by the batch count. One call per sequence keeps the shape fixed.

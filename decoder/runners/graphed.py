@@ -2,7 +2,7 @@
 one captured graph per bucket, batch-invariant in any dtype.
 
 On a GPU an eager decode step of a small model is launch-bound (922 kernels per 1-token step, 12-22 ms for a
-1.1B model whose weights stream in 0.77 ms; issue 20), and cuDNN's attention builds a plan per new KV length. This
+1.1B model whose weights stream in 0.77 ms), and cuDNN's attention builds a plan per new KV length. This
 pass runs every step in a bounded set of fixed shapes, so that each can be captured once and replayed:
 
 - **a fixed-capacity store** (``GraphStore``): every slot holds ``capacity`` positions, set when the pool is made

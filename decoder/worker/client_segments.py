@@ -1,9 +1,9 @@
-"""Which segment a client may name: the worker's ``client_segments`` (issue 22).
+"""Which segment a client may name: the worker's ``client_segments``.
 
 The controller keeps at most ``learning.max_segments`` segments per learning window; a segment takes its place at
 its first report and keeps it until it has been silent for a whole window (an hour by default). Segments a worker
 infers are few (the classifier's five and ``default_segment``), but a client may name any: one client naming a new
-segment per request once filled every place, and each later new segment, whoever's, learned only as ``_overflow``.
+segment per request could fill every place, and each later new segment, whoever's, would learn only as ``_overflow``.
 
 So a client's name is admitted here, once the rest of its request has passed every check (a refused request takes
 no place):

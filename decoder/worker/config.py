@@ -158,15 +158,16 @@ class ClientSpeculation(Strict):
     allowed: bool = Field(True, description="false: a request naming its speculation gets 400")
     max_k: int = Field(
         8, ge=0, le=64, description="the largest K a client may ask for (the default policy's k_max for the draft "
-        "model); four clients at K=64 once made every other request 11x slower than four at K=0, at 8 it is 1.8x",
+        "model): each drafted token is verified in the batch's target pass, so four clients at K=64 make every other "
+        "request ~11x slower than four at K=0; at 8, ~1.8x",
     )  # fmt: skip
 
 
 class ClientSegments(Strict):
     """Which traffic segments a client may name (the request's ``segment`` field or X-Specd-Segment header). Every
     segment a worker reports holds one of the controller's ``learning.max_segments`` places for a whole learning
-    window: a client naming a new segment per request once filled them all, and every later new segment learned only
-    as ``_overflow`` for an hour (issue 22)."""
+    window: a client naming a new segment per request could fill them all, and every later new segment would learn
+    only as ``_overflow`` for an hour."""
 
     allowed: bool = Field(True, description="false: a request naming a segment gets 400")
     names: list[str] = Field(

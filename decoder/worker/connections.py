@@ -1,17 +1,17 @@
 """What one HTTP connection may hold, and for how long (contract 10): uvicorn's bounds set explicitly
 (``uvicorn_options``), and the one uvicorn lacks, a deadline for a request to arrive (``DeadlineH11Protocol``).
 
-uvicorn cancels its keep-alive timer on every byte received and has no timeout for a request's head or body, so a
-client that sent half a request, or nothing at all, held its connection (a file descriptor, a task) until the worker
-stopped; at a stop, each such request waited out the whole grace period and was then cancelled with a traceback in the
-log (issue 22: thousands of them logged 52 MB in 12 s). Here a request must arrive whole within
+uvicorn cancels its keep-alive timer on every byte received and has no timeout for a request's head or body, so
+under uvicorn alone a client that sends half a request, or nothing at all, holds its connection (a file descriptor, a
+task) until the worker stops; at a stop, each such request waits out the whole grace period and is then cancelled
+with a traceback in the log (thousands of them log 52 MB in 12 s). Here a request must arrive whole within
 ``limits.request_read_seconds`` of its connection opening, or of the connection's previous response; else the
 connection is closed, with one log line. At a stop, a request still arriving is closed at once: nothing was admitted.
 
 And one client address holds at most ``limits.max_connections_per_host`` connections at once: uvicorn's
-``limit_concurrency`` counts every client's together, so one host's 4,200 idle connections made every other client's
-request a 503 (issue 22). A connection past the host's share is answered 503 at once and closed (logged at most once a
-minute), and counts nowhere.
+``limit_concurrency`` counts every client's together, so one host's idle connections (4,200 of them) would make every
+other client's request a 503. A connection past the host's share is answered 503 at once and closed (logged at most once
+a minute), and counts nowhere.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 QUOTE_CHARS = 64  # the most characters of a client's value an error message repeats
 MESSAGE_CHARS = 500  # the longest error message the worker sends
 # After a 413, the rest of the body is read and dropped, up to these bounds, before the connection is closed: closed
-# with unread bytes, a socket is reset, and a client still sending lost the 413 to the reset (issue 22).
+# with unread bytes, a socket is reset, and a client still sending loses the 413 to the reset.
 DISCARD_BYTES = 64 << 20
 DISCARD_SECONDS = 10.0
 

@@ -4,7 +4,7 @@ tracing, the listening socket) -> main loop (uvicorn serves the API) -> shutdown
 On SIGTERM/SIGINT uvicorn stops accepting and waits for the open connections while the service drains: the
 admitted requests finish within ``shutdown_grace_seconds`` (the rest are cancelled), then telemetry is flushed to
 the controller and spans to the exporter. The lifecycle owns the signal handlers; uvicorn installs none, so it
-never re-raises the signal after its own graceful stop (that once killed the worker before its drain and flush).
+never re-raises the signal after its own graceful stop (that would kill the worker before its drain and flush).
 
 If the decode loop dies, nothing can decode any more: the worker stops as on SIGTERM and exits 1, so that systemd
 (Restart=on-failure) restarts it; /health says 503 meanwhile.
@@ -155,7 +155,7 @@ class WorkerProcess:
             access_log=False,
             # A backstop: the service's drain ends every request within the grace, so uvicorn cancels only a
             # connection still open a second later (a client not reading its stream). Whole seconds (uvicorn's
-            # type): ``int(grace) or None`` once let a grace under 1 s wait forever.
+            # type), rounded up: ``int(grace) or None`` would let a grace under 1 s wait forever.
             timeout_graceful_shutdown=math.ceil(self.cfg.shutdown_grace_seconds) + 1,
             lifespan="off",
             **options,
@@ -179,7 +179,7 @@ class WorkerProcess:
     def _drain(self) -> None:
         """Finish the admitted requests within the grace period (the rest are cancelled: their responses end with
         an error), then flush telemetry and spans. Runs while uvicorn's event loop is open: the decode thread
-        posts each request's last events to it (a loop closed under it once crashed the decode thread)."""
+        posts each request's last events to it (a loop closed under it would crash the decode thread)."""
         self._at_stop = Tally.of(self.service)
         if self._at_stop.in_flight:
             log.warning("stopping: %d requests in flight get up to %gs", self._at_stop.in_flight,

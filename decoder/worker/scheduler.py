@@ -83,8 +83,8 @@ class JobOutcome:
 class Scheduler:
     """``engine`` is the engine, or a function that builds it: then it is built in the decode thread by ``start``.
     Building it there keeps every torch operation of the worker in one thread: PyTorch's OpenMP pool belongs to the
-    thread that runs parallel work, and a second pool (left by loading the models in another thread) made the
-    decode thread's multi-token passes 20-40% slower on 2 cores (v(4) 1.7-1.8 instead of 1.2-1.4, measured)."""
+    thread that runs parallel work, and a second pool (left by loading the models in another thread) makes the
+    decode thread's multi-token passes 20-40% slower on 2 cores (v(4) 1.7-1.8 instead of 1.2-1.4)."""
 
     def __init__(
         self,
@@ -144,7 +144,7 @@ class Scheduler:
         """Wait until no sequence is decoding, opening or waiting (or the decode loop has stopped), at most
         ``timeout_seconds``; True when idle. Background work (scoring, reports, the tables) waits here first: on two
         cores any thread that runs beside a decode takes a core from one of its threads, and a statically split
-        pass then runs at that thread's pace (a busy Python thread beside a decode made it 2.5x slower)."""
+        pass then runs at that thread's pace (a busy Python thread beside a decode makes it 2.5x slower)."""
         with self._wake:
             return self._idle_now.wait_for(self._is_idle, timeout_seconds)
 

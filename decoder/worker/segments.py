@@ -6,8 +6,8 @@ cheap label matters more than a clever one. Callers who know their traffic shoul
 
 Its cost is bounded whatever a client sends: it reads a prompt's first and last ``WINDOW_CHARS`` characters only
 (``window``), and every pattern is linear: no repeat runs past a line start where another match may begin.
-Issue 22: ``^\s*`` under MULTILINE let each line start of a run of newlines rescan the rest of the run (quadratic:
-20,000 newlines took 9.6 s; a 200,000-character prompt within the limits would have held the event loop for minutes).
+A pattern like ``^\s*`` under MULTILINE lets each line start of a run of newlines rescan the rest of the run (quadratic:
+20,000 newlines take 9.6 s; a 200,000-character prompt within the limits would hold the event loop for minutes).
 """
 
 from __future__ import annotations

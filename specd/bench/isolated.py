@@ -4,8 +4,8 @@ The continuous-batching engine decodes a few prompts of each segment at batch 1 
 draft model at every K from 1 to 8, all in one thread (models loaded there too, as the worker does). From its own
 round records: one target step t0 (the median round that verified no draft), c = the median drafting seconds per
 drafted token / t0, and v(n) = the median verification time of rounds that verified n drafts / t0. Medians, as the
-controller's own costs: on a shared machine one stalled round among a few hundred made the mean step 3.6x the
-median (2.74 ms against the 0.77 ms the controller learned) and every v(n) read below 1.
+controller's own costs: on a shared machine one stalled round among a few hundred can make the mean step 3.6x the
+median and every v(n) read below 1.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ synthetic outputs over several segments: two in three are built from a few recur
 records: long shared spans, branching where the values differ), one in three is random tokens (novel text: the most
 nodes per token). Then one drafter per proposal context (a cached output's prefix, so matches are long and walks run
 to K; its own text a 512-token prompt) proposes again and again, each call timed alone: the median and p99 of a
-proposal in microseconds, and over the target step: ``c_suffix`` for a whole proposal (the figure the issue bounds:
+proposal in microseconds, and over the target step: ``c_suffix`` for a whole proposal (the bounded figure:
 under 0.02) and ``c_suffix_per_token`` (the glossary's c, per proposed token).
 
     python -m specd.bench.suffix_cost --target-step-ms 20     # alone; benchmarks/decode_loop.py runs it with its step

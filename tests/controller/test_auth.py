@@ -538,7 +538,7 @@ def load_issue_within(path: Path, seconds: float, unblock: Path) -> str:
             "auth:\n  write_token: {env: SPECD_TEST_UNSET}\n", 3, "auth.write_token", "is not set", id="unset-env"
         ),
         pytest.param("auth:\n  write_token: {}\n", 3, "auth.write_token", "exactly one of file", id="no-source"),
-        # a FIFO where a file belongs blocked the start for good, before the process listened (issue 22)
+        # a FIFO where a file belongs must not block the start for good, before the process listens
         pytest.param(
             "auth:\n  write_token: {file: fifo}\n",
             3,

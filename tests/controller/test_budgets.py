@@ -1,4 +1,4 @@
-"""No client can take the controller's threads (issue 22): health Watch streams and calls that send their headers
+"""No client can take the controller's threads: health Watch streams and calls that send their headers
 and never a message run without holding a pool thread, so a crowd of them leaves Decide answering. Real daemons on
 loopback sockets: in this process, and a `specd controller` process with the default pool."""
 
@@ -22,7 +22,7 @@ from tests.controller.test_daemon import start, write_tokened_config
 from tests.daemons import DEFAULT_POLICY, connected, running_daemon
 from tests.waiting import wait_until
 
-HALF_OPEN = 300  # per kind of caller: past the default pool (max_workers 16 + max_watchers 256) the issue filled
+HALF_OPEN = 300  # per kind of caller: more calls than the default pool holds (max_workers 16 + max_watchers 256)
 DECIDE = "/specd.v1.Controller/Decide"
 REPORT = "/specd.v1.Controller/ReportRounds"
 
@@ -129,7 +129,7 @@ def test_calls_that_never_send_a_message_hold_no_thread(tmp_path: Path, embedded
                 stack.enter_context(HalfOpenCalls(address, REPORT, HALF_OPEN, token="wrong-token")),
             ]
             waiting = stack.enter_context(HalfOpenCalls(address, DECIDE, HALF_OPEN, token=read))  # fmt: skip
-            time.sleep(1.0)  # every call has reached the server: they took the old server's pool within 0.1 s
+            time.sleep(1.0)  # every call has reached the server: they take a synchronous server's pool within 0.1 s
 
             for _ in range(5):
                 assert decide(request, metadata=metadata, timeout=2.0).policy_version

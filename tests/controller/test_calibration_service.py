@@ -1,6 +1,6 @@
-"""Issue 19 over the real path (a daemon on a loopback socket, the embedded Redis): a stalled report moves no
-learned cost, calibration (realised / expected speedup) reaches GetSegmentStats, and a new segment starts from the
-fleet's acceptance."""
+"""Robust costs and calibration over the real path (a daemon on a loopback socket, the embedded Redis): a stalled report
+moves no learned cost, calibration (realised / expected speedup) reaches GetSegmentStats, and a new segment starts from
+the fleet's acceptance."""
 
 from __future__ import annotations
 

@@ -214,7 +214,7 @@ class CountingRandom(random.Random):
 
 def test_a_decision_draws_the_posterior_only_when_it_may_probe():
     # An uncertain segment (no data): a request probes only within exploration_rate, so the other requests need no
-    # posterior draw at all. Drawing it on every Decide was half a Decide's work (issue 22: Decide's own CPU).
+    # posterior draw at all. Drawing it on every Decide would be half a Decide's work.
     settings = with_(exploration_rate=0.1, min_exploration_rate=0.0)
     req = Request("s", 1, ("draft",), 128)
     estimates = {"draft": estimate_drafter(SegmentCounts(), "draft", 8, 0.5, 0.5, settings.prior_strength, 0.4)}

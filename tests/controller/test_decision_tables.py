@@ -272,7 +272,7 @@ def test_streams_are_bounded_and_bad_requests_refused(embedded_redis_url, prefix
         with pytest.raises(grpc.RpcError) as bad:
             next(stub.WatchDecisions(pb.WatchDecisionsRequest(worker_id="c", drafters=["medusa"]), timeout=5))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "drafters[0]" in bad.value.details()
-        with pytest.raises(grpc.RpcError) as bad:  # each drafter once, at most 16 (issue 22)
+        with pytest.raises(grpc.RpcError) as bad:  # each drafter once, at most 16
             next(stub.WatchDecisions(pb.WatchDecisionsRequest(worker_id="c", drafters=["draft"] * 17), timeout=5))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 16" in bad.value.details()
         raw = daemon_channel_call(daemon.address, b"\x0a\x02\xff\xfe")  # worker_id: bytes that are not UTF-8

@@ -59,11 +59,11 @@ def check_load(path: Path, data: bytes) -> None:
 
 
 @given(data=policy_files)
-# Found by this test (each raised past the loader before the fix, or broke the one-line message):
-@example(data=b"\x00")  # PyYAML's reader refuses the character while the loader is built: was a bare ReaderError
-@example(data=b"defaults:\n  min_speedup: !!int 0.6\n")  # a tag its value cannot have: was a ValueError
-@example(data=b"!!bool defaults: {}\n")  # ... on a key, read before construction: was a KeyError
-@example(data=b"defaults:\n  min_speedup: !!timestamp soon\n")  # was an AttributeError
+# Inputs that can raise past the loader, or break the one-line message, unless the loader catches them:
+@example(data=b"\x00")  # PyYAML's reader refuses the character while the loader is built: a bare ReaderError
+@example(data=b"defaults:\n  min_speedup: !!int 0.6\n")  # a tag its value cannot have: a ValueError
+@example(data=b"!!bool defaults: {}\n")  # ... on a key, read before construction: a KeyError
+@example(data=b"defaults:\n  min_speedup: !!timestamp soon\n")  # an AttributeError
 @example(data=b'"\\uD7FC": null\n')  # an unprintable key, echoed raw into the field path
 @example(data=b'"\\e[31m\\n": 1\n')  # a terminal escape and a newline in a key: one line, quoted
 @fuzz_settings(300)
@@ -105,7 +105,7 @@ def test_anchors_aliases_and_merge_keys(policy_path: Path, data: bytes):
     ],
 )
 def test_a_number_that_is_not_finite_is_refused(policy_path: Path, text: str, line: int, field: str):
-    """Found by the daemon's fuzzing (test_fuzz_grpc.py): the bounds let infinity through, and decisions hung on it."""
+    """The bounds alone let infinity through, and decisions would hang on it: a number must be finite."""
     policy_path.write_text(text)
     with pytest.raises(ConfigError) as caught:
         load_policy(policy_path)

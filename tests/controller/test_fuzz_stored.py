@@ -1,4 +1,4 @@
-"""Stored values of every type at every key the controller reads (hypothesis, real Redis; issue 22, DESIGN contract 7:
+"""Stored values of every type at every key the controller reads (hypothesis, real Redis; DESIGN contract 7:
 stored data never breaks decisions). A hand edit, a bug of another version or another tenant's writes can leave any
 Redis type with any contents at any of the schema's names (controller/storage/redis_schema.py): a list where a segment's
 bucket hash belongs, a field naming draft position 3,000,000, NaN and Infinity as counters, a score of -inf, a
@@ -276,8 +276,8 @@ def make_learner(
 
 def assert_same_as_a_fresh_read(client: redis.Redis, journal_dir: Path, learner: Learner, clock: Clock) -> None:
     """What the learner holds, read a refresh at a time from what changed, equals what a learner reading everything
-    at once finds (a change mark missed kept a segment's old counts: the reset of unreadable marks once kept the
-    epoch, and readers skipped the marks after it)."""
+    at once finds (a change mark missed keeps a segment's old counts: a reset of unreadable marks that kept the
+    epoch would let readers skip the marks after it)."""
     _, fresh, _ = make_learner(client, journal_dir, clock, learner.store.config.prefix)
     assert fresh.refresh() is True
     for segment in {*SEGMENTS, *learner.segments()} - set(learner.drift_watch.regime):

@@ -1,6 +1,6 @@
-"""The interceptors every call goes through build their handlers once per method, not once per call (issue 22: a
-burst of refused calls is the event loop's work alone, so each one must cost as little as it can), and a call the
-token check refuses runs none of the interceptors behind it once its method's kind is known."""
+"""The interceptors every call goes through build their handlers once per method, not once per call (a burst of refused
+calls is the event loop's work alone, so each one must cost as little as it can), and a call the token check refuses
+runs none of the interceptors behind it once its method's kind is known."""
 
 from __future__ import annotations
 

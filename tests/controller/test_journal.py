@@ -1,7 +1,7 @@
 """The telemetry journal (controller/storage/journal.py) and its replay, over real files, a real Redis and real gRPC.
 
-Issue 11 item 6: a journal bounded only by count grew to 77 MB while Redis was down, was re-parsed every second, and
-the next start replayed all of it before listening. Here: the byte bound holds and a report past it gets
+A journal bounded only by count can grow to 77 MB while Redis is down, be re-parsed every second, and be replayed
+whole before the next start listens. Here: the byte bound holds and a report past it gets
 RESOURCE_EXHAUSTED (the worker's client keeps it and delivers it later); a large journal is replayed after the daemon
 listens; totals reconcile exactly; a torn last line is skipped with one log line; a replay that cannot reach Redis
 reads one entry, not the journal.
@@ -192,7 +192,7 @@ def test_a_cursor_that_matches_nothing_replays_from_the_start(tmp_path: Path, ca
 def test_a_replay_that_cannot_reach_redis_reads_one_entry_not_the_journal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The defect: every refresh re-parsed the whole journal while Redis was down (80% CPU at 77 MB)."""
+    """A refresh must not re-parse the whole journal while Redis is down (80% CPU at 77 MB)."""
     path = tmp_path / "journal.jsonl"
     write_journal(path, reports=50, per_report=2)
     parsed = 0

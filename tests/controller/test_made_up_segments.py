@@ -1,7 +1,7 @@
-"""A client naming a new segment in every Decide (issue 22's segment flood): each such segment decides from the priors
-alone, so they all share one cache entry and none of them is remembered for hysteresis. Before, each made-up name
-cost 6.5x a learned segment's Decide (its posteriors computed afresh) and, past the caches' size, pushed the learned
-segments' estimates and last plans out: another client's segment lost its hysteresis. A real daemon over gRPC."""
+"""A client naming a new segment in every Decide (a segment flood): each such segment decides from the priors alone, so
+they all share one cache entry and none of them is remembered for hysteresis. Otherwise each made-up name would cost
+6.5x a learned segment's Decide (its posteriors computed afresh) and, past the caches' size, push the learned segments'
+estimates and last plans out: another client's segment would lose its hysteresis. A real daemon over gRPC."""
 
 from __future__ import annotations
 

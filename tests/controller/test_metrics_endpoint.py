@@ -1,4 +1,4 @@
-"""The controller's Prometheus endpoint (issue 19, item 2) over the real path: `specd controller` as a process with
+"""The controller's Prometheus endpoint over the real path: `specd controller` as a process with
 `metrics.listen` in its YAML, real Redis, reports over gRPC, GET /metrics over HTTP. What a scrape shows of a segment
 is what GetSegmentStats answers; metrics are off unless asked for; a bad address or a busy port stops the start in one
 line; a scrape survives a segment that cannot be read, its time bound and a Redis outage."""
@@ -294,7 +294,7 @@ def test_a_segment_that_cannot_be_read_leaves_the_rest_served(tmp_path, embedded
 
 def test_stored_entries_the_controller_skips_are_counted_and_logged_once(tmp_path, embedded_redis_url, endpoints,
                                                                           caplog):  # fmt: skip
-    """Stored data the controller cannot read is skipped, counted in /metrics and logged once per key (issue 22):
+    """Stored data the controller cannot read is skipped, counted in /metrics and logged once per key:
     a prior that is a list, read at every refresh."""
     from controller.storage.redis_conn import make_client
 

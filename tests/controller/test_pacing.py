@@ -1,6 +1,6 @@
 """Bulk work on the controller (a report's sums, a refresh's reads, a decay step's table builds) gives the interpreter
-to a Decide being served and takes it back when it is done (issue 22: one client's back-to-back reports at the bound
-made another client's Decide p99 3.7-7.7x worse, every crossing of a thread waiting for the reporter's next pause)."""
+to a Decide being served and takes it back when it is done (unpaced, one client's back-to-back reports at the bound
+make another client's Decide p99 3.7-7.7x worse, every crossing of a thread waiting for the reporter's next pause)."""
 
 from __future__ import annotations
 

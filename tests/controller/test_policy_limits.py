@@ -1,4 +1,4 @@
-"""Issue 22, the controller's own inputs: a FIFO at the policy path, a max_batch_size past int32, a policy of 25,000
+"""The controller's own inputs: a FIFO at the policy path, a max_batch_size past int32, a policy of 25,000
 glob rules, an embedded server whose socket path is too long."""
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ POLICY_MODELS = (Settings, SettingsOverride, DrafterSettings, DrafterOverride)
 
 @pytest.mark.parametrize("model", POLICY_MODELS, ids=lambda m: m.__name__)
 def test_every_integer_a_policy_holds_fits_the_wires_int32(model: type) -> None:
-    """The class of max_batch_size's defect: a policy integer past int32 passed the check, then broke every
-    WatchDecisions when it reached the table's int32 field (min_new_tokens: 2**31 did, found by a hostile review).
-    Every integer field has an upper bound within int32."""
+    """A policy integer past int32 would pass the check, then break every WatchDecisions when it reached the
+    table's int32 field (max_batch_size or min_new_tokens at 2**31). Every integer field has an upper bound within
+    int32."""
     for name, field in model.model_fields.items():
         if int not in (*typing.get_args(field.annotation), field.annotation):
             continue
@@ -97,7 +97,7 @@ def test_every_integer_a_policy_holds_fits_the_wires_int32(model: type) -> None:
 
 def test_a_policy_at_every_integers_bound_serves_decisions_and_tables(embedded_redis_url, tmp_path: Path) -> None:
     """A policy with every integer at its upper bound (and the floats at 1e308) passes the check; then Decide and a
-    WatchDecisions stream with a learned segment's table answer, over gRPC (min_new_tokens: 2**31 once failed every
+    WatchDecisions stream with a learned segment's table answer, over gRPC (a min_new_tokens of 2**31 would fail every
     stream with UNKNOWN "Value out of range")."""
     from specd_api.v1 import controller_pb2 as pb
     from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -146,7 +146,7 @@ def test_too_many_rules_are_refused_and_matching_is_resolved_once(tmp_path: Path
 
 
 def test_an_embedded_server_with_a_long_state_dir_listens_on_a_private_socket(tmp_path: Path) -> None:
-    # Before: past the Unix-socket path limit the server listened on loopback TCP without a password.
+    # Past the Unix-socket path limit the server must not fall back to loopback TCP without a password.
     deep = tmp_path / ("d" * max(1, _MAX_UNIX_PATH - len(str(tmp_path)) + 8))
     server, url = start_embedded(deep)
     try:
@@ -162,8 +162,8 @@ def test_an_embedded_server_with_a_long_state_dir_listens_on_a_private_socket(tm
 
 
 def test_the_socket_path_is_measured_in_bytes(tmp_path: Path) -> None:
-    """A state dir of fewer characters than the limit but more bytes (60 'é' are 120 bytes) passed the check, and the
-    server could not start: "unix socket path too long" (issue 22)."""
+    """A state dir of fewer characters than the limit but more bytes (60 'é' are 120 bytes) is measured in bytes:
+    counted in characters it would pass the check, and the server could not start ("unix socket path too long")."""
     base = Path(tempfile.mkdtemp(prefix="s-"))  # short: the characters must stay under the limit
     wide = base / ("é" * 40)
     socket = wide / "valkey.sock"
@@ -181,8 +181,8 @@ def test_the_socket_path_is_measured_in_bytes(tmp_path: Path) -> None:
 
 
 def test_a_socket_folder_taken_by_someone_else_gives_way_to_a_new_private_one(tmp_path: Path) -> None:
-    """The short folder's name is predictable: another local user who made it first stopped the start ("not a
-    private folder"). Now a new private folder of a random name is used."""
+    """The short folder's name is predictable: another local user who made it first must not stop the start ("not a
+    private folder"). A new private folder of a random name is used instead."""
     deep = tmp_path / ("d" * max(1, _MAX_UNIX_PATH - len(str(tmp_path)) + 8))
     taken = short_socket_dir(deep)
     taken.rmdir()

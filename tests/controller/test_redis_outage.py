@@ -281,8 +281,8 @@ def test_a_journaled_report_is_encoded_and_counted_outside_the_lock_decisions_re
     redis_client: redis.Redis, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every Decide reads the learner's counts under its lock. A report at the bounds takes tens of milliseconds to
-    encode for the journal and to count for the journaled view, and each Decide waited that long while Redis was
-    down (issue 22): that work is done with the lock free, going in and coming out (replay) alike."""
+    encode for the journal and to count for the journaled view, and each Decide would wait that long while Redis is
+    down: that work is done with the lock free, going in and coming out (replay) alike."""
     learner = make_learner(make_client(UNREACHABLE_URL, 0.3), tmp_path / "journal.jsonl", prefix=prefix)
     held: dict[str, list[bool]] = {"entry": [], "report_counts": []}
     for name in held:

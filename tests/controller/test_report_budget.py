@@ -1,4 +1,4 @@
-"""The per-peer budget of report work (controller/serving/report_budget.py, issue 22): the token buckets and the peer
+"""The per-peer budget of report work (controller/serving/report_budget.py): the token buckets and the peer
 parsing (pure, on a fake clock), the config, and the real path: a daemon on a dual-stack loopback socket, clients
 over gRPC from 127.0.0.1 and from ::1 (two peer hosts), and the worker's client library retrying a refused report.
 
@@ -33,7 +33,7 @@ from tests.waiting import wait_until
 RATE = 1000.0  # the test daemon's budget: aggregates a second per peer host
 BURST = MAX_AGGREGATES
 # Every filler report's segment: one name, so that fillers never fill the controller's cap on active segments (1,000;
-# past it new segments count as _overflow, and a later test's segment was lost there when each filler had its own)
+# past it new segments count as _overflow, where a later test's segment would be lost if each filler had its own)
 FILLER = "filler"
 
 
@@ -307,8 +307,8 @@ def test_a_report_past_the_size_bound_is_invalid_and_spends_no_budget(v6):
 
 def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, v4):
     # The client's report is at the size bound (the burst): it fits only in a full bucket, one whole second after
-    # the spender's last report passed. (It was 400 aggregates: on a slow machine the spender, in this process
-    # beside the daemon, once stalled long enough for the bucket to refill that far, and the first send passed.)
+    # the spender's last report passed. (A smaller report, say 400 aggregates, could pass on its first send: on a slow
+    # machine the spender, in this process beside the daemon, can stall long enough for the bucket to refill that far.)
     segment = f"worker-{uuid.uuid4().hex[:8]}"
     config = ClientConfig(
         address=f"127.0.0.1:{daemon.port}", worker_id="budget-worker", report_interval_s=0.05,
@@ -333,8 +333,8 @@ def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, 
     assert stats.send_failures >= 1
     assert (stats.buffered, stats.aggregates_dropped, stats.aggregates_rejected) == (0, 0, 0)
     # delivered once: every segment's rounds, not twice as many. Waited for whole, not for one segment: the refresh
-    # that shows one segment's part may have read another's just before it landed (CI, once: the last segment
-    # shown, the first still 0), and the next one shows it
+    # that shows one segment's part may have read another's just before it landed (the last segment shown, the
+    # first still 0), and the next one shows it
     once = [pytest.approx(MAX_AGGREGATES // 10)] * 10
     wait_until(lambda: [rounds(v4, f"{segment}-{n}") for n in range(10)] == once, timeout=10)
     assert [rounds(v4, f"{segment}-{n}") for n in range(10)] == once
@@ -354,7 +354,7 @@ def test_a_client_reporting_back_to_back_is_held_to_its_budget_before_its_report
 ) -> None:
     """With the hold (the default), a client over its budget waits, on the event loop, until its bucket holds what
     its last report cost, and only then is its report read: it is paced to its budget, not refused after parsing
-    (a refusal once read cost the controller ~4 ms of a report at the bound, and the attacker sent 130 a second)."""
+    (a refusal once read costs the controller ~4 ms of a report at the bound, and an attacker sends 130 a second)."""
     learning = {"report_aggregates_per_second_per_peer": RATE, "report_aggregates_burst_per_peer": BURST}
     with (
         running_daemon(embedded_redis_url, tmp_path, listen="127.0.0.1:0", learning=learning) as daemon,

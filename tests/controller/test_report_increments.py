@@ -1,5 +1,5 @@
 """A report's increments summed per hash field (storage/report_increments.py) against the per-aggregate fields
-they replace (Aggregate.segment_fields, calibration_fields, cost_fields, added one by one as the store used to), in
+they replace (Aggregate.segment_fields, calibration_fields, cost_fields, added one by one), in
 memory and as stored in Redis; and the Redis work of a report at the size bound."""
 
 from __future__ import annotations

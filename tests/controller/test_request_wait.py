@@ -130,8 +130,8 @@ def test_one_hosts_waiting_calls_leave_another_hosts_their_full_wait(embedded_re
     """A host's share of the waiting calls (MAX_WAITING_CALLS_PER_HOST): 30 health checks that never send their
     message from 127.0.0.1 (no token needed) against a share of 10 and a cap of 40 take 10 places; the other 20, and
     a further call from that host, are refused within OVER_CAP_WAIT_SECONDS naming the share, while a call from ::1
-    still gets its whole wait (the client's own 1 s deadline ends it first). Before, one host's 1,500 waiting health
-    checks left a report crossing a slow link from another host 0.1 s, and it was refused (issue 22)."""
+    still gets its whole wait (the client's own 1 s deadline ends it first). Without the share, one host's 1,500
+    waiting health checks would leave a report crossing a slow link from another host 0.1 s, and refuse it."""
     if not ipv6_loopback():
         pytest.skip("no IPv6 loopback on this machine: the test needs calls from two hosts (127.0.0.1 and ::1)")
     config, port, tokens = write_tokened_config(tmp_path, embedded_redis_url)

@@ -1,4 +1,4 @@
-"""Costs a stall cannot move, their uncertainty in the decision, probes that never die, calibration (issue 19).
+"""Costs a stall cannot move, their uncertainty in the decision, probes that never die, calibration.
 
 The timings below are what the shipped pair does on 2 CPU cores: a plain step of about 1 ms, v(4) about 1.5, the
 draft model at c about 0.2, each request's mean ±20% (the machine's noise). A stall is one round of 1.5 s.

@@ -1,4 +1,4 @@
-"""The controller's idle cost at scale (issue 22: 1,000 segments and 256 streams under 5 % of a core): a refresh reads
+"""The controller's idle cost at scale (1,000 segments and 256 streams under 5 % of a core): a refresh reads
 only what a report may have changed, and a decision table is recomputed, and sent, only when what it is made of
 moved. Against real servers (the store's tests' fixtures) and a running daemon (the decision tables' ones)."""
 
@@ -70,8 +70,8 @@ def segment_keys(store: TelemetryStore, asked: list[str], segment: str) -> list[
 
 
 def test_a_segment_no_report_reached_is_neither_read_nor_recounted(redis_client: redis.Redis, prefix: str) -> None:
-    """Was: every refresh built every segment's key for every bucket of the window and read its current bucket, for
-    1,000 segments 15-22 % of a core with nothing reported."""
+    """A refresh with nothing reported reads nothing: building every segment's key for every bucket of the window
+    and reading its current bucket at every refresh would cost, for 1,000 segments, 15-22 % of a core."""
     clock = FakeClock(T0 + 1)
     store = a_store(redis_client, prefix, clock)
     store.ingest("r1", [small("a"), small("b")])
@@ -110,8 +110,8 @@ def test_a_reported_segment_reads_only_the_buckets_a_write_may_have_reached(
 def test_a_late_write_of_a_replica_whose_clock_is_behind_is_seen_at_the_next_refresh(
     redis_client: redis.Redis, prefix: str
 ) -> None:
-    """Another replica, 7 s behind (within the margin), writes into a bucket already closed here. Was: a closed bucket
-    was read again only once a bucket period, so the write showed up to 10 s late."""
+    """Another replica, 7 s behind (within the margin), writes into a bucket already closed here. The write is read at
+    the next refresh: a closed bucket read again only once a bucket period would show it up to 10 s late."""
     clock = FakeClock(T0 + 1)
     store = a_store(redis_client, prefix, clock)
     store.ingest("r1", [small("a")])
@@ -125,10 +125,11 @@ def test_a_late_write_of_a_replica_whose_clock_is_behind_is_seen_at_the_next_ref
 
 
 def test_a_reported_segment_is_read_once_not_for_a_bucket_period_after(redis_client: redis.Redis, prefix: str) -> None:
-    """Was: a segment's last report time said whether to read it, with a bucket period's margin for other replicas'
-    clocks, so every reported segment was read again at every refresh for a minute after its report (1,000 segments:
-    2,000 bucket reads a second, ~5 % of a core with nothing new). Now the change marks say it: once read, it is kept
-    until the next report, whoever's clock dated it. And with nothing changed, the segments set is not read either."""
+    """The change marks say whether to read a segment: once read, it is kept until the next report, whoever's clock
+    dated it. Deciding by a segment's last report time, with a bucket period's margin for other replicas' clocks,
+    would read every reported segment again at every refresh for a minute after its report (1,000 segments: 2,000
+    bucket reads a second, ~5 % of a core with nothing new). And with nothing changed, the segments set is not read
+    either."""
     clock = FakeClock(T0 + 1)
     store = a_store(redis_client, prefix, clock)
     store.ingest("r1", [small("a"), small("b")])
@@ -244,10 +245,9 @@ def test_counts_read_in_part_equal_a_whole_read_across_decay_steps(redis_client:
 def test_a_refresh_reads_in_chunks_and_gives_the_interpreter_back_between_them(
     redis_client: redis.Redis, prefix: str, monkeypatch
 ) -> None:
-    """Was: one pipeline for every bucket read, its replies parsed with the interpreter held (~100 ms at 1,000
-    segments reported in the last minute, at every refresh: Decide's p99 21-27 ms at 1,000 segments and 256
-    streams). Now no round trip asks for more than a chunk of keys, the refresh paces between two of them, and the
-    counts are those of an unpaced read."""
+    """No round trip asks for more than a chunk of keys, the refresh paces between two of them, and the counts are
+    those of an unpaced read. One pipeline for every bucket read, its replies parsed with the interpreter held, would
+    hold it ~100 ms at 1,000 segments reported in the last minute, at every refresh."""
     import controller.storage.store as store_module
 
     events: list[tuple[str, int]] = []  # ("read", keys in one round trip) and ("pace", 0), in order
@@ -290,8 +290,8 @@ def test_a_refresh_reads_in_chunks_and_gives_the_interpreter_back_between_them(
 
 
 def test_an_idle_refresh_wakes_no_stream_and_computes_no_table_key(embedded_redis_url, prefix, tmp_path) -> None:
-    """Was: every refresh sent every stream a message (256 threads woken each second to say nothing), and computed
-    every segment's table key, priors included (PriorModel.predict, three drafters, for 1,000 segments a second)."""
+    """An idle refresh sends no stream a message (256 threads woken each second to say nothing) and computes no
+    segment's table key, priors included (PriorModel.predict, three drafters, for 1,000 segments a second)."""
     refresh_s = 0.1
     with running(daemon_config(embedded_redis_url, tmp_path, prefix), clock=lambda: FIXED_NOW) as daemon:
         segments = ["idle-a", "idle-b"]
@@ -336,8 +336,8 @@ def test_an_idle_refresh_wakes_no_stream_and_computes_no_table_key(embedded_redi
 
 
 def test_a_rebuild_that_moved_nothing_wakes_no_stream_thread() -> None:
-    """Was: every refresh woke every stream's thread (256 of them taking the interpreter and the condition's lock in
-    turn, once a second) to find that nothing it waits for had moved. Now only a moved version (or the close) does."""
+    """Only a moved version (or the close) wakes a stream's thread: waking every one at every refresh (256 of them
+    taking the interpreter and the condition's lock in turn, once a second) would find nothing it waits for moved."""
     learner = SimpleNamespace(segments=lambda: [], stale=False)
     controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
     publisher = DecisionPublisher(controller, refresh_seconds=60.0, max_watchers=4)  # type: ignore[arg-type]
@@ -383,8 +383,9 @@ def test_a_rebuild_that_moved_nothing_wakes_no_stream_thread() -> None:
 def test_a_table_build_gives_the_interpreter_back_between_segments(
     embedded_redis_url, prefix, tmp_path, monkeypatch
 ) -> None:
-    """A decay step rebuilds every segment's table (seconds of CPU at 1,000 segments, on one thread): Decide's p99
-    across the step was 28 ms at 300 segments, 4.5-5.6 ms with the build paced (a pause between segments)."""
+    """A decay step rebuilds every segment's table (seconds of CPU at 1,000 segments, on one thread): the build is
+    paced (a pause between segments), so that Decide's p99 across the step stays a few milliseconds (unpaced, 28 ms at
+    300 segments)."""
     import controller.serving.table_publisher as table_publisher
 
     paced: list[int] = []
@@ -408,10 +409,10 @@ def test_a_table_build_gives_the_interpreter_back_between_segments(
 
 
 def test_the_heartbeats_of_all_streams_together_stay_within_their_budget() -> None:
-    """Was: every stream beat every HEARTBEAT_PERIODS refreshes whatever their number, so the heartbeats' cost grew
-    with the streams clients opened (256: 51 a second, 3.5 % of a core in gRPC). Now past MAX_HEARTBEATS_PER_SECOND
-    the period grows with the streams; each stream's beats follow it, and every message says it (the worker's
-    quiet-stream check reads it), back down as streams close."""
+    """Past MAX_HEARTBEATS_PER_SECOND the period grows with the streams, so the heartbeats' cost does not grow with the
+    streams clients open (at a fixed period, 256 streams beat 51 times a second, 3.5 % of a core in gRPC); each stream's
+    beats follow it, and every message says it (the worker's quiet-stream check reads it), back down as streams
+    close."""
     refresh_s = 0.2
     floor = HEARTBEAT_PERIODS * refresh_s
     few = int(MAX_HEARTBEATS_PER_SECOND * floor)  # as many as beat within the budget at the floor
@@ -445,10 +446,10 @@ def test_the_heartbeats_of_all_streams_together_stay_within_their_budget() -> No
 
 
 def test_streams_opened_together_beat_apart_and_a_beat_waits_while_a_change_is_on_its_way() -> None:
-    """Was: each stream waited a heartbeat period after its last message, so streams opened together (a fleet's
-    restart, the benchmark's 256) all woke together, every period: a burst of 256 threads, Decide's p99 behind it. Now
-    each beats on a grid of its own random phase; and no beat goes before a message being made (the first, every
-    table, included) or a change on its way."""
+    """Each stream beats on a grid of its own random phase: waiting a heartbeat period after its last message, streams
+    opened together (a fleet's restart, the benchmark's 256) would all wake together, every period, a burst of 256
+    threads with Decide's p99 behind it; and no beat goes before a message being made (the first, every table, included)
+    or a change on its way."""
     period = 0.5
     learner = SimpleNamespace(segments=lambda: [], stale=False)
     controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
@@ -518,8 +519,8 @@ class Beats:
 
 
 def test_a_heartbeat_is_sent_from_the_serving_loop_while_the_streams_thread_waits() -> None:
-    """Was: each heartbeat woke the stream's pool thread, which made it, handed it to the event loop and was handed
-    the next wait back: at 256 streams ~4 % of a core for 51 empty messages a second."""
+    """A heartbeat wakes no pool thread: waking the stream's thread to make it, hand it to the event loop and be
+    handed the next wait back would cost, at 256 streams, ~4 % of a core for 51 empty messages a second."""
     from concurrent import futures
 
     from controller.serving.grpc_server import stream_in_pool
@@ -538,8 +539,8 @@ def test_a_heartbeat_is_sent_from_the_serving_loop_while_the_streams_thread_wait
 
 
 def test_a_sent_message_is_let_go_of_while_the_next_one_waits() -> None:
-    """Was: a stream held its last message until its next one: every stream's first message (every table, 1.2 MiB at
-    1,000 segments) for as long as no table changed, 1.1 GiB at 256 streams, once heartbeats stopped replacing it."""
+    """A stream does not hold its last message until its next one: every stream's first message (every table,
+    1.2 MiB at 1,000 segments) held for as long as no table changes is 1.1 GiB at 256 streams."""
     import gc
     import weakref
     from concurrent import futures
@@ -646,8 +647,8 @@ def test_a_heartbeat_is_never_more_than_a_period_and_a_twentieth_away() -> None:
 
 
 def test_streams_woken_together_share_one_change_message() -> None:
-    """Was: every stream woken by a change checked for the shared message, found none yet and made its own: at a
-    decay step 256 streams each copied ~700 tables, the step's largest cost."""
+    """Streams woken by a change share one message: each finding none yet and making its own, at a decay step 256
+    streams would each copy ~700 tables, the step's largest cost."""
     learner = SimpleNamespace(segments=lambda: [], stale=False)
     controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
     publisher = DecisionPublisher(controller, refresh_seconds=60.0, max_watchers=8)  # type: ignore[arg-type]
@@ -686,9 +687,9 @@ def test_streams_woken_together_share_one_change_message() -> None:
 
 
 def test_streams_opened_together_share_one_first_message() -> None:
-    """Was: every new stream made its own first message (every table: 1.2 MiB at 1,000 segments) and serialized it,
-    256 times when a fleet restarts. Now the streams that open while the tables, the header and the period (a
-    quarter of the floor) hold share the one message's bytes."""
+    """The streams that open while the tables, the header and the period (a quarter of the floor) hold share the
+    one message's bytes: a first message per stream (every table: 1.2 MiB at 1,000 segments), serialized for each,
+    is made 256 times when a fleet restarts."""
     learner = SimpleNamespace(segments=lambda: [], stale=False)
     controller = SimpleNamespace(learner=learner, policies=SimpleNamespace(current=SimpleNamespace(version="p1")))
     publisher = DecisionPublisher(controller, refresh_seconds=1.0, max_watchers=512)  # type: ignore[arg-type]

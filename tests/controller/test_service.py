@@ -223,7 +223,7 @@ INVALID = [
     invalid("zero-batch", "Decide", decide_request(batch_size=0), "batch_size", "[1, "),
     # a hostile drafter name is quoted, cut short, never echoed whole
     invalid("long-unknown-drafter", "Decide", decide_request(drafters=["x" * 5000]), "drafters[0]", "xxx..."),
-    # each drafter once: a list bounded only by the message size took 27 ms to check in the handler (issue 22)
+    # each drafter once: a list bounded only by the message size takes 27 ms to check in the handler
     invalid("too-many-drafters", "Decide", decide_request(drafters=["draft"] * 120_000), "drafters", "at most 16"),
     invalid(
         "nan-temperature",
@@ -239,8 +239,8 @@ INVALID = [
     # timings feed the cost model: NaN or negative seconds would poison c and v(n)
     invalid("nan-draft-seconds", "ReportRounds", report(draft_aggregate(draft_seconds=math.nan)), "draft_seconds"),
     invalid("negative-verify-seconds", "ReportRounds", report(draft_aggregate(verify_seconds=-0.5)), "verify_seconds"),
-    # a round takes time: zero seconds for rounds made every cost ratio a division by zero (the one report that
-    # poisoned every decision, issue 11)
+    # a round takes time: zero seconds for rounds makes every cost ratio a division by zero (one such report
+    # poisons every decision)
     invalid(
         "zero-seconds",
         "ReportRounds",
@@ -297,7 +297,7 @@ INVALID = [
     ),
     # Acceptance is a prefix: position 1 is verified only in rounds where position 0 was accepted, so
     # verified_per_position[1] <= accepted_per_position[0]. Here position 0 was accepted twice, yet
-    # position 1 claims 10 verifications (BUG: validation.aggregate does not check this; fails until fixed).
+    # position 1 claims 10 verifications: refused.
     invalid(
         "verified-after-a-rejection",
         "ReportRounds",
@@ -498,7 +498,7 @@ def test_reflection_serves_the_controller_descriptor(channel):
     assert b"specd_api/v1/controller.proto" in response.file_descriptor_response.file_descriptor_proto[0]
 
 
-# --- bugs found while writing these tests: each fails until the code under test is fixed ----------------
+# --- decisions after unusual reports ----------------------------------------------------------------------
 # These run on a daemon of their own (their reports would disturb the module's), with exploration off so
 # that Decide answers deterministically.
 
@@ -522,14 +522,14 @@ def stats_decision(stub: pb_grpc.ControllerStub, segment: str) -> pb.Decision:
 
 
 def test_a_new_report_is_never_acknowledged_as_a_duplicate(fresh):
-    """Regression (store.py ingest): the Lua script summed rounds as a Lua double and returned it as an integer
-    reply; at 2^63 that wrapped negative, and ``IngestResult`` read any negative reply as "duplicate". Fixed by
-    refusing absurd counts at the door."""
+    """The Lua script (store.py ingest) sums rounds as a Lua double and returns it as an integer reply; at 2^63 that
+    wraps negative, and ``IngestResult`` reads any negative reply as "duplicate". Absurd counts are refused at the
+    door, or counted right."""
     stub = fresh()
     absurd = pb.RoundsAggregate(segment="huge", drafter="none", rounds=2**63 - 1, batch_size=1)
     try:
         response = stub.ReportRounds(report(absurd), timeout=RPC_TIMEOUT)
-    except grpc.RpcError as error:  # refusing an absurd count is a fix as good as counting it right
+    except grpc.RpcError as error:  # refusing an absurd count is as good as counting it right
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "rounds" in error.details()
         return
@@ -545,13 +545,13 @@ def test_a_new_report_is_never_acknowledged_as_a_duplicate(fresh):
     ],
 )
 def test_one_report_cannot_switch_the_draft_model_off_everywhere(fresh, draft_seconds):
-    """Regression: timings were only checked to be finite and >= 0, and c is a ratio of sums over all segments,
-    so one report of 10 rounds from one segment set c ~ 1e11 for every segment. Now refused at the door."""
+    """c is a ratio of sums over all segments, so timings checked only to be finite and >= 0 would let one report
+    of 10 rounds from one segment set c ~ 1e11 for every segment. Such a report is refused at the door."""
     stub = fresh()
     assert stats_decision(stub, "chat").drafter == "draft"  # the default prior (α 0.6, c 0.1): speculate
     try:
         stub.ReportRounds(report(draft_aggregate("clock-bug", draft_seconds=draft_seconds)), timeout=RPC_TIMEOUT)
-    except grpc.RpcError as error:  # refusing the absurd timing is a fix
+    except grpc.RpcError as error:  # refusing the absurd timing is right too
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "draft_seconds" in error.details()
         return
@@ -560,9 +560,9 @@ def test_one_report_cannot_switch_the_draft_model_off_everywhere(fresh, draft_se
 
 
 def test_a_segment_beyond_the_cap_is_decided_from_the_overflow_statistics(fresh):
-    """Regression (service.Controller.decide): once max_segments is reached, a new segment's telemetry is counted
-    under _overflow (store.py); Decide read the new segment's own counts, which stay empty forever. It now decides
-    from the overflow segment's counts and says so in Decision.segment."""
+    """Once max_segments is reached, a new segment's telemetry is counted under _overflow (store.py), and its own
+    counts stay empty forever: Decide (service.Controller.decide) decides it from the overflow segment's counts and
+    says so in Decision.segment."""
     stub = fresh(max_segments=1)
     for segment in ("first", "second"):  # the cap is one segment: "second" is counted under _overflow
         stub.ReportRounds(report(hopeless_aggregate(segment)), timeout=RPC_TIMEOUT)
@@ -574,9 +574,9 @@ def test_a_segment_beyond_the_cap_is_decided_from_the_overflow_statistics(fresh)
 
 
 def test_unprofitable_drafting_is_not_reported_as_a_short_request(fresh):
-    """Regression (decide.decide): arms whose expected speedup is below 1 failed ``repays_drafting`` (negative
-    saving), so the answer was "request_too_short" for a 64-token request, and hysteresis never saw the segment
-    switched off."""
+    """Arms whose expected speedup is below 1 fail ``repays_drafting`` (negative saving); decide.decide answers
+    "low_expected_speedup" for them, not "request_too_short" for a 64-token request, so that hysteresis sees the
+    segment switched off."""
     stub = fresh()
     stub.ReportRounds(report(hopeless_aggregate("hopeless")), timeout=RPC_TIMEOUT)
     wait_for_stats(stub, "hopeless", lambda s: s.rounds >= 1000)

@@ -125,7 +125,7 @@ def replay_lookup(truth: Truth, emitted: int, rng: random.Random) -> list[Scored
 
 
 def static_throughput(truth: Truth, drafter: str, k: int, requests: int = 60) -> float:
-    # a seed fixed across processes: hash() of a str is salted per interpreter (PYTHONHASHSEED), which made the
+    # a seed fixed across processes: hash() of a str is salted per interpreter (PYTHONHASHSEED), which would make the
     # measured ratios differ from run to run
     rng = random.Random(zlib.crc32(f"{drafter}:{k}".encode()))
     served = [decode("truth", truth, Plan(drafter, k), rng) for _ in range(requests)]

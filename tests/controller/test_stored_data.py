@@ -1,4 +1,4 @@
-"""Stored data the controller cannot read never stops it (DESIGN contract 7; issue 22): a non-JSON prior, bad sample
+"""Stored data the controller cannot read never stops it (DESIGN contract 7): a non-JSON prior, bad sample
 rows, a position field of 3,000,000, a key of the wrong type at one segment's bucket. Real Redis, and a real daemon
 for the start-up case."""
 
@@ -112,9 +112,9 @@ def test_the_controller_starts_and_decides_over_an_unreadable_prior(embedded_red
 
 def test_reports_over_keys_of_the_wrong_type_are_stored_not_journaled(embedded_redis_url, tmp_path) -> None:
     """A cost bucket of another type (set ahead for the next minutes too), the samples list as a hash, the segments
-    set as a string: each once failed every report with WRONGTYPE, so that every report was journaled, the controller
-    was stale and every Decide said so, until the key went. Now the report's writes replace them (a daemon over gRPC,
-    its report process writing)."""
+    set as a string: each would fail every report with WRONGTYPE, so that every report is journaled, the controller
+    is stale and every Decide says so, until the key goes. The report's writes replace them (a daemon over gRPC, its
+    report process writing)."""
     from controller.storage.redis_conn import make_client
     from tests.controller.test_calibration_service import draft_request
 
@@ -149,9 +149,9 @@ def test_reports_over_keys_of_the_wrong_type_are_stored_not_journaled(embedded_r
 
 
 def test_unreadable_change_marks_start_again_under_a_new_epoch(redis_client, prefix, tmp_path) -> None:
-    """A change marks' counter that holds no number is reset by the next report's marks under a new epoch. The
-    reset once wrote this writer's usual epoch, likely the one stored: a reader that had seen marks up to N then read
-    only the marks after N and kept the old counts of the segments marked 1..N (until the decay step moved)."""
+    """A change marks' counter that holds no number is reset by the next report's marks under a new epoch. A reset
+    under this writer's usual epoch, likely the one stored, would let a reader that had seen marks up to N read only
+    the marks after N and keep the old counts of the segments marked 1..N (until the decay step moved)."""
     clock = [T0]
     config = StoreConfig(prefix=prefix, decay_step_seconds=60.0)
     store = TelemetryStore(redis_client, config, lambda: clock[0])

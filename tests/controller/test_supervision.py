@@ -1,7 +1,7 @@
 """Supervision of the embedded Redis (storage/redis_conn.py ``Supervisor``), with real processes and real gRPC.
 
-Issue 11 item 7: a dead embedded Redis was never restarted, and gRPC health stayed SERVING while the controller ran
-stale. Here: SIGKILL it under a running controller; the ``specd.redis`` health turns NOT_SERVING within seconds while
+A dead embedded Redis must be restarted, and gRPC health must not stay SERVING while the controller runs stale.
+Here: SIGKILL it under a running controller; the ``specd.redis`` health turns NOT_SERVING within seconds while
 ``""`` and the Controller service stay SERVING (Decide answers from memory); it is restarted on the same socket and
 data; health is SERVING again; the reports made during the outage were journaled and are stored exactly once.
 """

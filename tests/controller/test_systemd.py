@@ -22,7 +22,7 @@ OPS = Path(__file__).resolve().parents[2] / "ops"
 UNIT = OPS / "specd-controller.service"
 WORKER_UNIT = OPS / "specd-worker.service"
 UNITS = {"controller": UNIT, "worker": WORKER_UNIT}
-# The bar: the controller scored 1.2 ("OK") when it was set; neither unit may fall back past 1.5.
+# The bar: the controller's unit scores 1.2 ("OK"); neither unit may fall back past 1.5.
 MAX_EXPOSURE = 1.5
 RECV_TIMEOUT_S = 2.0
 

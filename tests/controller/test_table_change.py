@@ -1,5 +1,5 @@
 """material_change: a recomputed decision table is sent again only when a worker holding the old one would act
-otherwise (issue 22: at a decay step 1,000 tables moved by decimals, and every one went to every stream)."""
+otherwise (at a decay step 1,000 tables move by decimals, and sending each to every stream is wasted work)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Decision tables at a decay step (issue 22): a table whose segment had no report follows its counts' decay at its
+"""Decision tables at a decay step: a table whose segment had no report follows its counts' decay at its
 own decay epoch (every TABLE_DECAY_STEPS steps, each segment at its own phase), not all 1,000 at every step; and a
 table recomputed within material_change's tolerances of the one the streams hold is not sent again. The build's
 logic with its inputs faked, then a real learner over a real Redis crossing real decay steps."""
@@ -146,7 +146,8 @@ def test_a_decay_step_moves_a_segments_counts_but_not_its_data_version(redis_cli
 def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
     redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Was: every decay step recomputed every table (1-2 s of CPU at 1,000 segments) and sent ~70 % of them."""
+    """A decay step recomputes a share of the tables, not every one (1-2 s of CPU at 1,000 segments, ~70 % of them
+    sent)."""
     clock, learner, controller = real(redis_client, prefix)
     teach(learner, SEGMENTS, "r1")
     learner.refresh()
@@ -175,8 +176,8 @@ def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within
 def test_tables_recomputed_within_the_tolerances_are_not_recomputed_again_at_the_next_refresh(
     redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Was: a refresh whose recomputed tables were all within the tolerances (nothing to send) dropped them with their
-    new keys, so every later refresh recomputed the same quarter of the tables again (25 % of a core, 1,000
+    """A refresh whose recomputed tables are all within the tolerances (nothing to send) keeps them under their new
+    keys: dropped, every later refresh would recompute the same quarter of the tables again (25 % of a core, 1,000
     segments, for the rest of the epoch)."""
     clock, learner, controller = real(redis_client, prefix)
     teach(learner, SEGMENTS, "r1")

@@ -1,6 +1,6 @@
-"""Sampling parameters at the limits of the dtypes they meet (hypothesis; issue 22): a request's ``temperature``,
+"""Sampling parameters at the limits of the dtypes they meet (hypothesis): a request's ``temperature``,
 ``top_p`` and ``top_k`` arrive as JSON doubles and integers and are used against float32, bfloat16 or float16
-logits, where a positive double can be 0 (``top_p: 1e-46`` once dropped every token and killed the decode loop), a
+logits, where a positive double can be 0 (``top_p: 1e-46`` must not drop every token and kill the decode loop), a
 temperature can overflow the logits it divides, and ``top_k`` can exceed the vocabulary or int32.
 
 Whatever the parameters the worker accepts, and whatever finite-or-masked logits a model gives:
@@ -88,7 +88,7 @@ def check_finite_row(row: torch.Tensor, p: torch.Tensor, sampling: SamplingParam
 
 
 @given(logits=logit_rows(), temperature=temperatures, top_k=top_ks, top_p=top_ps, seed=st.integers(0, 2**63 - 1))
-@example(logits=torch.tensor([[0.0, 1.0, 2.0]]), temperature=1.0, top_k=0, top_p=1e-46, seed=0)  # the issue's case
+@example(logits=torch.tensor([[0.0, 1.0, 2.0]]), temperature=1.0, top_k=0, top_p=1e-46, seed=0)  # 0 in float32
 @example(logits=torch.tensor([[0.0, 1.0, 2.0]]), temperature=GREEDY_BELOW, top_k=0, top_p=1.0, seed=0)
 @example(logits=torch.tensor([[-3e38, 3e38, 0.0]]), temperature=GREEDY_BELOW, top_k=2, top_p=0.5, seed=0)
 @example(logits=torch.tensor([[0.0, 1.0, math.log(3.0) + 1]]), temperature=0.5, top_k=0, top_p=1.0, seed=0)

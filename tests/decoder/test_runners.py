@@ -117,8 +117,8 @@ def runner_comparisons(root: Path) -> list[str]:
 
 
 def test_only_the_selector_decides_on_the_runner_name():
-    """The runner string was once read in three places (the one-sequence cache, the pool, its forward), and the
-    worker's ran another pass than the engine's; now every decision on it is in decoder/runners/select.py."""
+    """Every decision on the runner string is in decoder/runners/select.py: read in several places (the
+    one-sequence cache, the pool, its forward), the worker's could run another pass than the engine's."""
     root = Path(__file__).resolve().parents[2]
     decisions = runner_comparisons(root)
     assert decisions and all(where.startswith("decoder/runners/select.py:") for where in decisions), decisions

@@ -66,8 +66,8 @@ def test_a_vanishing_temperature_is_greedy_not_nan():
     ],
 )
 def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p, why):
-    """A top_p that underflows float32 once dropped every token: softmax of all -inf is NaN, and the sampler raised
-    in the decode thread (issue 22). The nucleus always holds the most likely token, whatever top_p is."""
+    """A top_p that underflows float32 must not drop every token: softmax of all -inf is NaN, and the sampler would
+    raise in the decode thread. The nucleus always holds the most likely token, whatever top_p is."""
     logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.0, 0.0, 0.0, 5.0]])
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
     assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]], why

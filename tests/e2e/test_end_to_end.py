@@ -7,8 +7,8 @@ decayed read). And decisions follow the data: a segment the controller knows not
 prior (the draft model), and once its reports come in, every acceptance estimate it is decided with is the
 posterior of exactly those rounds, computed here independently. Which plan that data favours is left open: on
 these few 24-token requests the arms are within each other's noise (on the adversarial prompts the draft's α at
-position 0 was 0.65-0.77 in three runs and the chain's about 0.5, not the 0.17 of an earlier draft model), so a
-test that named the winner failed on a machine where the draft's plan came out on top again. The tests' policy
+position 0 is about 0.65-0.77 and the chain's about 0.5), so a test that named the winner would fail on a machine
+where another plan comes out on top. The tests' policy
 forces ``adversarial*`` off by rule (tests/e2e/conftest.py), so that the rule is shown on the adversarial prompts,
 and the learning on the same prompts under a segment name no rule covers.
 """
@@ -173,7 +173,7 @@ def test_controller_learns_exactly_what_the_worker_decoded(stack: Stack) -> None
         first = in_threads(send, [unruled.pop(0), *one_each], THREADS)
         wait_for_reports(controller.address, http)
         # A fallback or a probe of "none" may have kept every drafter off UNRULED; the check below needs rounds of one
-        # (which one is left open: waiting for the draft model's once took every UNRULED prompt into the first wave)
+        # (which one is left open: waiting for the draft model's can take every UNRULED prompt into the first wave)
         while not any(s == UNRULED and d != "none" for s, d in controller_counts(controller.address)):
             assert len(unruled) > 2, "no drafter ever ran on UNRULED: no prompts left for the second wave"
             first.append(send(unruled.pop(0)))

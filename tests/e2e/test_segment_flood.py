@@ -1,6 +1,6 @@
 """A flood of made-up segment names over HTTP against a real `specd worker` (the reference pair) and a real `specd
-controller` with a small segment cap (issue 22: one client naming a new segment per request filled the cap, and every
-later new segment learned only as _overflow for an hour). The worker's ``client_segments.max_names`` keeps the
+controller` with a small segment cap (one client naming a new segment per request must not fill the cap, where every
+later new segment would learn only as _overflow for an hour). The worker's ``client_segments.max_names`` keeps the
 flood to a few places."""
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def assert_serving(client: TestClient) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "status", "why"),
     [
-        ("top_p", 1e-46, 200, "positive as a double, 0 in float32: the nucleus is the top token (was: every token "
-                              "dropped, the decode thread died, every later request 503)"),
+        ("top_p", 1e-46, 200, "positive as a double, 0 in float32: the nucleus is the top token, never an empty "
+                              "one (which kills the decode thread: every later request 503)"),
         ("top_p", 5e-324, 200, "the smallest positive double"),
         ("top_p", 1 - 1e-12, 200, "below 1 as a double, 1.0 in float32"),
         ("temperature", 1e-45, 200, "float32's smallest subnormal: greedy"),
@@ -110,8 +110,8 @@ POISON = [9, 9, 9, 9, 9, 9]  # a prompt given as token ids; its rounds raise onc
 
 def test_a_fault_in_one_requests_round_fails_that_request_only(client: TestClient, monkeypatch):
     """Three requests decode together; one's round raises. It gets a 500 naming the error; the two others finish
-    with their own text, /health stays 200 and the next request is served. Before, the exception ended the decode
-    thread: all three failed, and every later request got 503 from a process that stayed up."""
+    with their own text, /health stays 200 and the next request is served: the exception must not end the decode
+    thread, failing all three and every later request with a 503 from a process that stays up."""
     innocent = {"prompt": "The quick brown fox", "max_tokens": 40, "temperature": 0}
     alone = client.post("/v1/completions", json=innocent).json()["choices"][0]["text"]
     finish_round = DecodeSession.finish_round
@@ -146,8 +146,8 @@ def test_a_fault_in_one_requests_round_fails_that_request_only(client: TestClien
 
 
 def test_a_clients_k_is_bounded_by_the_workers_setting(client: TestClient):
-    """Four clients asking for the draft model at K=64 made every other request ~10x slower (docs/RELIABILITY.md);
-    K is now bounded by client_speculation.max_k."""
+    """Four clients asking for the draft model at K=64 make every other request ~10x slower (docs/RELIABILITY.md),
+    so K is bounded by client_speculation.max_k."""
     at = complete(client, temperature=0, speculation={"drafter": "draft", "k": MAX_K})
     assert at.status_code == 200 and at.json()["specd"]["k"] == MAX_K, at.text
     over = complete(client, temperature=0, speculation={"drafter": "draft", "k": MAX_K + 1})
@@ -190,8 +190,8 @@ def test_a_stop_string_is_bounded_in_length(client: TestClient, stop: str | list
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_decode_loop_stops_the_worker_with_status_1(config: WorkerConfig):
     """A fault outside every request (here: admitting) ends the decode loop. The worker then answers 503 and stops
-    as on SIGTERM, exiting 1: systemd's Restart=on-failure brings it back. Before, the process stayed up with a
-    dead loop, answering 503 for good."""
+    as on SIGTERM, exiting 1: systemd's Restart=on-failure brings it back. It never stays up with a dead loop,
+    answering 503 for good."""
     port = free_port()
     worker = WorkerProcess(config.model_copy(update={"listen": f"127.0.0.1:{port}", "warm_up": False}), "WARNING")
     url = f"http://127.0.0.1:{port}"

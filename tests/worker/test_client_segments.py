@@ -1,5 +1,5 @@
-"""The segments a client may name (``client_segments``; issue 22: a client naming a new segment per request filled
-the controller's segment cap, and every later new segment learned only as ``_overflow`` for an hour).
+"""The segments a client may name (``client_segments``: a client naming a new segment per request must not fill the
+controller's segment cap, where every later new segment would learn only as ``_overflow`` for an hour).
 
 The rule itself, on a clock the test moves; tests/e2e/test_segment_flood.py has it over the real path."""
 

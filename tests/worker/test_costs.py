@@ -31,14 +31,14 @@ from tests.daemons import running_daemon
 STEP = 0.030  # seconds of one injected target step
 V = (1.0, 1.6, 1.9, 1.5, 1.25)  # injected v(n) for n = 0..4 drafts: not a line, not monotonic
 DRAFT = 0.012  # seconds of one injected draft pass: c = 0.4
-TOLERANCE = 0.15  # the issue's bar: learned within ±15% of the truth
+TOLERANCE = 0.15  # the bar: learned within ±15% of the truth
 
 
 @pytest.fixture
 def slow_passes(monkeypatch) -> Iterator[dict[tuple[str, int, int], list[float]]]:
     """Injects the sleeps; yields each pass's own compute, (model, width, sequences) -> seconds: what a pass costs
-    is the sleep plus that (on a slow CPU, float64 passes of 2 sequences took ~4.7 ms beside the 30 ms step, and the
-    learned v(n) were 6 % closer to 1 than the sleeps alone: right, as that is what the passes cost)."""
+    is the sleep plus that (on a slow CPU, float64 passes of 2 sequences take ~4.7 ms beside the 30 ms step, and the
+    learned v(n) are then 6 % closer to 1 than the sleeps alone: right, as that is what the passes cost)."""
     real = KVPool.forward_many
     compute: dict[tuple[str, int, int], list[float]] = {}
 

@@ -1,7 +1,7 @@
 """Hostile clients against a real `specd worker` process, over raw sockets where a client library would not misbehave
 enough: requests that never arrive whole, connections that send nothing, half-sent requests at a stop, and a prompt
-built to be slow to classify. Each held a connection, the event loop or the stop for as long as the client liked, or
-logged a traceback per request (issue 22)."""
+built to be slow to classify. Unbounded, each would hold a connection, the event loop or the stop for as long as the
+client liked, or log a traceback per request."""
 
 from __future__ import annotations
 
@@ -111,10 +111,10 @@ def test_a_slow_request_within_the_deadline_and_kept_alive_connections_are_serve
 
 
 def test_each_response_leaves_at_once_on_a_kept_alive_connection(worker: Worker):
-    """h11 sends a response's head and its body apart. The accepted sockets had Nagle's algorithm on (asyncio turns
-    it off only for a socket whose protocol number says TCP, and ``socket.create_server`` leaves 0), so the body
-    waited for the client's delayed ACK: at least 40 ms on Linux, on every response of a kept-alive connection
-    (/health took 44 ms, a completion of 8 tokens 48 ms against 5). The median over one connection tells the two
+    """h11 sends a response's head and its body apart. Accepted sockets have Nagle's algorithm on unless turned off
+    (asyncio turns it off only for a socket whose protocol number says TCP, and ``socket.create_server`` leaves 0),
+    and then the body waits for the client's delayed ACK: at least 40 ms on Linux, on every response of a kept-alive
+    connection (/health 44 ms, a completion of 8 tokens 48 ms against 5). The median over one connection tells the two
     apart whatever the machine's noise."""
     with worker.connect() as sock:
         latencies = []
@@ -133,11 +133,11 @@ def test_each_response_leaves_at_once_on_a_kept_alive_connection(worker: Worker)
 
 def test_health_answers_while_the_slowest_prompt_to_classify_is_in_flight(worker: Worker):
     """The slowest prompt to classify found (tests/worker/test_segments.py), as large as the limits allow: 40,000 blank
-    lines, then an ``if`` line with no colon. The old patterns rescanned the rest from every line start (minutes of
-    event loop, /health frozen). Now the classifier reads a bounded window with linear patterns, off the loop.
+    lines, then an ``if`` line with no colon. Patterns that rescan the rest from every line start take minutes of
+    event loop, /health frozen; the classifier reads a bounded window with linear patterns, off the loop.
 
-    The bound is 2 s, not a latency target: the old patterns froze /health for 16-40 s, and this machine's own stalls
-    (a second happens on a shared CI host; CI once failed a 0.5 s bound at 0.51 s) must not fail the test."""
+    The bound is 2 s, not a latency target: rescanning patterns freeze /health for 16-40 s, and this machine's own
+    stalls (a second happens on a shared CI host, so a 0.5 s bound is too tight) must not fail the test."""
     prompt = blank_lines_then_an_if()
     result: dict[str, object] = {}
 
@@ -196,8 +196,8 @@ def test_half_sent_requests_do_not_hold_the_stop_nor_log_tracebacks(launcher: Wo
 
 def test_one_hosts_connections_leave_other_hosts_served(launcher: WorkerLauncher):
     """uvicorn's limit_concurrency counts every client's connections together: one host's 4,200 idle connections
-    (past max_connections, 4,096) made every other client's request a 503 (issue 22). Each client address now holds
-    at most limits.max_connections_per_host: a connection past it is answered 503 at once and closed, and another
+    (past max_connections, 4,096) would make every other client's request a 503. Each client address holds at most
+    limits.max_connections_per_host: a connection past it is answered 503 at once and closed, and another
     address is served. A worker listening on [::] takes calls from ::1 and from 127.0.0.1 (as ::ffff:127.0.0.1)."""
     if not ipv6_loopback():
         pytest.skip("no IPv6 loopback on this machine: the test needs connections from two addresses")

@@ -64,8 +64,8 @@ def test_the_body_limit_is_exact(worker: Worker, chunked: bool):
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_a_50_mb_body_is_refused_before_it_is_parsed(worker: Worker, chunked: bool):
-    """Before the limit a 50 MB body was parsed and answered. With a Content-Length it is refused before a byte is
-    read; chunked, once the limit is passed (the rest is never parsed)."""
+    """A 50 MB body is never parsed nor answered. With a Content-Length it is refused before a byte is read;
+    chunked, once the limit is passed (the rest is never parsed)."""
     body = padded(50_000_000)
     started = time.perf_counter()
     response = post_raw(worker, (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body)
@@ -91,9 +91,9 @@ def test_a_declared_length_past_the_limit_is_refused_before_the_body_is_sent(wor
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_a_body_past_the_limit_gets_its_413_whole_not_a_reset(worker: Worker, chunked: bool):
     """16 MB (four times the limit, more than the socket buffers hold) from a client that sends its whole body before
-    reading, with ``Connection: close``. The worker answered and closed with the body unread: the kernel reset the
-    connection, and the client's send failed (EPIPE, ECONNRESET) before it could read its 413. Now the rest of the
-    body is read and dropped (bounded) before the 413 ends and the connection closes in order."""
+    reading, with ``Connection: close``. Closed with the body unread, the kernel resets the connection, and the
+    client's send fails (EPIPE, ECONNRESET) before it can read its 413; so the rest of the body is read and dropped
+    (bounded) before the 413 ends and the connection closes in order."""
     body = padded(MAX_BODY * 4)
     framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body)
     if chunked:

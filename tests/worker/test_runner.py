@@ -105,8 +105,8 @@ def test_the_worker_captures_its_graphs_before_its_warm_up_and_says_so(tiny_pair
 def test_a_transformers_worker_runs_transformers_pass_and_serves_its_greedy_text(
     launcher: WorkerLauncher, reference: Reference
 ):
-    """``runner: transformers`` once ran the lean pass in the worker while the engine's single-sequence path ran
-    transformers': the listening line names the pass the target pool runs, and the text is transformers' own."""
+    """``runner: transformers`` runs transformers' pass in the worker, as in the engine's single-sequence path, not
+    the lean one: the listening line names the pass the target pool runs, and the text is transformers' own."""
     worker = launcher.start("transformers", runner="transformers", controller={"address": None})
     assert "the transformers pass (torch products) in float64" in worker.log.read_text()
     forward = {"runner": "transformers", "dtype": "float64", "kernel": "torch"}

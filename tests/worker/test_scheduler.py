@@ -303,7 +303,8 @@ def run_jobs(target, draft, drafter: str, prompts: list[list[int]]) -> list[Reco
 def test_a_round_that_raises_for_one_sequence_fails_that_request_only(target, draft, monkeypatch, where, drafter):
     """The poisoned request, batched between two others, fails (500, the error named); the others finish with the
     very tokens they decode without it (rewound and run alone after the failed batched round: nothing lost, nothing
-    repeated), and the loop goes on. Before, the exception killed the decode thread and every later request got 503."""
+    repeated), and the loop goes on: the exception must not kill the decode thread and make every later request a
+    503."""
     cls, method, context_of = FAULTS[where]
     clean = [r.tokens for r in run_jobs(target, draft, drafter, INNOCENT)]
     original = getattr(cls, method)

@@ -83,7 +83,7 @@ def test_prose_is_rarely_mistaken_for_something_else(predictions):
         assert wrong <= 0.1 * sum(predictions["prose"].values()), (segment, dict(predictions["prose"]))
 
 
-# -- bounded time, whatever the prompt (issue 22) ---------------------------------------------------------------
+# -- bounded time, whatever the prompt ------------------------------------------------------------------------------
 
 MAX_PROMPT_CHARS = RequestLimits().max_prompt_chars  # the largest text prompt a worker takes by default
 
@@ -91,14 +91,14 @@ MAX_PROMPT_CHARS = RequestLimits().max_prompt_chars  # the largest text prompt a
 def blank_lines_then_an_if(chars: int = MAX_PROMPT_CHARS, blank: int = 40_000) -> str:
     r"""The slowest prompt found that the classifier reads (it repeats itself too little, 0.27, to be called
     extractive first): every one of the ``blank`` line starts matched ``\s*`` down to the ``if``, then scanned the
-    rest (random characters, no colon) for ``:$``. 40 s for the old pattern's first pass alone."""
+    rest (random characters, no colon) for ``:$``: 40 s for such a pattern's first pass alone."""
     rng = random.Random(0)
     alphabet = [c for c in string.printable[:94] if c != ":"]
     return "x" + "\n" * blank + "if " + "".join(rng.choice(alphabet) for _ in range(chars - blank - 4))
 
 
-# Runs of the characters the patterns repeat: whitespace at line starts (`^\s*` rescanned the rest of a newline run
-# from every line start: quadratic, 20,000 newlines took 9.6 s), a line that almost ends in a colon, decorators, SQL.
+# Runs of the characters the patterns repeat: whitespace at line starts (`^\s*` rescans the rest of a newline run
+# from every line start: quadratic, 20,000 newlines take 9.6 s), a line that almost ends in a colon, decorators, SQL.
 SLOW_ONCE = {
     "newlines": "a" + "\n" * MAX_PROMPT_CHARS + "a",
     "blank lines": "a" + "\n " * (MAX_PROMPT_CHARS // 2) + "a",
