@@ -453,7 +453,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         '    "transformers": TransformersPass,  # any causal LM',
         '    "transformers": LeanPass.create,',
         ("tests/decoder/test_runners.py", "tests/decoder/test_lean.py"),
-        "runner: transformers silently runs the lean pass (as the worker once did): the README's runner table is false",
+        "runner: transformers silently runs the lean pass: the README's runner table is false",
     ),
     Mutation(
         "calibration-from-one-request",
@@ -479,6 +479,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "calibration=calibration_factor(median(calibration), total(calibration)),",
         ("tests/controller/test_calibration_service.py",),
         "a new segment's calibration starts at 1 whatever the fleet's requests realised (cold segments over-promised)",
+    ),
+    Mutation(
+        "fleet-acceptance-pools-modes",
+        "controller/decision/learner.py",
+        "kept = [c for name, c in self._snapshot.segments.items() if mode_of(name) == mode]",
+        "kept = [c for name, c in self._snapshot.segments.items()]",
+        ("tests/controller/test_fleet_figures.py",),
+        "the fleet's acceptance pools greedy and sampled segments: new sampled traffic is promised greedy's speedup",
+    ),
+    Mutation(
+        "fleet-alpha-ignores-the-request-mode",
+        "controller/decision/core.py",
+        "self.fleet_alpha(d, s.prior_alpha, settings.prior_strength, mode)",
+        "self.fleet_alpha(d, s.prior_alpha, settings.prior_strength)",
+        ("tests/controller/test_fleet_figures.py",),
+        "a new sampled segment starts from the greedy fleet's acceptance",
     ),
     Mutation(
         "calibration-ignores-request-totals",
@@ -1060,7 +1076,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "asyncio.timeout(limits.wait_seconds if counted else OVER_CAP_WAIT_SECONDS)",
         "asyncio.timeout(None if counted else OVER_CAP_WAIT_SECONDS)",
         ("tests/controller/test_request_wait.py",),
-        "a call that never sends its request message waits for it for good, holding its memory (issue 22)",
+        "a call that never sends its request message waits for it for good, holding its memory",
     ),
     Mutation(
         "request-wait-no-cap",
@@ -1068,7 +1084,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "counted = waiting.total < limits.max_waiting and",
         "counted = True and",
         ("tests/controller/test_request_wait.py",),
-        "any number of calls wait for their request message: only the connections bound their memory (issue 22)",
+        "any number of calls wait for their request message: only the connections bound their memory",
     ),
     Mutation(
         "report-budget-no-refill",
@@ -1076,7 +1092,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                bucket.tokens = min(self.burst, bucket.tokens + max(now - bucket.updated, 0.0) * self.rate)",
         "                bucket.tokens = min(self.burst, bucket.tokens)",
         ("tests/controller/test_report_budget.py",),
-        "a peer's report budget never refills: once spent, its worker's reports are refused for good (issue 22)",
+        "a peer's report budget never refills: once spent, its worker's reports are refused for good",
     ),
     Mutation(
         "report-budget-charged-before-size-check",
@@ -1085,7 +1101,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if self.budget is None:",
         ("tests/controller/test_report_budget.py",),
         "a report past the size bound is charged to the budget: RESOURCE_EXHAUSTED (retried forever) instead of "
-        "INVALID_ARGUMENT (issue 22)",
+        "INVALID_ARGUMENT",
     ),
     Mutation(
         "unseen-segments-keyed-by-name",
@@ -1094,7 +1110,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        named = request.segment",
         ("tests/controller/test_made_up_segments.py",),
         "every made-up segment gets cache entries of its own: 6.5x a learned Decide's work, and a client naming a new "
-        "segment per call pushes the learned segments' estimates out (issue 22)",
+        "segment per call pushes the learned segments' estimates out",
     ),
     Mutation(
         "unseen-segment-plan-remembered",
@@ -1103,7 +1119,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ":",
         ("tests/controller/test_made_up_segments.py",),
         "a segment nobody reported is remembered for hysteresis: a flood of made-up names evicts another client's "
-        "learned plans (issue 22)",
+        "learned plans",
     ),
     Mutation(
         "host-shares-off",
@@ -1112,7 +1128,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            async with contextlib.nullcontext():",
         ("tests/controller/test_host_share.py",),
         "one host's flood runs as many calls at once as it sends: another host's Decide gets a sliver of the "
-        "interpreter (issue 22)",
+        "interpreter",
     ),
     Mutation(
         "host-share-one-too-many",
@@ -1136,7 +1152,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if self._per_host.get(host, 0) >= self.max_watchers_per_host:",
         "        if False:",
         ("tests/controller/test_host_share.py",),
-        "one client host opens every WatchDecisions slot: no other host's worker gets a stream (issue 22)",
+        "one client host opens every WatchDecisions slot: no other host's worker gets a stream",
     ),
     Mutation(
         "stream-cap-refused-in-the-pool",
@@ -1144,8 +1160,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if gate is not None and (refused := gate(host)) is not None:",
         "        if False:",
         ("tests/controller/test_host_share.py",),
-        "a burst of WatchDecisions streams over their caps is refused each from a pool thread, not on the event loop "
-        "(issue 22)",
+        "a burst of WatchDecisions streams over their caps is refused each from a pool thread, not on the event loop",
     ),
     Mutation(
         "journal-entry-under-the-lock",
@@ -1154,7 +1169,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        with self._lock:\n"
         "            data, counts = entry(report_id, aggregates), report_counts(aggregates)\n",
         ("tests/controller/test_redis_outage.py",),
-        "a journaled report is encoded and counted under the lock every Decide reads under (issue 22)",
+        "a journaled report is encoded and counted under the lock every Decide reads under",
     ),
     Mutation(
         "replayed-counts-under-the-lock",
@@ -1162,7 +1177,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            counts = report_counts(aggregates)\n            with self._lock:\n",
         "            with self._lock:\n                counts = report_counts(aggregates)\n",
         ("tests/controller/test_redis_outage.py",),
-        "a replayed report's counts are made under the lock every Decide reads under (issue 22)",
+        "a replayed report's counts are made under the lock every Decide reads under",
     ),
     Mutation(
         "journal-written-under-the-lock",
@@ -1170,7 +1185,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        try:\n            self.journal.append_entry(data)\n",
         "        try:\n            with self._lock:\n                self.journal.append_entry(data)\n",
         ("tests/controller/test_redis_outage.py",),
-        "a journaled report's write and fsync hold the lock every Decide reads under (issue 22)",
+        "a journaled report's write and fsync hold the lock every Decide reads under",
     ),
     Mutation(
         "journaled-view-cleared-mid-write",
@@ -1194,7 +1209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ON_LOOP = frozenset({DECIDE})",
         "ON_LOOP: frozenset[str] = frozenset()",
         ("tests/controller/test_host_share.py",),
-        "Decide hops to the pool and back: two waits for the interpreter beside any bulk work (issue 22)",
+        "Decide hops to the pool and back: two waits for the interpreter beside any bulk work",
     ),
     Mutation(
         "decide-abort-on-the-loop-lost",
@@ -1207,10 +1222,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "fleet-figures-left-to-decide",
         "controller/decision/learner.py",
-        "                    self._fleet[(figure, drafter, version)] = compute(tables, drafter)\n",
-        "                    pass\n",
+        "                        self._fleet[(figure, drafter, mode, version)] = compute(tables, drafter)\n",
+        "                        pass\n",
         ("tests/controller/test_fleet_figures.py",),
-        "the first Decide after each move of the learner computes the fleet's figures, on the event loop (issue 22)",
+        "the first Decide after each move of the learner computes the fleet's figures, on the event loop",
     ),
     Mutation(
         "report-process-not-niced",
@@ -1218,7 +1233,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    os.nice(nice)\n",
         "    os.nice(0)\n",
         ("tests/controller/test_report_process.py",),
-        "the report process competes with the daemon's threads for the cores at the same priority (issue 22)",
+        "the report process competes with the daemon's threads for the cores at the same priority",
     ),
     Mutation(
         "report-process-jumps-the-backlog",
@@ -1361,7 +1376,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if False:",
         ("tests/controller/test_scale_reads.py",),
         "every new stream makes and serializes its own first message: a fleet's restart copies every table once per "
-        "stream (issue 22)",
+        "stream",
     ),
     Mutation(
         "first-message-period-rounded-down",
@@ -1386,7 +1401,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        own = self._alarms.get(segment)\n",
         "        own = {d: a for s, by in sorted(self._alarms.items()) if s == segment for d, a in by.items()}\n",
         ("tests/controller/test_drift.py",),
-        "every Decide sorts every segment's drift alarms to find its own: 176 us a Decide at 2,000 alarms (issue 22)",
+        "every Decide sorts every segment's drift alarms to find its own: 176 us a Decide at 2,000 alarms",
     ),
     Mutation(
         "drift-alarms-unordered",
@@ -1402,8 +1417,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if len(names) > MAX_DRAFTERS_LISTED:",
         "    if False:",
         ("tests/controller/test_service.py",),
-        "a Decide's drafters list is bounded only by the message size: 120,000 names took 27 ms of the interpreter "
-        "in one handler (issue 22)",
+        "a Decide's drafters list is bounded only by the message size: 120,000 names take 27 ms of the interpreter "
+        "in one handler",
     ),
     Mutation(
         "costs-ignore-the-sampling-mode",
@@ -1536,7 +1551,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                pass\n",
         ("tests/worker/test_suffix_cache.py",),
         "scoring, reporting and sharing run as soon as a request is answered, beside the other sequences' decodes "
-        "(a busy Python thread beside a decode on two cores made it 2.5x slower)",
+        "(a busy Python thread beside a decode on two cores makes it 2.5x slower)",
     ),
     Mutation(
         "reports-sent-beside-the-decode",

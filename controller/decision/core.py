@@ -31,13 +31,14 @@ from controller.decision.policy import DRAFTERS, PolicyStore, Settings
 from controller.decision.realised import realised
 from controller.decision.timing_histogram import median, total
 from specd_api.lru import LruMemory
+from specd_api.modes import GREEDY, Mode, sampling_mode
 from specd_api.plan import Plan
 from specd_api.speedup import runs_draft_model
 
 TYPICAL_MAX_NEW_TOKENS = 128  # the request that GetSegmentStats's "decision now" is made for
 # What the caches key a segment with no counts by: every such segment's estimates are the same (the priors' alone), so
 # a client naming a new segment in each Decide shares one entry instead of filling the caches with its names and
-# evicting the learned segments' entries (issue 22: 6.5x the work of a learned segment's Decide, and the others' too).
+# evicting the learned segments' entries (each of which would then cost a learned segment's Decide its full work).
 UNSEEN: object = ("unseen segment",)
 # Plans made from the statistics (not from a rule): the ones hysteresis remembers.
 LEARNED_REASONS = ("best_expected_speedup", "kept_previous", "low_expected_speedup")
@@ -158,6 +159,7 @@ class Controller:
 
     def _estimate_inputs(self, settings: Settings, request: Request) -> tuple[tuple[str, float, float, float], ...]:
         prior = self.learner.prior
+        mode = sampling_mode(request.temperature)
         inputs = []
         for d in DRAFTERS:
             s = settings.drafter(d)
@@ -166,16 +168,17 @@ class Controller:
             )
             # Prompt lookup can only propose what the prompt repeats; a draft model always proposes.
             proposal_prior = 1.0 if runs_draft_model(d) else min(max(request.self_repetition, 0.05), 0.95)
-            alpha = predicted or self.fleet_alpha(d, s.prior_alpha, settings.prior_strength)
-            fleet = calibration_factor(*self.learner.fleet_calibration(d))
+            alpha = predicted or self.fleet_alpha(d, s.prior_alpha, settings.prior_strength, mode)
+            fleet = calibration_factor(*self.learner.fleet_calibration(d, mode))
             inputs.append((d, round(alpha, 3), round(proposal_prior, 2), round(fleet, 2)))
         return tuple(inputs)
 
-    def fleet_alpha(self, drafter: str, prior_alpha: float, strength: float) -> float:
-        """The drafter's acceptance over every segment (served and scored rounds, all positions), shrunk towards the
-        policy's prior_alpha by ``strength`` pseudo-rounds: where a new segment starts when no prior model has
-        been trained yet (hierarchical: the segment's own rounds then move it, as estimate_drafter shrinks them)."""
-        accepted, verified = self.learner.fleet_acceptance(drafter)
+    def fleet_alpha(self, drafter: str, prior_alpha: float, strength: float, mode: Mode = GREEDY) -> float:
+        """The drafter's acceptance over every learning segment of sampling ``mode`` (served and scored rounds, all
+        positions), shrunk towards the policy's prior_alpha by ``strength`` pseudo-rounds: where a new segment starts
+        when no prior model has been trained yet (hierarchical: the segment's own rounds then move it, as
+        estimate_drafter shrinks them)."""
+        accepted, verified = self.learner.fleet_acceptance(drafter, mode)
         return (accepted + strength * prior_alpha) / (verified + strength) if verified + strength > 0 else prior_alpha
 
     def decide(self, request: Request) -> Plan:

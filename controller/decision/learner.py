@@ -37,7 +37,7 @@ from controller.pacing import Pacer
 from controller.storage.journal import Journal, JournalFull, entry
 from controller.storage.journaled_view import JournaledView, report_counts
 from controller.storage.store import IngestResult, Snapshot, TelemetryStore
-from specd_api.modes import Mode, mode_of
+from specd_api.modes import GREEDY, MODES, Mode, mode_of
 from specd_api.plan import DRAFTERS, batch_bucket
 from specd_api.segments import OVERFLOW_SEGMENT
 
@@ -88,7 +88,7 @@ class Learner:
         self.drift_watch = DriftWatch(self.registry, store.config.bucket_seconds, store.config.window_buckets)
         # (figure, drafter, version) -> the figure over every segment (acceptance, calibration), of this version and
         # the one before
-        self._fleet: dict[tuple[str, str, int], tuple[float, float]] = {}
+        self._fleet: dict[tuple[str, str, Mode, int], tuple[float, float]] = {}  # (figure, drafter, mode, version)
         self._version_lock = threading.Lock()  # one move of the version at a time (the refresh's, a journaled report's)
 
     # --- telemetry in -------------------------------------------------------------------------------
@@ -102,8 +102,8 @@ class Learner:
             except redis.RedisError as e:
                 log.warning("Redis rejected a report (%s); journaling it", e)
                 self._stale = True
-        # Every Decide reads the counts under the lock, so nothing slow happens under it (each Decide waited for a
-        # report's encoding, counting and fsync while Redis was down: 214 ms at the bounds, issue 22). The entry and
+        # Every Decide reads the counts under the lock, so nothing slow happens under it (a report's encoding,
+        # counting and fsync take up to 214 ms at the bounds, which every Decide would wait for). The entry and
         # the counts are made before it; the report is shown, then written and synced with the lock free. Meanwhile
         # ``_appending`` keeps a refresh from taking it off the view, and a replay can only find it in the file once
         # it is shown: never missed, never shown twice (controller/storage/journaled_view.py).
@@ -282,47 +282,52 @@ class Learner:
     def _counted(self, segment: str) -> bool:  # under _lock
         return segment in self._snapshot.segments or self._journaled.segment(segment) is not None
 
-    def fleet_acceptance(self, drafter: str) -> tuple[float, float]:
-        """(accepted, verified) of ``drafter`` over every segment and position, served and scored: the fleet's
-        evidence (computed once per version, ``_next_version``)."""
-        return self._over_the_fleet(("acceptance", drafter))
+    def fleet_acceptance(self, drafter: str, mode: Mode = GREEDY) -> tuple[float, float]:
+        """(accepted, verified) of ``drafter`` over every learning segment of sampling ``mode``, every position,
+        served and scored: the fleet's evidence (computed once per version, ``_next_version``). Each mode's is its
+        own: a sampled draft token is accepted with min(1, p/q), a greedy one only when it is the argmax."""
+        return self._over_the_fleet(("acceptance", drafter, mode))
 
-    def fleet_calibration(self, drafter: str) -> tuple[float, float]:
-        """(median realised / expected speedup, requests) of ``drafter`` over every segment's requests: where a
-        segment's own calibration starts (computed once per version, ``_next_version``)."""
-        return self._over_the_fleet(("calibration", drafter))
+    def fleet_calibration(self, drafter: str, mode: Mode = GREEDY) -> tuple[float, float]:
+        """(median realised / expected speedup, requests) of ``drafter`` over the requests of every learning segment
+        of sampling ``mode``: where a segment's own calibration starts (computed once per version)."""
+        return self._over_the_fleet(("calibration", drafter, mode))
 
-    def _over_the_fleet(self, key: tuple[str, str]) -> tuple[float, float]:
-        """A fleet figure (``FLEET_FIGURES``) over every segment's counts, as of this version of the learner."""
+    def _over_the_fleet(self, key: tuple[str, str, Mode]) -> tuple[float, float]:
+        """A fleet figure (``FLEET_FIGURES``) over one mode's segments' counts, as of this version of the learner."""
         version = self.version
         cached = self._fleet.get((*key, version))
         if cached is not None:
             return cached
-        result = FLEET_FIGURES[key[0]](self._fleet_tables(), key[1])  # a drafter no version computed ahead
+        result = FLEET_FIGURES[key[0]](self._fleet_tables(key[2]), key[1])  # a drafter no version computed ahead
         self._fleet[(*key, version)] = result
         return result
 
-    def _fleet_tables(self) -> list[SegmentCounts]:
-        """Every segment's counts: the snapshot's (replaced, never changed) and copies of the journaled view's (a
-        report journaled meanwhile changes those in place)."""
+    def _fleet_tables(self, mode: Mode) -> list[SegmentCounts]:
+        """Every learning segment's counts of sampling ``mode``: the snapshot's (replaced, never changed) and copies
+        of the journaled view's (a report journaled meanwhile changes those in place)."""
         with self._lock:
-            return [*self._snapshot.segments.values(), *map(_copy, self._journaled.counts.segments.values())]
+            kept = [c for name, c in self._snapshot.segments.items() if mode_of(name) == mode]
+            journaled = [c for name, c in self._journaled.counts.segments.items() if mode_of(name) == mode]
+        return [*kept, *map(_copy, journaled)]
 
     def _next_version(self) -> None:
         """Move the version, with the fleet's figures for every drafter computed first: at 1,000 segments they take
-        7 ms, which the first Decide after each move paid, on the event loop (issue 22). A Decide never computes
-        them now (only for a drafter name no plan has)."""
+        7 ms, which the first Decide after each move would pay, on the event loop. A Decide never computes them
+        (only for a drafter name no plan has)."""
         with self._version_lock:
-            version, tables = self.version + 1, self._fleet_tables()
+            version = self.version + 1
             pace = Pacer()
-            for drafter in DRAFTERS:
-                for figure, compute in FLEET_FIGURES.items():
-                    pace()
-                    self._fleet[(figure, drafter, version)] = compute(tables, drafter)
+            for mode in MODES:
+                tables = self._fleet_tables(mode)
+                for drafter in DRAFTERS:
+                    for figure, compute in FLEET_FIGURES.items():
+                        pace()
+                        self._fleet[(figure, drafter, mode, version)] = compute(tables, drafter)
             self.version = version
             # the version before stays: a Decide that read it just before the move still finds its figures
             for key in list(self._fleet):
-                if key[2] < version - 1:
+                if key[3] < version - 1:
                     self._fleet.pop(key, None)
 
     def segment_version(self, segment: str) -> int:
