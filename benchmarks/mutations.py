@@ -1530,11 +1530,28 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "plain-rounds-ignored",
         "specd_api/round_policy.py",
-        "        if not self.speculates_at(batch_size) or self.observed.rounds < self.plan.plain_rounds:",
+        "        if not self.speculates_at(batch_size) or self.plain_round():",
         "        if not self.speculates_at(batch_size):",
         ("tests/specd_api/test_round_policy.py",),
         "the worker drafts from the first round where the plan asked for a plain one: the segment's own plain step "
         "is never measured, and its realised speedups are read at the fleet's",
+    ),
+    Mutation(
+        "plain-round-right-after-the-prefill",
+        "specd_api/round_policy.py",
+        "PLAIN_ROUNDS_FROM = 4\n",
+        "PLAIN_ROUNDS_FROM = 0\n",
+        ("tests/specd_api/test_round_policy.py",),
+        "the plain round is the first after the prefill, 20-60 % slower than a steady step: the segment's reference "
+        "is inflated and every plan's realised speedup with it",
+    ),
+    Mutation(
+        "plain-round-counted-as-a-probe-round",
+        "specd_api/round_policy.py",
+        "    if ceiling <= 0 or not plan.adaptive or drafting_rounds(plan, observed) < plan.probe_rounds:",
+        "    if ceiling <= 0 or not plan.adaptive or observed.rounds < plan.probe_rounds:",
+        ("tests/specd_api/test_round_policy.py",),
+        "a probe that timed a plain round runs one round fewer at its K: it learns less than it was sent for",
     ),
     Mutation(
         "plain-rounds-never-asked",

@@ -6,7 +6,8 @@ request's own rounds so far, and each round answers with this round's K:
 
 1. above the batch threshold, 0 (DESIGN contract 6, applied as the batch grows and shrinks, every round): the
    threshold is the plan's, the policy's; the worker's own setting only when the plan carries none;
-2. the plan's first ``plain_rounds`` rounds, 0: plain steps in the request's own context, the segment's reference;
+2. the plan's ``plain_rounds`` rounds from round PLAIN_ROUNDS_FROM on, 0: plain steps in the request's own context,
+   the segment's reference;
 3. the ceiling: the plan's K (or a caller's own K for this round, ``Plan.k_schedule``), cut to the budget left;
 4. under it, what the plan's per-position estimates choose against the request's own rounds (``adapted_k``).
 
@@ -27,6 +28,10 @@ D = TypeVar("D")  # what proposes the sequence's tokens: the engine's Drafter; a
 
 MAX_ADAPTED_ACCEPTANCE = 0.99  # a request's own luck never makes acceptance certain
 OPTIMISM_Z = 1.28  # stop drafting only when even the upper 90% bound of the lift says it does not pay
+# A plan's plain rounds start at this round (0-based): the first steps after the prefill run 20-60 % slower than the
+# rest (two CPU cores, the reference pair), and the segment's reference must be a steady plain step, as most of a plain
+# request's are. A request that ends before it times none.
+PLAIN_ROUNDS_FROM = 4
 
 
 @dataclass
@@ -41,7 +46,7 @@ class RoundPolicy(Generic[D]):
     @classmethod
     def open(cls, plan: Plan, drafter: D, fallback_max_batch_size: int | None = None) -> RoundPolicy[D]:
         """The policy of a sequence opening with ``plan``. ``fallback_max_batch_size``: the worker's own batch
-        threshold, for a plan that carries none (a fallback's, a caller's own, an older controller's)."""
+        threshold, for a plan that carries none (a fallback's, a caller's own)."""
         threshold = plan.max_batch_size if plan.max_batch_size is not None else fallback_max_batch_size
         return cls(plan, drafter, threshold)
 
@@ -62,12 +67,16 @@ class RoundPolicy(Generic[D]):
     def round_k(self, batch_size: int, budget: int) -> int:
         """This round's K, in a batch of ``batch_size`` sequences, with room for ``budget`` drafted tokens (what the
         output budget and the context leave: ``decoder.request_stop.draft_budget``)."""
-        if not self.speculates_at(batch_size) or self.observed.rounds < self.plan.plain_rounds:
+        if not self.speculates_at(batch_size) or self.plain_round():
             return 0
         ceiling = self.ceiling
         if self.plan.k_schedule:
             ceiling = min(ceiling, self.plan.k_schedule[self.observed.rounds % len(self.plan.k_schedule)])
         return adapted_k(self.plan, self.observed, min(ceiling, budget))
+
+    def plain_round(self) -> bool:
+        """Is this round one of the plan's plain rounds (``plain_rounds`` of them, from PLAIN_ROUNDS_FROM on)?"""
+        return PLAIN_ROUNDS_FROM <= self.observed.rounds < PLAIN_ROUNDS_FROM + self.plan.plain_rounds
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """A round of this sequence ended: ``num_accepted`` of its ``num_drafted`` proposed tokens were kept."""
@@ -79,7 +88,7 @@ def adapted_k(plan: Plan, observed: PositionTally, ceiling: int) -> int:
     estimates choose, given ``observed``: the request's own rounds so far.
 
     A plan without estimates runs every round at the ceiling, and so does a probe for its first ``probe_rounds`` rounds
-    (after its ``plain_rounds``). Otherwise the plan's per-position acceptance is scaled by how this request has done
+    that are not its plain rounds. Otherwise the plan's per-position acceptance is scaled by how this request has done
     against it: the lift = (accepted + s) / (expected + s), with ``expected`` what the estimates predicted for the
     positions this request verified and s = ``prior_strength`` pseudo-acceptances, so a few unlucky rounds move little
     and many move a lot, at every position (deeper positions are rarely verified, but a request that does badly early
@@ -87,7 +96,7 @@ def adapted_k(plan: Plan, observed: PositionTally, ceiling: int) -> int:
     it then learns nothing more) only when no K pays even under the lift's upper 90% bound (a gamma posterior, mean lift
     plus 1.28 of its spread); while the evidence is thin it keeps drafting.
     """
-    if ceiling <= 0 or not plan.adaptive or observed.rounds < plan.plain_rounds + plan.probe_rounds:
+    if ceiling <= 0 or not plan.adaptive or drafting_rounds(plan, observed) < plan.probe_rounds:
         return max(ceiling, 0)
     assert ceiling <= plan.k, f"the ceiling ({ceiling}) is above the plan's k ({plan.k}): the caller must cut it"
     s = max(plan.prior_strength, 0.0)
@@ -102,6 +111,12 @@ def adapted_k(plan: Plan, observed: PositionTally, ceiling: int) -> int:
     optimistic = lift + OPTIMISM_Z * (accepted + s) ** 0.5 / (expected + s)
     k, value = _best_under(plan, optimistic, ceiling)
     return k if value > 1.0 else 0
+
+
+def drafting_rounds(plan: Plan, observed: PositionTally) -> int:
+    """The request's rounds so far that were not the plan's plain rounds."""
+    plain = min(max(observed.rounds - PLAIN_ROUNDS_FROM, 0), max(plan.plain_rounds, 0))
+    return observed.rounds - plain
 
 
 def _best_under(plan: Plan, lift: float, ceiling: int) -> tuple[int, float]:

@@ -5,7 +5,8 @@ and the posterior that makes it the decision's currency. Pure.
 (``st|``), shrunk in log space towards the fleet's plain step for the same sampling mode and batch bucket by
 REFERENCE_PRIOR_REQUESTS pseudo-requests, so that it moves smoothly from the fleet's to the segment's own as its plain
 rounds arrive (never a switch at a count). A segment that always speculates has few plain rounds of its own: its plans
-then run one plain round first (REFERENCE_REQUESTS, PLAIN_ROUNDS). The controller reads a request's realised speedup at
+then run one plain round once the request is steady (REFERENCE_REQUESTS, PLAIN_ROUNDS,
+``specd_api.round_policy.PLAIN_ROUNDS_FROM``). The controller reads a request's realised speedup at
 this reference when it stores the request's calibration, and a decision reads a plan's realised speedup at it: one
 reference.
 
@@ -30,7 +31,7 @@ from controller.decision.timing_histogram import Histogram, median, quantile, to
 
 REFERENCE_PRIOR_REQUESTS = 3.0  # the fleet's plain step weighs as much as this many of the segment's own requests
 # Until a segment's own plain rounds come from this many (decayed) requests, its plans run PLAIN_ROUNDS plain rounds
-# before drafting (Plan.plain_rounds): one plain step in the request's own context, about 1 % of a 128-token request
+# (Plan.plain_rounds): one plain step in the request's own context, about 1 % of a 128-token request
 # that speculates at 2x. A segment's contexts set its plain step (2.1-2.6 ms a token between the shipped segments on
 # two CPU cores): the fleet's alone would misread what its plans realise by as much.
 REFERENCE_REQUESTS = 12.0

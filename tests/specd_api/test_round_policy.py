@@ -7,7 +7,7 @@ import pytest
 
 from specd_api.plan import Plan, requested
 from specd_api.position_tally import PositionTally
-from specd_api.round_policy import RoundPolicy, adapted_k
+from specd_api.round_policy import PLAIN_ROUNDS_FROM, RoundPolicy, adapted_k
 
 CPU_V = (1.0, 1.39, 1.71, 1.58, 1.21, 1.9, 2.3, 2.7, 3.1)  # non-monotonic, as measured on a CPU in float32
 ADAPTIVE = Plan("draft", 8, acceptance=(0.9,) * 8, proposal=(1.0,) * 8, prior_strength=8.0, cost_ratio=0.1,
@@ -82,14 +82,23 @@ def test_the_policy_learns_the_requests_rounds_and_stops_drafting_when_they_fail
     assert policy.observed.rounds == 30 and policy.round_k(1, 10) == 0
 
 
-def test_a_plans_plain_rounds_come_first_then_its_probe_rounds_then_its_rule() -> None:
-    # The controller asks for one plain round (the segment's plain step in the request's context), then a probe's
-    # rounds at k: the plain round does not count as one of the probe's.
+def test_a_plans_plain_rounds_come_once_the_request_is_steady_and_are_not_its_probe_rounds() -> None:
+    # The controller asks for one plain round (the segment's plain step in the request's context), and a probe's
+    # rounds at k: the probe's come first, the plain round at PLAIN_ROUNDS_FROM (the first steps after the prefill run
+    # slower than a steady step), and it does not count as one of the probe's.
     plan = Plan(**{**ADAPTIVE.__dict__, "plain_rounds": 1, "probe_rounds": 2})
     policy = RoundPolicy.open(plan, "draft")
     ks = []
-    for _ in range(4):
+    for _ in range(PLAIN_ROUNDS_FROM + 3):
         ks.append(policy.round_k(1, 20))
         policy.observe(ks[-1], ks[-1])
-    assert ks == [0, 8, 8, 4], "plain, the probe at k twice, then the estimates' K"
+    assert PLAIN_ROUNDS_FROM >= 2
+    assert ks == [8, 8] + [4] * (PLAIN_ROUNDS_FROM - 2) + [0, 4, 4], "the probe at k twice, the rule, plain once"
+    late = Plan(**{**ADAPTIVE.__dict__, "plain_rounds": 1, "probe_rounds": PLAIN_ROUNDS_FROM + 1})
+    policy = RoundPolicy.open(late, "draft")
+    ks = []
+    for _ in range(PLAIN_ROUNDS_FROM + 3):
+        ks.append(policy.round_k(1, 20))
+        policy.observe(ks[-1], ks[-1])
+    assert ks == [8] * PLAIN_ROUNDS_FROM + [0, 8, 4], "a probe's rounds go on after the plain round"
     assert Plan.from_proto(plan.to_proto()).plain_rounds == 1, "on the wire"
