@@ -44,7 +44,7 @@ from controller.serving.systemd import Notifier, WatchdogPinger
 from controller.serving.table_publisher import DecisionPublisher
 from controller.storage.journal import Journal
 from controller.storage.redis_conn import RedisHandle, connect, redact
-from controller.storage.store import TelemetryStore, upgrade_keys
+from controller.storage.store import TelemetryStore
 from specd_api.checks import MAX_REPORT_BYTES
 from specd_api.errors import SpecdError
 from specd_api.lifecycle import Drain, Lifecycle, freeze_startup_heap, serve
@@ -159,7 +159,6 @@ class ControllerDaemon:
         if self._redis.embedded is not None:
             self._redis.supervise(cfg.redis_restart_backoff_seconds)
         store = TelemetryStore(self._redis.client, cfg.learning.store_config(), self.clock)
-        upgrade_keys(store)  # what a controller before hash tags stored (controller/storage/store.py)
         journal = Journal(
             cfg.state_dir / "journal.jsonl", cfg.learning.journal_max_reports, cfg.learning.journal_max_bytes
         )

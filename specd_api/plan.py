@@ -58,8 +58,8 @@ class Plan:
     counterfactual_ks: tuple[tuple[str, int], ...] = ()
     calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
     # The batch rule's threshold, the policy's (contract 6): no speculation in a batch of more sequences than this,
-    # applied every round. None: the plan does not say (a fallback, a caller's own plan, an older controller); the
-    # worker's own setting applies.
+    # applied every round. None: the plan does not say (a fallback, a caller's own plan); the worker's own setting
+    # applies.
     max_batch_size: int | None = None
     # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
     # controller did not answer in time.
@@ -79,11 +79,6 @@ class Plan:
     def counterfactual_ceiling(self, drafter: str) -> int:
         """The K ``drafter`` is scored at over this request's rounds (0: not scored)."""
         return next((k for d, k in self.counterfactual_ks if d == drafter), 0)
-
-    @property
-    def counterfactual_k(self) -> int:
-        """Prompt lookup's ceiling: what a worker before ``counterfactual_ks`` reads (the wire's counterfactual_k)."""
-        return self.counterfactual_ceiling("prompt_lookup")
 
     @property
     def adaptive(self) -> bool:
@@ -110,7 +105,6 @@ class Plan:
             verify_cost=self.verify_cost,
             probe_rounds=self.probe_rounds,
             plain_rounds=self.plain_rounds,
-            counterfactual_k=self.counterfactual_k,
             counterfactual_ks=dict(self.counterfactual_ks),
             calibration=self.calibration,
             max_batch_size=self.max_batch_size,
@@ -140,19 +134,16 @@ class Plan:
             verify_cost=tuple(msg.verify_cost),
             probe_rounds=msg.probe_rounds,
             plain_rounds=msg.plain_rounds,
-            counterfactual_ks=counterfactual_ks(dict(msg.counterfactual_ks), msg.counterfactual_k),
-            calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: a controller before calibration
-            max_batch_size=msg.max_batch_size if msg.HasField("max_batch_size") else None,  # absent: an older one
+            counterfactual_ks=counterfactual_ks(dict(msg.counterfactual_ks)),
+            calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: not set (proto3's default), none applied
+            max_batch_size=msg.max_batch_size if msg.HasField("max_batch_size") else None,  # absent: not given
             source="controller",
             latency_s=latency_s,
         )
 
 
-def counterfactual_ks(by_drafter: dict[str, int], lookup_k: int = 0) -> tuple[tuple[str, int], ...]:
-    """A plan's ``counterfactual_ks`` from a Decision's map (only positive ceilings, sorted by drafter); a controller
-    before the map sent prompt lookup's ceiling alone, as ``lookup_k``."""
-    if not by_drafter and lookup_k > 0:
-        by_drafter = {"prompt_lookup": lookup_k}
+def counterfactual_ks(by_drafter: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """A plan's ``counterfactual_ks`` from a Decision's map: only positive ceilings, sorted by drafter."""
     return tuple(sorted((d, k) for d, k in by_drafter.items() if k > 0))
 
 

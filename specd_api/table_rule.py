@@ -39,7 +39,7 @@ class SegmentTable:
     min_new_tokens: int
     prefill_cost_per_token: float
     buckets: Mapping[int, BucketEntry]
-    above_max_batch_size: Plan  # no speculation, with what the controller adds to it (e.g. counterfactual_k)
+    above_max_batch_size: Plan  # no speculation, with what the controller adds to it (e.g. counterfactual_ks)
 
     @classmethod
     def from_proto(cls, msg: pb.SegmentTable) -> SegmentTable:

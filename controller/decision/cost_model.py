@@ -120,7 +120,8 @@ def build_cost_model(costs: CostCounts) -> CostModel:
 class Timings:
     """What a bucket's costs are read from: per n, the seconds of one round that verified n drafts, and per drafter
     the seconds of drafting one token, each as a histogram of per-request observations (read as its median) or,
-    for data stored before the histograms, as a plain mean (no spread: a point)."""
+    while its histogram holds fewer than ``MIN_REQUESTS`` requests, as the plain mean of the summed seconds (no
+    spread: a point)."""
 
     verify: Mapping[int, Histogram | float]
     rounds: Mapping[int, float]  # (decayed) rounds behind each verify entry

@@ -269,7 +269,7 @@ class Aggregate:
     counterfactual: bool = False  # scored, not served: position counts only
     expected_speedup: float = 0.0  # what the plan promised (0: not known)
     calibration: bool = False  # measured by the worker before serving: costs only, in no segment
-    request_tokens_emitted: int = 0  # the whole request's, on its calibration carrier (0: an older worker)
+    request_tokens_emitted: int = 0  # the whole request's, on its calibration carrier (0: not sent, its own rounds)
     request_seconds: float = 0.0
 
     @property

@@ -445,10 +445,11 @@ def _counterfactual_ks(settings: Settings, request: Request) -> tuple[tuple[str,
 
 def _learned_unprobed(drafter: str, scored: tuple[tuple[str, int], ...], estimate: DrafterEstimate) -> bool:
     """Is ``drafter`` learned from counterfactual scoring, so that probing it would pay to learn what is seen for
-    free? Prompt lookup whenever the plan asks it scored: every worker that offers it scores it. Suffix decoding once
-    the segment also holds rounds scored for it: a worker from before its scoring offers it without scoring it, and
-    only probes would show its rate to a controller serving such a worker. (What it realises is not seen that way:
-    while it has realised nothing here, a draw that prefers it still probes it, ``Deliberation.measurable``.)"""
+    free? Prompt lookup whenever the plan asks it scored: a worker that offers it scores it on every request. Suffix
+    decoding once the segment also holds rounds scored for it: a worker scores it on a share of the requests only
+    (``suffix.counterfactual_share``, which may be 0; none while its scoring queue is full), so until such rounds
+    arrive only probes show its rate. (What it realises is not seen that way: while it has realised nothing here, a
+    draw that prefers it still probes it, ``Deliberation.measurable``.)"""
     if not any(d == drafter for d, _ in scored):
         return False
     return drafter == "prompt_lookup" or estimate.scored_rounds > 0

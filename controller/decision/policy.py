@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ from specd_api.yaml_config import (
     read_stable_text,
 )
 
-log = logging.getLogger(__name__)
-
 MAX_RULES = 1_000  # segment rules in one policy file
 RESOLVED_SEGMENTS = 10_000  # segments whose settings a policy remembers (the controller's segment cap is 1,000)
 
@@ -53,9 +50,6 @@ class DrafterSettings(PolicyModel):
     enabled: bool = True
     k_min: int = Field(1, ge=1, le=64)
     k_max: int = Field(8, ge=1, le=64)
-    alpha_floor: float | None = Field(
-        None, ge=0.0, le=1.0, description="deprecated and ignored: the expected speedup alone decides (min_speedup)"
-    )
     prior_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="acceptance assumed before any data")
     cost_ratio: float = Field(0.1, ge=0.0, description="c assumed before the workers' timings arrive")
     stop_threshold: float = Field(
@@ -73,7 +67,6 @@ class DrafterOverride(PolicyModel):
     enabled: bool | None = None
     k_min: int | None = Field(None, ge=1, le=64)
     k_max: int | None = Field(None, ge=1, le=64)
-    alpha_floor: float | None = Field(None, ge=0.0, le=1.0)
     prior_alpha: float | None = Field(None, gt=0.0, lt=1.0)
     cost_ratio: float | None = Field(None, ge=0.0)
     stop_threshold: float | None = Field(None, ge=0.0, lt=1.0)
@@ -230,25 +223,12 @@ def content_version(text: str) -> str:
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policy file; raises ConfigError (file, line, field, reason) when invalid."""
     document, text = load_yaml_model(path, PolicyDocument)
-    _warn_deprecated(document, str(path))
     return Policy(document, content_version(text), str(path), text, time.time())
 
 
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     document = parse_yaml_model(text, PolicyDocument, source)
-    _warn_deprecated(document, source)
     return Policy(document, content_version(text), source, text, time.time())
-
-
-def _warn_deprecated(document: PolicyDocument, source: str) -> None:
-    floors = [d.alpha_floor for d in document.defaults.drafters.values()]
-    floors += [d.alpha_floor for rule in document.segments for d in rule.drafters.values()]
-    if any(floor is not None for floor in floors):
-        log.warning(
-            "%s: alpha_floor is deprecated and ignored: a drafter is switched off when its expected speedup is "
-            "under min_speedup, whatever its acceptance rate",
-            source,
-        )
 
 
 class PolicyStore:

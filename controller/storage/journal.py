@@ -254,20 +254,14 @@ class Journal:
             log.error("cannot cut a failed append from %s: %s", self.path, e)
 
 
-# An entry's aggregates are their fields as JSON, under the names of the journal written since 0.2, which a controller
-# of either side of a rename reads: num_accepted is written as "accepted". A journal written before 0.2 also has
-# num_draft_tokens (now k) and proposed (now num_drafted).
-WRITTEN_AS = {"num_accepted": "accepted"}
-READ_AS = {"accepted": "num_accepted", "num_draft_tokens": "k", "proposed": "num_drafted"}
-
-
-_RECORDED = tuple((f.name, WRITTEN_AS.get(f.name, f.name)) for f in fields(Aggregate))
+# An entry's aggregates are their fields as JSON, each under its Aggregate name.
+_RECORDED = tuple(f.name for f in fields(Aggregate))
 
 
 def record(a: Aggregate) -> dict[str, object]:
     """``a`` as an entry of a journal line holds it. Its fields are numbers, strings and tuples of them, which JSON
     writes as they are: ``dataclasses.asdict``'s deep copy takes 85 % of a report's encoding (194 ms at the bounds)."""
-    return {written: getattr(a, name) for name, written in _RECORDED}
+    return {name: getattr(a, name) for name in _RECORDED}
 
 
 def _parse(line: bytes) -> Entry:
@@ -275,10 +269,9 @@ def _parse(line: bytes) -> Entry:
     aggregates = []
     known = {f.name for f in fields(Aggregate)}
     for a in record["aggregates"]:
-        a = {READ_AS.get(name, name): value for name, value in a.items()}
         for name in ("proposed_per_position", "verified_per_position", "accepted_per_position"):
             a[name] = tuple(a[name])
-        a["by_drafted"] = tuple((int(r), float(s)) for r, s in a.get("by_drafted", ()))
+        a["by_drafted"] = tuple((int(r), float(s)) for r, s in a["by_drafted"])
         aggregates.append(Aggregate(**{name: value for name, value in a.items() if name in known}))
     return record["report_id"], aggregates
 

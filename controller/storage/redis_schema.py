@@ -45,11 +45,9 @@ Cost fields (a cost bucket hash), of greedy rounds; those of sampled rounds have
     he|{drafter}|{batch bucket}|{bin}   requests by seconds per drafted token (timing_histogram.py: the costs are
     hw|{n}|{batch bucket}|{bin}         requests by seconds per round verifying n      the histograms' medians)
 
-Legacy names. Fields of an earlier cost schema (``d|...`` and ``v|...``, which mixed round lengths) and any field
-this module does not know (a newer schema's) decode to None and are ignored. Keys of the layout before hash tags
-(``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``, ``P:v1:cost:b``, ``P:v1:samples``) are named by
-``Keys.tagged_name`` so that start-up can move them. A field name that does not parse (hand-edited or corrupt data,
-a draft position or K past any round's, a bin no timing falls in) decodes to None: stored data never breaks a read.
+Unknown names. A field this module does not know (another schema's) and a field name that does not parse
+(hand-edited or corrupt data, a draft position or K past any round's, a bin no timing falls in) decode to None and
+are ignored: stored data never breaks a read.
 """
 
 from __future__ import annotations
@@ -105,31 +103,6 @@ class Keys:
 
     def _global(self, name: str, *parts: str | int) -> str:
         return self._key(name, f"{{{GLOBAL_TAG}}}", *parts)
-
-    def every_key_pattern(self) -> str:
-        """A SCAN pattern that matches every key of this prefix and version, before hash tags or after."""
-        return self._key() + ":*"
-
-    def tagged_name(self, old: str) -> str | None:
-        """The name now of a key stored before hash tags (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``,
-        ``P:v1:cost:b``, ``P:v1:samples``); None when ``old`` is not such a key."""
-        base = self._key() + ":"
-        if not old.startswith(base):
-            return None
-        rest = old[len(base) :]
-        if "{" in rest:
-            return None
-        kind, _, tail = rest.partition(":")
-        if kind == "seg" and ":" in tail:
-            segment, bucket = tail.rsplit(":", 1)
-            return self._key("seg", f"{{{segment}}}", bucket)
-        if kind == "report" and tail:
-            return self.report(tail)
-        if kind in ("segments", "samples") and not tail:
-            return self._global(kind)
-        if kind == "cost" and tail:
-            return self.cost_bucket(tail)
-        return None
 
 
 # --- segment fields ---------------------------------------------------------------------------------
@@ -359,7 +332,7 @@ def cost_field(name: str) -> CostField | None:
     """What a cost hash field counts; None for a field to ignore (module docstring)."""
     parts = name.split("|")
     if len(parts) != 4 or parts[0] not in _COST_TAGS:
-        return None  # another schema's field (the earlier d|/v| fields mixed round lengths)
+        return None  # another schema's field
     kind, mode = _COST_TAGS[parts[0]]
     try:
         if kind in (DRAFT_HIST, VERIFY_HIST):
@@ -377,7 +350,7 @@ def cost_field(name: str) -> CostField | None:
             return VerifyCostField(n, int(parts[2]), verified, mode) if 0 <= n <= MAX_K else None
     except ValueError:
         return None  # a corrupt field name
-    return None  # another schema's field (the earlier d|/v| fields mixed round lengths)
+    return None  # another schema's field
 
 
 # --- sample rows ------------------------------------------------------------------------------------

@@ -18,9 +18,6 @@ atomic is the report as a whole: between parts, a reader may see a segment admit
    next number of a counter Redis keeps, so that a refresh asks which segments changed since its last read by that
    number, not by anyone's clock (``read_changes``), and keeps every other segment's counts without reading them.
    A mark comes after its parts, so a mark a refresh has not seen yet is for a write it may not have read.
-
-Keys of the layout before hash tags (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``, ``P:v1:cost:b``,
-``P:v1:samples``) are moved to their tagged names at start-up (``upgrade_untagged_keys``), merged with what is there.
 """
 
 from __future__ import annotations
@@ -191,46 +188,6 @@ local active = redis.call('ZCOUNT', KEYS[3], ARGV[2], '+inf')
 return {state[1] or '', state[2] or '0', state[3] or '0', marked, active}
 """
 
-UPGRADE_LUA = """
--- KEYS[1] a key of the layout before hash tags, KEYS[2] its name now; ARGV[1] samples max.
--- Merges KEYS[1] into KEYS[2] (counts added, the later 'updated' kept, zset scores maxed, older sample rows after the
--- newer ones, a marker kept if none is there) with the longer of the two TTLs, then deletes KEYS[1].
-local kind = redis.call('TYPE', KEYS[1]).ok
-local ttl = redis.call('TTL', KEYS[1])
-if kind == 'hash' then
-  local fields = redis.call('HGETALL', KEYS[1])
-  for i = 1, #fields, 2 do
-    local name, value = fields[i], tonumber(fields[i + 1])
-    if value == nil then
-      -- not a number: dropped, as a read would ignore it
-    elseif name == 'updated' then
-      if value > (tonumber(redis.call('HGET', KEYS[2], 'updated')) or 0) then
-        redis.call('HSET', KEYS[2], 'updated', fields[i + 1])
-      end
-    else
-      redis.call('HINCRBYFLOAT', KEYS[2], name, fields[i + 1])
-    end
-  end
-elseif kind == 'zset' then
-  redis.call('ZUNIONSTORE', KEYS[2], 2, KEYS[2], KEYS[1], 'AGGREGATE', 'MAX')
-elseif kind == 'list' then
-  for _, row in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
-    redis.call('RPUSH', KEYS[2], row)
-  end
-  redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[1]) - 1)
-elseif kind == 'string' then
-  redis.call('SET', KEYS[2], redis.call('GET', KEYS[1]), 'NX')
-else
-  return 0
-end
-local now_ttl = redis.call('TTL', KEYS[2])
-if ttl > 0 and (now_ttl < 0 or ttl > now_ttl) then
-  redis.call('EXPIRE', KEYS[2], ttl)
-end
-redis.call('DEL', KEYS[1])
-return 1
-"""
-
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -300,7 +257,6 @@ class TelemetryStore:
         self.keys = Keys(config.prefix)
         self._head = client.register_script(HEAD_LUA)
         self._segment = client.register_script(SEGMENT_LUA)
-        self._upgrade = client.register_script(UPGRADE_LUA)
         self._mark = client.register_script(MARK_LUA)
         self._changes = client.register_script(CHANGES_LUA)
         self._epoch = os.urandom(8).hex()  # the marks' epoch this store writes where none is (a new or flushed Redis)
@@ -438,19 +394,6 @@ class TelemetryStore:
 
     def save_prior(self, document: dict[str, Any]) -> None:
         self.client.set(self.keys.prior(), json.dumps(document))
-
-    def upgrade_untagged_keys(self) -> int:
-        """Move what a controller before hash tags stored (``P:v1:seg:S:b``, ``P:v1:report:id``, ``P:v1:segments``,
-        ``P:v1:cost:b``, ``P:v1:samples``) to their tagged names, merging with anything already there; returns how many
-        keys moved. Only one server can hold that layout: on a cluster there is nothing to do."""
-        if isinstance(self.client, RedisCluster):
-            return 0
-        moved = 0
-        for old in self.client.scan_iter(self.keys.every_key_pattern(), count=1000):
-            new = self.keys.tagged_name(str(old))
-            if new is not None:
-                moved += int(self._upgrade(keys=[old, new], args=[self.config.samples_max]))
-        return moved
 
     # --- reads --------------------------------------------------------------------------------------
 
@@ -713,18 +656,6 @@ def _text(value: object) -> str | None:
         except UnicodeDecodeError:
             return None
     return str(value)
-
-
-def upgrade_keys(store: TelemetryStore) -> None:
-    """``store.upgrade_untagged_keys()`` at start-up, logged; a Redis that does not answer is not fatal (contract 3):
-    the keys then stay where they are, unread, until a later start moves them."""
-    try:
-        moved = store.upgrade_untagged_keys()
-    except redis.RedisError as e:
-        log.warning("could not move keys stored before hash tags (%s); a later start will", e)
-        return
-    if moved:
-        log.info("moved %d keys stored before hash tags to their tagged names", moved)
 
 
 def _numbers(raw: Mapping[object, object]) -> dict[str, float]:

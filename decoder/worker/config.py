@@ -10,7 +10,7 @@ import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.errors import UsageError
@@ -30,10 +30,7 @@ class ControllerLink(Strict):
     )
     decide_deadline_ms: float = Field(5.0, gt=0, le=10_000)
     default_drafter: Literal["draft", "prompt_lookup", "none"] = "none"
-    default_k: int = Field(
-        0, ge=0, le=32, validation_alias=AliasChoices("default_k", "default_num_draft_tokens"),
-        description="the local plan's K ceiling ('default_num_draft_tokens', its old name, is still read)",
-    )  # fmt: skip
+    default_k: int = Field(0, ge=0, le=32, description="the local plan's K ceiling")
     report_interval_seconds: float = Field(0.5, gt=0)
     watch_decisions: bool = Field(
         False, description="keep the controller's decision tables (WatchDecisions) and decide locally where they "

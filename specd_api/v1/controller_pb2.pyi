@@ -41,7 +41,7 @@ class DecideRequest(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., batch_size: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., prompt_features: _Optional[_Union[PromptFeatures, _Mapping]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("drafter", "k", "reason", "policy_version", "exploration", "expected_speedup", "stale", "segment", "stop_threshold", "acceptance", "proposal", "prior_strength", "cost_ratio", "verify_cost", "probe_rounds", "counterfactual_k", "calibration", "max_batch_size", "counterfactual_ks", "plain_rounds")
+    __slots__ = ("drafter", "k", "reason", "policy_version", "exploration", "expected_speedup", "stale", "segment", "stop_threshold", "acceptance", "proposal", "prior_strength", "cost_ratio", "verify_cost", "probe_rounds", "calibration", "max_batch_size", "counterfactual_ks", "plain_rounds")
     class CounterfactualKsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,7 +64,6 @@ class Decision(_message.Message):
     COST_RATIO_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COST_FIELD_NUMBER: _ClassVar[int]
     PROBE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
-    COUNTERFACTUAL_K_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     COUNTERFACTUAL_KS_FIELD_NUMBER: _ClassVar[int]
@@ -84,12 +83,11 @@ class Decision(_message.Message):
     cost_ratio: float
     verify_cost: _containers.RepeatedScalarFieldContainer[float]
     probe_rounds: int
-    counterfactual_k: int
     calibration: float
     max_batch_size: int
     counterfactual_ks: _containers.ScalarMap[str, int]
     plain_rounds: int
-    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., counterfactual_k: _Optional[int] = ..., calibration: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., counterfactual_ks: _Optional[_Mapping[str, int]] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
+    def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., calibration: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., counterfactual_ks: _Optional[_Mapping[str, int]] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
 
 class RoundsAggregate(_message.Message):
     __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual", "expected_speedup", "calibration", "request_tokens_emitted", "request_seconds")

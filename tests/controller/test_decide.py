@@ -124,7 +124,8 @@ def test_the_plan_carries_what_the_worker_adapts_with():
     assert len(plan.acceptance) == len(plan.proposal) == plan.k and len(plan.verify_cost) == plan.k + 1
     assert plan.acceptance[0] == pytest.approx(0.9, abs=1e-3) and plan.verify_cost == CPU.verify[: plan.k + 1]
     assert plan.cost_ratio == 0.1 and plan.prior_strength == Settings().plan_prior_rounds
-    assert plan.counterfactual_k == Settings().drafter("prompt_lookup").k_max  # lookup is scored on every round
+    lookup_k = Settings().drafter("prompt_lookup").k_max
+    assert plan.counterfactual_ceiling("prompt_lookup") == lookup_k  # lookup is scored on every round
 
 
 def test_the_ceiling_leaves_headroom_above_the_best_k():
@@ -135,9 +136,9 @@ def test_the_ceiling_leaves_headroom_above_the_best_k():
 
 def test_off_plans_still_score_prompt_lookup():
     plan = run(counts(draft=(0.1, 1.0), prompt_lookup=(0.05, 0.05)))
-    assert plan.drafter == "none" and plan.counterfactual_k > 0
-    assert run(GOOD_DRAFT, settings=with_(counterfactual=False)).counterfactual_k == 0
-    assert run(GOOD_DRAFT, drafters=("draft",)).counterfactual_k == 0  # the worker cannot run it
+    assert plan.drafter == "none" and plan.counterfactual_ceiling("prompt_lookup") > 0
+    assert run(GOOD_DRAFT, settings=with_(counterfactual=False)).counterfactual_ceiling("prompt_lookup") == 0
+    assert run(GOOD_DRAFT, drafters=("draft",)).counterfactual_ceiling("prompt_lookup") == 0  # the worker cannot run it
 
 
 def test_expected_speedup_is_reported():
@@ -320,8 +321,8 @@ def test_suffix_decoding_learned_from_its_counterfactual_rounds_is_not_probed():
     plans = [run_suffix(scored, explore, s) for s in range(500)]
     assert all(p.drafter == "none" and p.counterfactual_ceiling("suffix") == 16 for p in plans)
     assert not any(p.exploration for p in plans)
-    # Not scored (the policy says so), or scored by no worker yet (a worker from before suffix decoding's scoring
-    # offers it and ignores the request): only probes can show it, so the floor probes it.
+    # Not scored (the policy says so), or scored by no worker yet (a worker whose suffix.counterfactual_share is 0
+    # offers it and never scores it): only probes can show it, so the floor probes it.
     unscored = with_(exploration_rate=0.5, counterfactual=False)
     assert run_suffix(scored, unscored, 0).counterfactual_ks == ()
     assert any(run_suffix(scored, unscored, s).exploration for s in range(500))
@@ -332,5 +333,4 @@ def test_suffix_decoding_learned_from_its_counterfactual_rounds_is_not_probed():
 def test_the_plan_asks_every_scorable_drafter_the_worker_offers_scored():
     plan = run_suffix(counts(draft=(0.9, 1.0)), with_(), 0, drafters=("draft", "prompt_lookup", "suffix"))
     assert plan.counterfactual_ks == (("prompt_lookup", 10), ("suffix", 16))  # each at its k_max
-    assert plan.counterfactual_k == 10  # what a worker before counterfactual_ks reads
     assert run_suffix(counts(draft=(0.9, 1.0)), with_(), 0, drafters=("draft",)).counterfactual_ks == ()

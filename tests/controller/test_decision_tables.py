@@ -148,7 +148,7 @@ def rpc_decide(address: str, segment: str, batch_size: int) -> pb.Decision:
 def same_plan(local: Plan, decided: pb.Decision) -> bool:
     answer = Plan.from_proto(decided)
     keys = ("drafter", "k", "reason", "policy_version", "expected_speedup", "acceptance", "proposal", "cost_ratio",
-            "verify_cost", "stop_threshold", "counterfactual_k", "prior_strength")  # fmt: skip
+            "verify_cost", "stop_threshold", "counterfactual_ks", "prior_strength")  # fmt: skip
     return all(getattr(local, key) == getattr(answer, key) for key in keys)
 
 

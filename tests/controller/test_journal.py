@@ -323,20 +323,6 @@ def test_a_torn_last_line_is_skipped_with_one_log_line(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "skipped, not an error, not a crash"
 
 
-def test_a_journal_line_keeps_the_names_every_version_reads(tmp_path: Path) -> None:
-    # Aggregate.num_accepted is written "accepted", as before the rename, so a controller on either side of it reads
-    # the other's journal; one written before 0.2 also has num_draft_tokens (k) and proposed (num_drafted).
-    journal = Journal(tmp_path / "journal.jsonl", max_reports=10)
-    journal.append("r1", [aggregate(3, k=2)])
-    (line,) = (tmp_path / "journal.jsonl").read_text().splitlines()
-    stored = json.loads(line)["aggregates"][0]
-    assert list(stored)[:6] == ["segment", "drafter", "k", "rounds", "num_drafted", "accepted"]
-    before_0_2 = {{"k": "num_draft_tokens", "num_drafted": "proposed"}.get(n, n): v for n, v in stored.items()}
-    (tmp_path / "old.jsonl").write_text(json.dumps({"report_id": "r1", "aggregates": [before_0_2]}) + "\n")
-    old = Journal(tmp_path / "old.jsonl", max_reports=10)
-    assert old.entries() == journal.entries() == [("r1", [aggregate(3, k=2)])]
-
-
 def test_journal_settings_are_validated(tmp_path: Path) -> None:
     config = tmp_path / "controller.yaml"
     config.write_text("learning:\n  journal_max_bytes: 100\nredis_restart_backoff_seconds: [5, 1]\n")

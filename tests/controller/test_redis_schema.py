@@ -61,8 +61,8 @@ def test_segment_fields_that_are_not_read(name, why):
 @pytest.mark.parametrize(
     ("name", "why"),
     [
-        ("d|draft|1|s", "the earlier schema's drafting field, which mixed round lengths"),
-        ("v|3|1|s", "the earlier schema's verify field"),
+        ("d|draft|1|s", "a tag of another schema"),
+        ("v|3|1|s", "a tag of another schema"),
         ("w|65|1|s", "no round verified 65 drafts"),
         ("hw|4|1|99999999", "no timing lies in that bin"),
         ("e|draft|1|r", "not a drafting quantity"),
@@ -88,20 +88,3 @@ def test_key_names():
     assert (keys.segments(), keys.cost_bucket(7), keys.samples(), keys.prior()) == (
         "specd:v1:segments:{#global}", "specd:v1:cost:{#global}:7", "specd:v1:samples:{#global}", "specd:v1:prior",
     )  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("specd:v1:seg:chat:eu:7", "specd:v1:seg:{chat:eu}:7"),
-        ("specd:v1:report:r1", "specd:v1:report:{#global}:r1"),
-        ("specd:v1:segments", "specd:v1:segments:{#global}"),
-        ("specd:v1:cost:7", "specd:v1:cost:{#global}:7"),
-        ("specd:v1:samples", "specd:v1:samples:{#global}"),
-        ("specd:v1:seg:{chat}:7", None),  # already tagged
-        ("specd:v1:prior", None),  # never had a tag
-        ("other:v1:samples", None),  # another prefix
-    ],
-)
-def test_keys_before_hash_tags_get_their_names_now(old, new):
-    assert Keys("specd").tagged_name(old) == new

@@ -195,8 +195,8 @@ def test_controller_reports_and_decides_over_tls_as_the_acl_user(server: TlsRedi
 
 
 def test_the_acl_covers_every_command_of_the_store_and_nothing_else(server: TlsRedis) -> None:
-    """The paths the daemon test does not reach: a lost script cache (NOSCRIPT: SCRIPT LOAD), the prior (SET, GET),
-    the key upgrade (SCAN, then the upgrade script: TYPE, TTL, ZUNIONSTORE, DEL ...). Then what it must refuse."""
+    """The paths the daemon test does not reach: a lost script cache (NOSCRIPT: SCRIPT LOAD), the prior (SET, GET).
+    Then what it must refuse."""
     handle = connect(server.url(), Path("/nonexistent"), 2.0, server.tls())
     client = handle.client
     try:
@@ -218,9 +218,6 @@ def test_the_acl_covers_every_command_of_the_store_and_nothing_else(server: TlsR
         assert int(server.admin.hget("specd:v1:change_state:{#global}", "trimmed") or 0) > 0, "marks trimmed"
         store.save_prior({"coefficients": [1.0]})
         assert store.read_prior() == {"coefficients": [1.0]}
-        server.admin.zadd("specd:v1:segments", {"old": T0})  # the layout before hash tags
-        assert store.upgrade_untagged_keys() == 1
-        assert server.admin.zscore("specd:v1:segments:{#global}", "old") == T0
         assert denied(server.admin) == []
 
         # Other keys, and commands the controller never sends, are refused.

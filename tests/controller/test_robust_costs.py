@@ -78,8 +78,9 @@ def test_the_first_request_alone_does_not_set_the_costs() -> None:
     assert v4 == pytest.approx(V[4], rel=0.15)
 
 
-def test_the_costs_of_old_data_without_histograms_are_still_read() -> None:
-    # Fields stored by a controller before the histograms (sums only) give the mean, as they did.
+def test_costs_without_histogram_entries_are_the_plain_mean() -> None:
+    # Sums with no histogram entries (e.g. timings no bin holds): the histogram holds fewer requests than
+    # MIN_REQUESTS, so the plain mean of the sums is read.
     rng = random.Random(3)
     counts = CostCounts()
     for a in [request(rng) for _ in range(10)]:
@@ -231,7 +232,7 @@ def test_calibration_is_the_median_of_realised_over_expected() -> None:
 def test_calibration_reads_the_requests_totals_where_the_aggregate_carries_them() -> None:
     # The round policy ran this request at K 4 for 10 rounds (20 tokens in 10 ms), then stopped drafting for 10 plain
     # rounds (10 tokens in 10 ms): the request realised 30 tokens in 20 steps' time, 1.5x; its K 4 rounds alone read
-    # 2.0. The observation is the request's (an older worker sends no totals: the aggregate's own, as before).
+    # 2.0. The observation is the request's (an aggregate without the totals: its own rounds).
     carrier = Aggregate("s", "draft", 4, 10, 40, 10, (10,) * 4, (10,) * 4, (3, 3, 2, 2), tokens_emitted=20,
                         draft_seconds=0.002, verify_seconds=0.008, expected_speedup=2.5, request_tokens_emitted=30,
                         request_seconds=0.020)  # fmt: skip
@@ -239,8 +240,8 @@ def test_calibration_reads_the_requests_totals_where_the_aggregate_carries_them(
     seg = SegmentCounts()
     seg.add_fields(carrier.calibration_fields(0.001))
     assert median(seg.calibration["draft"]) == pytest.approx(1.5 / 2.5, rel=0.05)
-    older = replace(carrier, request_tokens_emitted=0, request_seconds=0.0)
-    assert older.realised_speedup(0.001) == pytest.approx(2.0)
+    own_only = replace(carrier, request_tokens_emitted=0, request_seconds=0.0)
+    assert own_only.realised_speedup(0.001) == pytest.approx(2.0)
 
 
 def test_a_k_never_measured_is_priced_at_the_measured_slope() -> None:

@@ -660,7 +660,7 @@ def test_costs_are_learned_per_n_from_the_timing_tables(fresh):
     ],
 )
 def test_stored_data_never_breaks_a_decision(fresh, embedded_redis_url, poison):
-    # Whatever sits in Redis (a bug of an older version, a hand edit), every read answers (contract 7).
+    # Whatever sits in Redis (a bug, a hand edit, another program), every read answers (contract 7).
     stub = fresh()
     stub.ReportRounds(report(draft_aggregate("poisoned")), timeout=RPC_TIMEOUT)
     wait_for_stats(stub, "poisoned", lambda s: s.rounds >= 10)

@@ -91,7 +91,8 @@ def decode(segment: str, truth: Truth, plan: Plan, rng: random.Random, stall: fl
         policy.observe(n, accepted)
         emitted += accepted + 1
         seconds += draft_s + verify_s
-    scored = replay_lookup(truth, emitted, rng) if plan.counterfactual_k and plan.drafter != "prompt_lookup" else []
+    scores_lookup = plan.counterfactual_ceiling("prompt_lookup") > 0 and plan.drafter != "prompt_lookup"
+    scored = replay_lookup(truth, emitted, rng) if scores_lookup else []
     aggregates = rounds_to_aggregates(segment, rounds, 0.0, 200, truth.self_repetition, scored, plan.model_speedup)
     return Served(emitted, seconds, aggregates)
 

@@ -13,7 +13,7 @@ def plan(**changes: object) -> pb.Decision:
     fields: dict[str, object] = dict(
         drafter="draft", k=4, reason="best_expected_speedup", policy_version="p1", expected_speedup=1.8,
         segment="chat", acceptance=[0.8, 0.7, 0.6, 0.5], proposal=[1.0, 1.0, 1.0, 1.0], prior_strength=20.0,
-        cost_ratio=0.05, verify_cost=[1.0, 1.1, 1.2, 1.3, 1.4], probe_rounds=0, counterfactual_k=4,
+        cost_ratio=0.05, verify_cost=[1.0, 1.1, 1.2, 1.3, 1.4], probe_rounds=0,
         counterfactual_ks={"prompt_lookup": 4}, calibration=1.0, max_batch_size=8,
     )  # fmt: skip
     fields.update(changes)

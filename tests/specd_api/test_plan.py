@@ -113,18 +113,15 @@ def test_the_plan_survives_the_wire(max_batch_size):
     assert back == Plan(**{**plan.__dict__, "latency_s": 0.002})
 
 
-def test_the_drafters_to_score_reach_workers_old_and_new():
+def test_the_drafters_to_score_reach_the_worker():
     plan = Plan("draft", 4, counterfactual_ks=(("prompt_lookup", 10), ("suffix", 16)))
     wire = pb.Decision.FromString(plan.to_proto().SerializeToString())
-    assert wire.counterfactual_k == 10, "a worker before counterfactual_ks reads prompt lookup's K here"
     assert dict(wire.counterfactual_ks) == {"prompt_lookup": 10, "suffix": 16}
     assert Plan.from_proto(wire).counterfactual_ceiling("suffix") == 16
-    older = pb.Decision(drafter="draft", k=4, counterfactual_k=10)  # a controller before counterfactual_ks
-    assert Plan.from_proto(older).counterfactual_ks == (("prompt_lookup", 10),)
     no_lookup = Plan.from_proto(pb.Decision(drafter="draft", k=4, counterfactual_ks={"suffix": 16, "prompt_lookup": 0}))
-    assert (no_lookup.counterfactual_ks, no_lookup.counterfactual_k) == ((("suffix", 16),), 0)
+    assert (no_lookup.counterfactual_ks, no_lookup.counterfactual_ceiling("prompt_lookup")) == ((("suffix", 16),), 0)
 
 
-def test_a_decision_from_a_controller_before_the_batch_threshold_field_carries_none():
-    older = pb.Decision(drafter="draft", k=4)  # field 18 unset, as an older controller sends it
-    assert Plan.from_proto(pb.Decision.FromString(older.SerializeToString())).max_batch_size is None
+def test_a_decision_without_the_batch_threshold_carries_none():
+    unset = pb.Decision(drafter="draft", k=4)  # field 18 unset: the plan does not say
+    assert Plan.from_proto(pb.Decision.FromString(unset.SerializeToString())).max_batch_size is None

@@ -181,10 +181,9 @@ def test_a_bad_config_names_file_line_and_field(tmp_path: Path, text: str, line:
     assert reason in message and "\n" not in message
 
 
-@pytest.mark.parametrize("key", ["default_k", "default_num_draft_tokens"])
-def test_the_local_plans_k_is_read_under_its_name_and_its_old_one(tmp_path: Path, key: str):
+def test_the_local_plans_k_is_read(tmp_path: Path):
     path = tmp_path / "worker.yaml"
-    path.write_text(_lines("controller:", "  default_drafter: draft", f"  {key}: 3"))
+    path.write_text(_lines("controller:", "  default_drafter: draft", "  default_k: 3"))
     assert load_worker_config(path).controller.default_k == 3
 
 

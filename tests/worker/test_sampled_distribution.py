@@ -63,7 +63,7 @@ def six_vocab_pair(tmp_path_factory) -> SixVocabPair:
         tokenizer.save_pretrained(root / name)
     settings = {
         "target": str(root / "target"), "draft": str(root / "draft"), "segment_classifier": "none",
-        "controller": {"default_drafter": "draft", "default_num_draft_tokens": K},
+        "controller": {"default_drafter": "draft", "default_k": K},
     }  # fmt: skip
     return SixVocabPair(settings, target)
 
