@@ -61,10 +61,11 @@ from decoder.models import LoadedModel, from_objects, load_model, parse_dtype, r
 from decoder.runners import KVPool
 from decoder.runners.native import NativePass
 from decoder.sampling import SamplingParams
-from decoder.telemetry import RequestStats, RoundRecord
+from decoder.telemetry import RequestStats
 from specd.bench.isolated import engine_costs
 from specd.bench.suffix_cost import describe, measure_suffix_cost
 from specd_api.plan import requested
+from specd_api.rounds import RoundRecord
 from specd_api.speedup import runs_draft_model
 
 PROMPTS = [

@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import httpx
 
-from decoder.telemetry import RoundRecord
+from specd_api.rounds import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client import ClientConfig, ControllerClient

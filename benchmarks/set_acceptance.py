@@ -25,8 +25,8 @@ from decoder.drafters.draft_model import DraftModelDrafter
 from decoder.kv_cache import ModelSequence
 from decoder.models import LoadedModel
 from decoder.sampling import SamplingParams
-from decoder.telemetry import RoundRecord
 from specd_api.position_tally import PositionTally
+from specd_api.rounds import RoundRecord
 
 
 def corrupted(reference: torch.Tensor, start: int, alpha: float, vocab_size: int, seed: int) -> torch.Tensor:

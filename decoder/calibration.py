@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from decoder.batch_engine import BatchEngine
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
-from decoder.telemetry import RoundRecord
 from specd_api.plan import offers, requested
+from specd_api.rounds import RoundRecord
 
 CALIBRATION_SEGMENT = "_calibration"  # the segment field of the calibration aggregates (counted in no segment)
 CALIBRATION_MAX_K = 8

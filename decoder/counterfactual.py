@@ -26,7 +26,6 @@ does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -34,18 +33,9 @@ from decoder.drafters.base import Drafter
 from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from decoder.request_stop import StopConditions, draft_budget
 from specd_api.position_tally import PositionTally
+from specd_api.rounds import Scored
 
 PREFILL_TOKENS = 1  # the first emitted token comes from the target's prefill, not a round
-
-
-@dataclass
-class Scored:
-    """A drafter that did not run, scored over rounds of one ceiling K (a RoundsAggregate with ``counterfactual``
-    set)."""
-
-    drafter: str
-    k: int  # the rounds' ceiling: positions 0..k-1 were offered
-    tally: PositionTally  # [k] per position
 
 
 def replay_lookup(

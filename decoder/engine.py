@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
-from decoder.counterfactual import Scored, replay
+from decoder.counterfactual import replay
 from decoder.drafters import (
     EMPTY_TOKENS,
     ChainDrafter,
@@ -42,9 +42,10 @@ from decoder.kv_cache import ModelSequence, SparePools, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.request_stop import StopConditions, cut_round, draft_budget, trim_stop_string
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
-from decoder.telemetry import RequestStats, RoundRecord
+from decoder.telemetry import RequestStats
 from specd_api.plan import DRAFTER_NAMES, SCORABLE, Plan, offers, requested
 from specd_api.round_policy import RoundPolicy
+from specd_api.rounds import RoundRecord, Scored
 from specd_api.speedup import runs_draft_model
 
 

@@ -4,17 +4,18 @@ Torch-free: any decode engine can use it (see docs/controller_client.md).
 """
 
 from specd_api.plan import Plan
+from specd_api.rounds import RoundRecord, Scored
 from specd_client.client import ControllerClient
 from specd_client.config import ClientConfig, ClientStats
-from specd_client.reports import RoundLike, ScoredLike, rounds_to_aggregates, self_repetition
+from specd_client.reports import rounds_to_aggregates, self_repetition
 
 __all__ = [
     "ClientConfig",
     "ClientStats",
     "ControllerClient",
     "Plan",
-    "RoundLike",
-    "ScoredLike",
+    "RoundRecord",
+    "Scored",
     "rounds_to_aggregates",
     "self_repetition",
 ]

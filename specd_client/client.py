@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind
 from specd_api.checks import check_aggregate
 from specd_api.modes import learning_segment
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
+from specd_api.rounds import RoundRecord, Scored
 from specd_api.security import controller_channel
 from specd_api.spans import plan_attributes
 from specd_api.table_rule import as_local
@@ -31,7 +32,7 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client.buffer import PendingReport, ReportBuffer
 from specd_client.config import ClientConfig, ClientStats
 from specd_client.fallback import DecisionMemory, fallback_cause
-from specd_client.reports import RoundLike, ScoredLike, rounds_to_aggregates
+from specd_client.reports import rounds_to_aggregates
 from specd_client.table_watcher import QUIET_WAIT_SECONDS, TableWatcher
 
 log = logging.getLogger("specd.controller.client")
@@ -314,11 +315,11 @@ class ControllerClient:
         self,
         *,
         segment: str,
-        rounds: Sequence[RoundLike],
+        rounds: Sequence[RoundRecord],
         temperature: float,
         prompt_tokens: int,
         self_repetition: float,
-        scored: Sequence[ScoredLike] = (),
+        scored: Sequence[Scored] = (),
         expected_speedup: float = 0.0,
         calibration: bool = False,
         drafter_prefill_seconds: float = 0.0,

@@ -1,8 +1,7 @@
 """What a worker reports, as pure functions: rounds -> RoundsAggregate messages, and the prompt feature
 ``self_repetition`` that Decide takes.
 
-Any engine's round records work: they only need the attributes of ``RoundLike`` (decoder.telemetry.RoundRecord
-has exactly these).
+Any engine reports its rounds as ``specd_api.rounds.RoundRecord`` and its counterfactual scores as ``Scored``.
 """
 
 from __future__ import annotations
@@ -10,47 +9,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from specd_api.checks import MAX_EXPECTED_SPEEDUP
 from specd_api.plan import batch_bucket
 from specd_api.position_tally import PositionTally
+from specd_api.rounds import RoundRecord, Scored
 from specd_api.v1 import controller_pb2 as pb
 
 SELF_REPETITION_N = 3  # the n of PromptFeatures.self_repetition (controller.proto)
-
-
-class RoundLike(Protocol):
-    """One draft + verify round, as any engine records it (decoder.telemetry.RoundRecord has these attributes).
-    Timings are this sequence's share of each pass when it ran batched with others."""
-
-    @property
-    def drafter(self) -> str: ...  # "draft" | "prompt_lookup" | "none"
-    @property
-    def k(self) -> int: ...  # the K the round ran with; 0 means no speculation this round
-    @property
-    def num_drafted(self) -> int: ...  # tokens proposed, <= k
-    @property
-    def num_accepted(self) -> int: ...  # leading draft tokens kept, <= num_drafted
-    @property
-    def num_emitted(self) -> int: ...  # tokens the round added: accepted + bonus (fewer when cut at a stop)
-    @property
-    def draft_seconds(self) -> float: ...
-    @property
-    def verify_seconds(self) -> float: ...
-    @property
-    def batch_size(self) -> int: ...  # sequences in the step the round ran in
-
-
-class ScoredLike(Protocol):
-    """A drafter scored counterfactually over one request's rounds (decoder.counterfactual.Scored)."""
-
-    @property
-    def drafter(self) -> str: ...
-    @property
-    def k(self) -> int: ...  # positions scored per round
-    @property
-    def tally(self) -> PositionTally: ...  # [k] per position
 
 
 @dataclass
@@ -70,7 +37,7 @@ class _Group:
         self.tally = PositionTally.of_width(self.k)
         self.rounds_by_drafted, self.seconds_by_drafted = [0] * (self.k + 1), [0.0] * (self.k + 1)
 
-    def add(self, r: RoundLike) -> None:
+    def add(self, r: RoundRecord) -> None:
         self.tally.add(r.num_drafted, r.num_accepted)
         self.emitted += r.num_emitted
         self.draft_seconds += r.draft_seconds
@@ -80,7 +47,7 @@ class _Group:
         self.seconds_by_drafted[r.num_drafted] += r.verify_seconds
 
 
-def round_key(r: RoundLike) -> tuple[str, int, int]:
+def round_key(r: RoundRecord) -> tuple[str, int, int]:
     """(drafter, K, batch bucket) a round is counted under: a round that drafted with K 0 is a "none" round."""
     bucket = batch_bucket(max(r.batch_size, 1))
     if r.k == 0 or r.drafter == "none":
@@ -88,7 +55,7 @@ def round_key(r: RoundLike) -> tuple[str, int, int]:
     return r.drafter, r.k, bucket
 
 
-def check_round(r: RoundLike) -> None:
+def check_round(r: RoundRecord) -> None:
     """Raise ValueError when ``r`` is not a possible round (the controller would refuse its aggregate)."""
     if not 0 <= r.num_accepted <= r.num_drafted <= r.k:
         raise ValueError(f"need 0 <= num_accepted <= num_drafted <= k, got {r.num_accepted}, {r.num_drafted}, {r.k}")
@@ -104,11 +71,11 @@ def check_round(r: RoundLike) -> None:
 
 def rounds_to_aggregates(
     segment: str,
-    rounds: Sequence[RoundLike],
+    rounds: Sequence[RoundRecord],
     temperature: float,
     prompt_tokens: int,
     self_repetition: float,
-    scored: Sequence[ScoredLike] = (),
+    scored: Sequence[Scored] = (),
     expected_speedup: float = 0.0,
     calibration: bool = False,
     drafter_prefill_seconds: float = 0.0,

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -33,11 +33,10 @@ from opentelemetry.trace import SpanKind
 
 import controller.server as server_module
 from controller.config import ControllerConfig
-from decoder.counterfactual import Scored
-from decoder.telemetry import RoundRecord
 from specd_api.checks import check_aggregate
 from specd_api.plan import Plan
 from specd_api.position_tally import PositionTally
+from specd_api.rounds import RoundRecord, Scored
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client import ClientConfig, ControllerClient, rounds_to_aggregates, self_repetition
@@ -53,26 +52,20 @@ LATENCY_BOUND_S = 0.050  # a fallback's p99 with a 5 ms deadline, with room for 
 WAIT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Round:
-    """A round as any engine might record it (the RoundLike attributes, nothing else)."""
-
-    drafter: str
-    k: int
-    num_drafted: int
-    num_accepted: int
-    num_emitted: int
-    draft_seconds: float = 0.001
-    verify_seconds: float = 0.01
-    batch_size: int = 1
+def round_record(
+    drafter: str, k: int, num_drafted: int, num_accepted: int, num_emitted: int, draft_seconds: float = 0.001,
+    verify_seconds: float = 0.01, batch_size: int = 1,
+) -> RoundRecord:  # fmt: skip
+    """A round record with the timings a test does not care about filled in."""
+    return RoundRecord(drafter, k, num_drafted, num_accepted, num_emitted, draft_seconds, verify_seconds, batch_size)
 
 
-def draft(k: int, proposed: int, accepted: int, emitted: int | None = None) -> Round:
-    return Round("draft", k, proposed, accepted, accepted + 1 if emitted is None else emitted)
+def draft(k: int, proposed: int, accepted: int, emitted: int | None = None) -> RoundRecord:
+    return round_record("draft", k, proposed, accepted, accepted + 1 if emitted is None else emitted)
 
 
-def lookup(k: int, proposed: int, accepted: int) -> Round:
-    return Round("prompt_lookup", k, proposed, accepted, accepted + 1, draft_seconds=0.0)
+def lookup(k: int, proposed: int, accepted: int) -> RoundRecord:
+    return round_record("prompt_lookup", k, proposed, accepted, accepted + 1, draft_seconds=0.0)
 
 
 def summary(a: pb.RoundsAggregate) -> tuple:
@@ -120,7 +113,7 @@ CONVERSIONS = [
     ),
     # K 0 (speculation off, or the budget left no room) is a "none" round whatever drafter was named
     pytest.param(
-        [Round("draft", 0, 0, 0, 1), Round("none", 0, 0, 0, 1)],
+        [round_record("draft", 0, 0, 0, 1), round_record("none", 0, 0, 0, 1)],
         [("none", 0, 2, 0, 0, 2, [], [], [])],
         id="k0-is-none",
     ),
@@ -156,7 +149,7 @@ def test_rounds_to_aggregates(rounds, expected):
 
 
 def test_aggregates_carry_timings_and_request_features():
-    rounds = [Round("draft", 2, 2, 1, 2, draft_seconds=0.25, verify_seconds=0.5, batch_size=3)] * 2
+    rounds = [round_record("draft", 2, 2, 1, 2, draft_seconds=0.25, verify_seconds=0.5, batch_size=3)] * 2
     (a,) = rounds_to_aggregates("code", rounds, temperature=0.7, prompt_tokens=42, self_repetition=0.5)
     assert (a.segment, a.draft_seconds, a.verify_seconds) == ("code", 0.5, 1.0)
     assert (a.batch_size, a.temperature, a.prompt_tokens, a.self_repetition) == pytest.approx((3, 0.7, 42, 0.5))
@@ -165,8 +158,7 @@ def test_aggregates_carry_timings_and_request_features():
 def test_verification_time_is_kept_per_number_drafted():
     # prompt lookup found 0, 2 and 2 tokens: v(n) is learned from rounds that verified exactly n drafts
     rounds = [lookup(4, 0, 0), lookup(4, 2, 1), lookup(4, 2, 2)]
-    rounds = [Round(r.drafter, r.k, r.num_drafted, r.num_accepted, r.num_emitted, 0.0, 0.01 * (1 + r.num_drafted))
-              for r in rounds]  # fmt: skip
+    rounds = [replace(r, draft_seconds=0.0, verify_seconds=0.01 * (1 + r.num_drafted)) for r in rounds]
     (a,) = rounds_to_aggregates("code", rounds, **REPORT_ARGS)
     assert list(a.rounds_by_drafted) == [1, 0, 2]
     assert list(a.verify_seconds_by_drafted) == pytest.approx([0.01, 0.0, 0.06])
@@ -174,7 +166,7 @@ def test_verification_time_is_kept_per_number_drafted():
 
 def test_rounds_of_different_batch_buckets_are_reported_apart():
     # the costs of a round depend on the batch it ran in: 1, 2, 3-4, 5-8 ... are separate buckets
-    rounds = [Round("draft", 2, 2, 1, 2, batch_size=b) for b in (1, 1, 3, 4, 5)]
+    rounds = [round_record("draft", 2, 2, 1, 2, batch_size=b) for b in (1, 1, 3, 4, 5)]
     aggregates = rounds_to_aggregates("code", rounds, **REPORT_ARGS)
     assert [(a.batch_size, a.rounds) for a in aggregates] == [(1, 2), (4, 2), (5, 1)]
 
@@ -202,8 +194,8 @@ def test_one_aggregate_per_request_carries_the_requests_calibration_observation(
     # The round policy ran K 1 first (the budget's start), K 4 for three rounds, then stopped drafting: the plan's
     # expectation goes with the request's totals on the aggregate with the most speculating rounds, once. A one-round
     # K 1 aggregate is no request's speedup (each aggregate an observation made a tail's 0.5x a third of the median).
-    rounds = [Round("draft", 1, 1, 0, 1, 0.001, 0.010), *[Round("draft", 4, 4, 3, 4, 0.004, 0.020)] * 3,
-              Round("none", 0, 0, 0, 1, 0.0, 0.010)]  # fmt: skip
+    rounds = [round_record("draft", 1, 1, 0, 1, 0.001, 0.010), *[round_record("draft", 4, 4, 3, 4, 0.004, 0.020)] * 3,
+              round_record("none", 0, 0, 0, 1, 0.0, 0.010)]  # fmt: skip
     aggregates = rounds_to_aggregates("code", rounds, **REPORT_ARGS, expected_speedup=1.5)
     carriers = [a for a in aggregates if a.expected_speedup]
     assert [(a.drafter, a.k, a.rounds, a.expected_speedup) for a in carriers] == [("draft", 4, 3, 1.5)]
@@ -213,7 +205,9 @@ def test_one_aggregate_per_request_carries_the_requests_calibration_observation(
     for a in aggregates:
         check_aggregate(a)
     # a request that never drafted has nothing to calibrate
-    plain = rounds_to_aggregates("code", [Round("none", 0, 0, 0, 1, 0.0, 0.01)], **REPORT_ARGS, expected_speedup=1.5)
+    plain = rounds_to_aggregates(
+        "code", [round_record("none", 0, 0, 0, 1, 0.0, 0.01)], **REPORT_ARGS, expected_speedup=1.5
+    )
     assert [(a.expected_speedup, a.request_tokens_emitted) for a in plain] == [(0.0, 0)]
 
 
@@ -232,7 +226,7 @@ REQUEST_TOTALS_REFUSED = [
 
 @pytest.mark.parametrize(("fields", "named"), REQUEST_TOTALS_REFUSED)
 def test_impossible_request_totals_are_refused_with_the_field_named(fields, named):
-    (a,) = rounds_to_aggregates("code", [Round("draft", 4, 4, 3, 4, 0.004, 0.02)] * 3, **REPORT_ARGS,
+    (a,) = rounds_to_aggregates("code", [round_record("draft", 4, 4, 3, 4, 0.004, 0.02)] * 3, **REPORT_ARGS,
                                 expected_speedup=1.5)  # fmt: skip
     check_aggregate(a)
     for name, value in fields.items():
@@ -248,9 +242,9 @@ IMPOSSIBLE = [
     pytest.param(draft(2, 3, 0), "k", id="proposed-above-k"),
     # a round adds at most the accepted tokens and the bonus token
     pytest.param(draft(3, 3, 1, emitted=3), "num_emitted", id="emitted-above-accepted-plus-bonus"),
-    pytest.param(Round("draft", 2, 2, 1, 2, draft_seconds=-1.0), "draft_seconds", id="negative-seconds"),
-    pytest.param(Round("draft", 2, 2, 1, 2, verify_seconds=math.nan), "verify_seconds", id="nan-seconds"),
-    pytest.param(Round("none", 3, 2, 0, 1), "none", id="none-proposing-tokens"),
+    pytest.param(round_record("draft", 2, 2, 1, 2, draft_seconds=-1.0), "draft_seconds", id="negative-seconds"),
+    pytest.param(round_record("draft", 2, 2, 1, 2, verify_seconds=math.nan), "verify_seconds", id="nan-seconds"),
+    pytest.param(round_record("none", 3, 2, 0, 1), "none", id="none-proposing-tokens"),
 ]
 
 
@@ -269,7 +263,9 @@ def test_random_rounds_always_make_aggregates_the_controller_accepts():
             k = 0 if drafter == "none" else rng.randint(0, 10)
             proposed = rng.randint(0, k) if drafter == "prompt_lookup" else k
             accepted = rng.randint(0, proposed)
-            rounds.append(Round(drafter, k, proposed, accepted, rng.randint(0, accepted + 1), rng.random() * 0.01))
+            rounds.append(
+                round_record(drafter, k, proposed, accepted, rng.randint(0, accepted + 1), rng.random() * 0.01)
+            )
         aggregates = rounds_to_aggregates("random", rounds, **REPORT_ARGS, expected_speedup=1.2)
         for a in aggregates:
             check_aggregate(a)
@@ -594,7 +590,7 @@ def test_never_reachable_controller_gives_local_defaults():
 # --- reports ---------------------------------------------------------------------------------------------
 
 # 3 rounds of draft K 3 (accepted 3, 1, 0), 1 of prompt lookup K 4 (2 proposed, 2 accepted), 1 without speculation
-REQUEST_ROUNDS = [draft(3, 3, 3), draft(3, 3, 1), draft(3, 3, 0), lookup(4, 2, 2), Round("none", 0, 0, 0, 1)]
+REQUEST_ROUNDS = [draft(3, 3, 3), draft(3, 3, 1), draft(3, 3, 0), lookup(4, 2, 2), round_record("none", 0, 0, 0, 1)]
 
 
 def test_reports_arrive_with_exact_totals(daemon):

@@ -29,6 +29,7 @@ from controller.server import REDIS_HEALTH, ControllerDaemon
 from controller.storage.journal import Journal, JournalFull, record
 from controller.storage.redis_conn import make_client, start_embedded
 from controller.storage.store import StoreConfig, TelemetryStore
+from specd_api.rounds import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_api.yaml_config import ConfigError
@@ -105,15 +106,12 @@ def report_request(report_id: str, segment: str, requests: int = 1) -> pb.Report
     return pb.ReportRoundsRequest(report_id=report_id, worker_id="test", aggregates=aggregates)
 
 
-class Round:
-    """A round as an engine records it (specd_client.reports.RoundLike)."""
-
-    def __init__(self, accepted: int) -> None:
-        self.drafter, self.k, self.num_drafted, self.num_accepted = "draft", 3, 3, accepted
-        self.num_emitted, self.draft_seconds, self.verify_seconds, self.batch_size = accepted + 1, 0.001, 0.01, 1
+def drafted(accepted: int) -> RoundRecord:
+    """A draft-model round at K 3 that kept ``accepted`` tokens."""
+    return RoundRecord("draft", 3, 3, accepted, accepted + 1, 0.001, 0.01, 1)
 
 
-ROUNDS = [Round(3), Round(2), Round(1), Round(0)]
+ROUNDS = [drafted(3), drafted(2), drafted(1), drafted(0)]
 
 
 # --- the journal alone ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from controller.config import LearningConfig
 from controller.server import ControllerDaemon
 from controller.serving.report_budget import SHARED_PEER, ReportBudget, peer_host
 from specd_api.checks import MAX_AGGREGATES
+from specd_api.rounds import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client import ClientConfig, ControllerClient
@@ -315,7 +316,7 @@ def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, 
         retry_backoff_s=(0.05, 0.2), reconnect_backoff_s=(0.05, 0.2), max_aggregates_per_report=MAX_AGGREGATES,
     )  # fmt: skip
     client = ControllerClient(config)
-    round_ = RoundRecordLike("draft", 2, 2, 1, 2)
+    round_ = RoundRecord("draft", 2, 2, 1, 2, 0.001, 0.01, 1)
     for n in range(MAX_AGGREGATES):  # one report of MAX_AGGREGATES aggregates, 10 segments of 100 requests each
         client.report(segment=f"{segment}-{n % 10}", rounds=[round_], temperature=0.0, prompt_tokens=10,
                       self_repetition=0.0)  # fmt: skip
@@ -338,15 +339,6 @@ def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, 
     once = [pytest.approx(MAX_AGGREGATES // 10)] * 10
     wait_until(lambda: [rounds(v4, f"{segment}-{n}") for n in range(10)] == once, timeout=10)
     assert [rounds(v4, f"{segment}-{n}") for n in range(10)] == once
-
-
-class RoundRecordLike:
-    """A round as a worker records it (the RoundLike attributes)."""
-
-    def __init__(self, drafter: str, k: int, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        self.drafter, self.k, self.num_drafted, self.num_accepted = drafter, k, num_drafted, num_accepted
-        self.num_emitted = num_emitted
-        self.draft_seconds, self.verify_seconds, self.batch_size = 0.001, 0.01, 1
 
 
 def test_a_client_reporting_back_to_back_is_held_to_its_budget_before_its_report_is_read(

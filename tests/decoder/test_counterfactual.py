@@ -15,12 +15,13 @@ from dataclasses import replace
 
 import pytest
 
-from decoder.counterfactual import Scored, replay_lookup
+from decoder.counterfactual import replay_lookup
 from decoder.drafters import PromptLookupConfig, SuffixCache, SuffixConfig
 from decoder.engine import SpeculativeDecoder
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
 from specd_api.plan import Plan, requested
+from specd_api.rounds import Scored
 from tests.conftest import tiny_lm
 from tests.decoder.test_suffix import filled_cache, prompts_with_structure
 

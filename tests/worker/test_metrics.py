@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from decoder.telemetry import RequestStats, RoundRecord
+from decoder.telemetry import RequestStats
 from decoder.worker.metrics import SegmentLabels, WorkerMetrics
+from specd_api.rounds import RoundRecord
 from specd_api.segments import OVERFLOW_SEGMENT
 
 
