@@ -619,15 +619,24 @@ def read(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the workload files, or with ``--check`` report the ones that differ (exit 1)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_FOLDER, help="folder of the .jsonl files")
+    return write_or_check(argv, __doc__, DEFAULT_FOLDER, build_files, "workloads.build")
+
+
+def write_or_check(
+    argv: list[str] | None, description: str | None, default_out: Path, files_of: Callable[[], dict[str, str]],
+    module: str,
+) -> int:  # fmt: skip
+    """The command line of a workload builder (``python -m {module}``): write the files ``files_of`` makes under
+    ``--out``, or with ``--check`` name the ones that differ there and exit 1."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=default_out, help="folder of the .jsonl files")
     parser.add_argument("--check", action="store_true", help="compare with the files in --out; write nothing")
     args = parser.parse_args(argv)
-    files = build_files()
+    files = files_of()
     if args.check:
         stale = stale_files(args.out, files)
         for name in stale:
-            print(f"{args.out / name}: differs from what `python -m workloads.build` writes", file=sys.stderr)
+            print(f"{args.out / name}: differs from what `python -m {module}` writes", file=sys.stderr)
         return 1 if stale else 0
     args.out.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():

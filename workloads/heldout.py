@@ -14,9 +14,7 @@ against its training split like the shipped workloads:
 
 from __future__ import annotations
 
-import argparse
 import random
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,9 +28,9 @@ from workloads.build import (
     interleave,
     passages,
     render,
-    stale_files,
     take,
     training_index,
+    write_or_check,
 )
 
 HELD_OUT_FOLDER = Path(__file__).resolve().parent / "heldout"
@@ -78,21 +76,8 @@ def build_files(index: TrainingIndex | None = None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=HELD_OUT_FOLDER, help="folder of the .jsonl files")
-    parser.add_argument("--check", action="store_true", help="compare with the files in --out; write nothing")
-    args = parser.parse_args(argv)
-    files = build_files()
-    if args.check:
-        stale = stale_files(args.out, files)
-        for name in stale:
-            print(f"{args.out / name}: differs from what `python -m workloads.heldout` writes", file=sys.stderr)
-        return 1 if stale else 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (args.out / name).write_bytes(text.encode("utf-8"))
-        print(f"wrote {args.out / name} ({text.count(chr(10))} prompts)")
-    return 0
+    """Write the held-out workload files, or with ``--check`` report the ones that differ (exit 1)."""
+    return write_or_check(argv, __doc__, HELD_OUT_FOLDER, build_files, "workloads.heldout")
 
 
 if __name__ == "__main__":
