@@ -1595,6 +1595,55 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a drafter scored counterfactually is never probed, so what it realises is never measured: it can win only "
         "on its prior, well clear of every measured arm",
     ),
+    Mutation(
+        "attention-sees-its-own-position-not",
+        "decoder/runners/piece_attention.py",
+        "        visible = (pos[None, :] <= query_pos[:, None]) & in_range[None, :]",
+        "        visible = (pos[None, :] < query_pos[:, None]) & in_range[None, :]",
+        ("tests/decoder/test_piece_attention.py::test_it_computes_attention_over_each_sequences_own_length",),
+        "the pieces attention hides a query's own position from it",
+    ),
+    Mutation(
+        "pieces-folded-without-rescaling",
+        "decoder/runners/piece_attention.py",
+        "        acc = acc * mine[:, None] + acc_p * theirs[:, None]",
+        "        acc = acc + acc_p * theirs[:, None]",
+        ("tests/decoder/test_piece_attention.py::test_it_computes_attention_over_each_sequences_own_length",),
+        "a sequence's pieces are folded without rescaling the running sum to the new maximum",
+    ),
+    Mutation(
+        "sequence-length-from-its-first-row",
+        "decoder/runners/piece_attention.py",
+        "    length = tl.max(query_pos, axis=0) + 1\n    slot = ",
+        "    length = tl.load(pos_ptr + b * width) + 1\n    slot = ",
+        ("tests/decoder/test_piece_attention.py::test_it_computes_attention_over_each_sequences_own_length",),
+        "a verification's later rows see no position past its first row's",
+    ),
+    Mutation(
+        "query-head-read-from-the-wrong-group",
+        "decoder/runners/piece_attention.py",
+        "    q_rows = (b * width + token).to(tl.int64) * stride_qr + (h * GROUP + offs_m % GROUP) * stride_qh",
+        "    q_rows = (b * width + token).to(tl.int64) * stride_qr + ((offs_m % GROUP) * KV + h) * stride_qh",
+        ("tests/decoder/test_piece_attention.py::test_it_computes_attention_over_each_sequences_own_length",),
+        "query heads paired with key-value heads interleaved instead of in groups (transformers' repeat_kv)",
+    ),
+    Mutation(
+        "pieces-aligned-to-the-sequences-end",
+        "decoder/runners/piece_attention.py",
+        "    start = piece * PIECE_SIZE\n",
+        "    start = piece * PIECE_SIZE - (PIECE_SIZE - length % PIECE_SIZE) % PIECE_SIZE\n",
+        ("tests/decoder/test_piece_attention.py::test_a_querys_bits_do_not_depend_on_what_shares_the_step",),
+        "pieces split from the sequence's end: a query's reduction order then moves with the step's length (a token "
+        "verified among K+1 gets other bits than decoded alone)",
+    ),
+    Mutation(
+        "pieces-attention-on-a-cpu-by-default",
+        "decoder/runners/graphed.py",
+        'return "pieces" if device.type == "cuda" and not triton_missing else "capacity"',
+        'return "pieces" if not triton_missing else "capacity"',
+        ("tests/decoder/test_piece_attention.py::test_the_setting_is_validated_and_auto_picks_pieces_on_a_gpu_only",),
+        "auto picks the Triton attention on a CPU, where it runs only under the interpreter",
+    ),
 )
 
 

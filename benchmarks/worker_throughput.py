@@ -107,7 +107,9 @@ def main() -> None:
         print(f"CUDA graphs: {captured} captured in {time.perf_counter() - started:.1f} s (target and draft pools)")
     workloads = load_all("workloads")
     texts = [p.prompt for seg in args.segments.split(",") for p in workloads[seg]]
-    prompts = [engine.encode(t) for t in texts]
+    # a prompt keeps its last tokens where the target's context could not hold it and the output (a small model)
+    room = int(getattr(target.model.config, "max_position_embeddings", 0) or 1 << 30) - args.tokens - args.k - 2
+    prompts = [engine.encode(t)[-room:] for t in texts]
     drafters = ["none", *(d for d in args.variants.split(",") if d and d != "none")]
     variants = [(d, 0 if d == "none" else args.k) for d in drafters]
     results: dict[tuple[int, str], Measurement] = {}

@@ -17,8 +17,11 @@ pass runs every step in a bounded set of fixed shapes, so that each can be captu
   in the worker's /metrics);
 - **the graph manager** (decoder/runners/graph_manager.py): one ``torch.cuda.CUDAGraph`` per bucket, captured at
   first use or all at start-up (``capture_all``); on a CPU the same step runs eagerly over the same buffers;
-- **attention over the whole capacity**, masked by position, one fixed shape per sequence
-  (decoder/runners/capacity_attention.py says why not SDPA).
+- **attention** in one of two forms (``SPECD_GRAPH_ATTENTION``), both batch-invariant and capturable: ``pieces``,
+  every sequence over its own length in one Triton kernel per layer (decoder/runners/piece_attention.py); or
+  ``capacity``, each sequence over its slot's whole capacity, masked by position, one fixed-shape call per sequence
+  (decoder/runners/capacity_attention.py, which says why not SDPA). ``auto`` (the default) takes ``pieces`` on CUDA
+  where Triton imports, else ``capacity``.
 
 Exact by default: every row-wise step (norms, rotary embedding, projections, MLP, LM head) runs on tiles of exactly
 ``TILE`` rows (the invariant pass's idea, decoder/runners/invariant.py), and attention in one shape per sequence, so
@@ -29,7 +32,9 @@ Settings (environment, read once when the pass is made; ``GraphSettings.from_env
 ``SPECD_GRAPH_K_MAX`` (default 8: widths 1..9), ``SPECD_GRAPH_CAPTURE`` (default 1: capture on CUDA; 0 runs the
 eager stand-in there too, to compare), ``SPECD_GRAPH_COMPILE`` (default 0; 1, CUDA only: ``torch.compile`` of the
 per-tile layer steps to fuse RMSNorm, rotary and SiLU x mul. Untested on a CPU machine: it needs a GPU session to
-check it compiles once per layer and keeps the bits invariant).
+check it compiles once per layer and keeps the bits invariant), ``SPECD_GRAPH_ATTENTION`` (``auto``, ``pieces`` or
+``capacity``; ``pieces`` on a CPU runs under Triton's interpreter only, ``TRITON_INTERPRET=1``: the tests' way),
+``SPECD_GRAPH_PIECE`` (positions per piece of the ``pieces`` attention, a multiple of 64 in 64..4096; default 256).
 
 Shapes: ``B``/``W`` a bucket's sequences and width, ``R`` its token rows (``B * W`` padded to whole tiles),
 ``Q`` = K_max+1 the query rows attention pads each sequence to, ``C`` the capacity, ``T`` one tile.
@@ -37,6 +42,7 @@ Shapes: ``B``/``W`` a bucket's sequences and width, ``R`` its token rows (``B * 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,6 +68,8 @@ from decoder.runners.invariant import by_tiles, output_and_mlp, project_qkv
 from decoder.runners.kv import LlamaTensorPass, SlotTensors, why_not_plain_llama
 
 TILE = 16  # rows per call of every row-wise step
+ATTENTIONS = ("auto", "pieces", "capacity")
+PIECE = 256  # positions per piece of the pieces attention (decoder/runners/piece_attention.py)
 IDS, POSITIONS, ROW_SLOTS, SEQ_SLOTS = range(4)  # the rows of GraphStore.table
 
 
@@ -72,6 +80,8 @@ class GraphSettings:
     k_max: int = DEFAULT_K_MAX
     capture: bool = True  # on CUDA; a CPU always runs the eager stand-in
     compile: bool = False
+    attention: str = "auto"  # one of ATTENTIONS
+    piece: int = PIECE
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GraphSettings:
@@ -84,7 +94,39 @@ class GraphSettings:
         raw = environ.get("SPECD_GRAPH_K_MAX", str(DEFAULT_K_MAX))
         if not raw.isdigit() or not 1 <= int(raw) <= 32:
             raise ValueError(f"SPECD_GRAPH_K_MAX must be a whole number in 1..32, got {raw[:20]!r}")
-        return cls(int(raw), flag("SPECD_GRAPH_CAPTURE", True), flag("SPECD_GRAPH_COMPILE", False))
+        attention = environ.get("SPECD_GRAPH_ATTENTION", "auto")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"SPECD_GRAPH_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {attention[:20]!r}")
+        piece = environ.get("SPECD_GRAPH_PIECE", str(PIECE))
+        if not piece.isdigit() or not 64 <= int(piece) <= 4096 or int(piece) % 64:
+            raise ValueError(f"SPECD_GRAPH_PIECE must be a multiple of 64 in 64..4096, got {piece[:20]!r}")
+        return cls(
+            int(raw), flag("SPECD_GRAPH_CAPTURE", True), flag("SPECD_GRAPH_COMPILE", False), attention, int(piece)
+        )
+
+    def attention_on(self, device: torch.device) -> str:
+        """The attention this pass runs on ``device``: ``auto`` resolved, a choice that cannot run refused."""
+        triton_missing = triton_import_error()
+        if self.attention == "auto":
+            return "pieces" if device.type == "cuda" and not triton_missing else "capacity"
+        if self.attention == "pieces":
+            if triton_missing:
+                raise ValueError(f"SPECD_GRAPH_ATTENTION=pieces needs Triton: {triton_missing}")
+            if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    f"SPECD_GRAPH_ATTENTION=pieces runs on {device.type} only under Triton's interpreter "
+                    "(TRITON_INTERPRET=1, set before Triton is imported)"
+                )
+        return self.attention
+
+
+def triton_import_error() -> str:
+    """Why Triton cannot be imported here ("" when it can)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:  # the CPU wheel of torch does not bring it
+        return str(error)
+    return ""
 
 
 def tiles(step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
@@ -171,6 +213,10 @@ class GraphPass(LlamaTensorPass):
         if self.settings.compile and torch.device(device).type != "cuda":
             raise ValueError(f"SPECD_GRAPH_COMPILE=1 compiles for CUDA only, not for {device}")
         self.vocab_size = int(model.lm_head.weight.shape[0])
+        self.attention = self.settings.attention_on(torch.device(device))
+        self.attention_fallback = ""  # why ``auto`` did not get the pieces attention it picked, if it did not
+        if self.attention == "pieces" and self.settings.attention == "auto":
+            self.attention, self.attention_fallback = self._checked_pieces(model, torch.device(device))
         self.project: Callable[..., torch.Tensor] = project_qkv
         self.finish: Callable[..., torch.Tensor] = output_and_mlp
         if self.settings.compile:  # fuse RMSNorm, rotary and SiLU x mul per tile (untested here: module docstring)
@@ -231,7 +277,7 @@ class GraphPass(LlamaTensorPass):
         ``store.logits``. Only fixed shapes, no host synchronisation: what a CUDA graph captures.
         # -> store.logits[:R]: [R, vocab]"""
         model = self.model.model
-        rows, batch, width, padded_width = bucket.rows(TILE), bucket.batch, bucket.width, self.settings.k_max + 1
+        rows, batch, width = bucket.rows(TILE), bucket.batch, bucket.width
         table = store.table
         ids, positions, row_slots, seq_slots = (
             table[IDS, :rows],
@@ -242,10 +288,7 @@ class GraphPass(LlamaTensorPass):
         x = model.embed_tokens(ids)  # [R, hidden]
         cos = store.cos.index_select(0, positions)[None]  # [1, R, d]
         sin = store.sin.index_select(0, positions)[None]
-        query_positions = torch.nn.functional.pad(
-            positions[: batch * width].view(batch, width), (0, padded_width - width)
-        )
-        visible = visible_positions(store.capacity_index, query_positions)  # [B, Q, C]
+        attend = self._attention(store, positions, seq_slots, width)
         heads, kv = self.shape.heads, self.shape.kv_heads
         for i, layer in enumerate(model.layers):
             # (each lambda runs inside tiles(), within its iteration: B023's late binding cannot bite)
@@ -253,11 +296,43 @@ class GraphPass(LlamaTensorPass):
             q, k, v = projected.split([heads, kv, kv], dim=1)  # [R, heads | kv | kv, d]
             store.keys[i][row_slots, :, positions] = k
             store.values[i][row_slots, :, positions] = v
-            attended = attend_sequences(
-                q, store.keys[i], store.values[i], seq_slots, visible, width, layer.self_attn.scaling
-            )  # [R, heads * d]
+            attended = attend(q, store.keys[i], store.values[i], layer.self_attn.scaling)  # [R, heads * d]
             x = tiles(lambda t: self.finish(layer, x[t], attended[t]), rows)  # noqa: B023  [R, hidden]
         head = self.model.lm_head
         logits = tiles(lambda t: head(model.norm(x[t])), rows)  # [R, vocab]
         store.logits[:rows].copy_(logits)
         return store.logits[:rows]
+
+    def _checked_pieces(self, model: Any, device: torch.device) -> tuple[str, str]:
+        """("pieces", "") where the kernels compile here and agree with the capacity attention, else ("capacity",
+        why): ``auto`` never serves with an attention that did not pass its check on this machine."""
+        from decoder.runners.piece_attention import self_check
+
+        dtype = next(model.parameters()).dtype
+        shape, query_rows = self.shape, self.settings.k_max + 1
+        try:
+            self_check(shape.heads, shape.kv_heads, shape.head_dim, query_rows, self.settings.piece, dtype, device)
+        except Exception as error:  # a compiler's error has no one type: any failure means the other attention
+            why = f"{type(error).__name__}: {str(error)[:300]}"
+            logging.getLogger(__name__).warning("graphs pass: the capacity attention, not pieces (%s)", why)
+            return "capacity", why
+        return "pieces", ""
+
+    def _attention(
+        self, store: GraphStore, positions: torch.Tensor, seq_slots: torch.Tensor, width: int
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]:
+        """One step's attention, the same for every layer: (q, keys, values, scaling) -> [R, heads * d]."""
+        padded_width = self.settings.k_max + 1
+        if self.attention == "pieces":
+            from decoder.runners.piece_attention import attend_pieces  # Triton: imported where it runs
+
+            piece = self.settings.piece
+            return lambda q, keys, values, scaling: attend_pieces(
+                q, keys, values, seq_slots, positions, width, padded_width, scaling, piece
+            )
+        batch = seq_slots.shape[0]
+        query_positions = torch.nn.functional.pad(
+            positions[: batch * width].view(batch, width), (0, padded_width - width)
+        )
+        visible = visible_positions(store.capacity_index, query_positions)  # [B, Q, C]
+        return lambda q, keys, values, scaling: attend_sequences(q, keys, values, seq_slots, visible, width, scaling)
