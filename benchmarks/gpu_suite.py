@@ -17,14 +17,17 @@ one hang costs its own step only):
 
   env                 the GPU, the driver, torch and transformers as seen there
   pair                ``python -m decoder.tiny --shape 1b``: TinyLlama-1.1B's shape + a ~40M draft, bf16, in /tmp
-  pytest              SPECD_TEST_DEVICE=cuda pytest tests/decoder -k "invariant or graph or runners or piece"
+  pytest              SPECD_TEST_DEVICE=cuda pytest tests/decoder
+                      -k "invariant or graph or runners or piece or row_kernels"
   attention           benchmarks/attention_bench.py: one layer's attention at the 1b shape, the pieces kernel beside
                       the capacity form, batch 1/8/64 x width 1/5/9 x length 128/1024/2048, a piece-size sweep
-  decode_1b_auto      decode_loop on the 1b pair, runner auto (the graphs pass, pieces attention): the step, kernels,
+  linear              benchmarks/linear_bench.py: the 1b weight shapes' matrix products, the Triton form (all rows,
+                      four block choices) beside 16-row tiles and PyTorch's one call, at 16/64/144/576 rows
+  decode_1b_auto      decode_loop on the 1b pair, runner auto (the graphs pass, its Triton forms): the step, kernels,
                       first visits, roofline, v(K) to 8, transformers' generate() beside ours, and the α × K speedup
                       curve (set-acceptance drafter)
-  decode_1b_capacity  the same pass with the capacity attention (SPECD_GRAPH_ATTENTION=capacity), plain decoding
-                      only: the before of the attention it replaces
+  decode_1b_capacity  the same pass in its PyTorch forms (SPECD_GRAPH_ATTENTION=capacity, SPECD_GRAPH_ROWS=tiles),
+                      plain decoding only: the before of the kernels that replace them
   worker_throughput_1b  the batch engine on the 1b pair, batch 1..64, no speculation (batch 64 / batch 1)
   worker_throughput   the batch engine on the shipped pair, batch 1..64, none and draft
   decode_ref_auto     decode_loop on the shipped pair, runner auto, every variant
@@ -109,9 +112,10 @@ def plan(smoke: bool, work: Path, python: str) -> list[Step]:
         "-p",
         "no:cacheprovider",
         "-k",
-        "invariant or graph or runners or piece",
+        "invariant or graph or runners or piece or row_kernels",
     )
     attention = (python, "-m", "benchmarks.attention_bench", *(("--smoke",) if smoke else ()))
+    linear = (python, "-m", "benchmarks.linear_bench", *(("--smoke",) if smoke else ()))
 
     def throughput_of(models: tuple[str, ...]) -> tuple[str, ...]:
         return (python, "-m", "benchmarks.worker_throughput", *models, *device, "--runner", "auto", *batches)
@@ -126,6 +130,7 @@ def plan(smoke: bool, work: Path, python: str) -> list[Step]:
         Step("pair", (python, "-m", "decoder.tiny", "--shape", "tiny" if smoke else "1b", "--out", str(pair)), 120),
         Step("pytest", pytest, 200 if smoke else 100, env=(("SPECD_TEST_DEVICE", test_device),)),
         Step("attention", (*attention, "--json", str(work / "attention.json")), 45, "attention.json"),
+        Step("linear", (*linear, "--json", str(work / "linear.json")), 45, "linear.json"),
         decode_step("decode_1b_auto", mine, "auto", (*big, "--variants", "hf-plain,ours-none,ours-draft", *curve), 150),
         Step(
             "decode_1b_capacity",
@@ -142,7 +147,7 @@ def plan(smoke: bool, work: Path, python: str) -> list[Step]:
             ),
             60,
             "decode_1b_capacity.json",
-            env=(("SPECD_GRAPH_ATTENTION", "capacity"),),
+            env=(("SPECD_GRAPH_ATTENTION", "capacity"), ("SPECD_GRAPH_ROWS", "tiles")),
         ),
         Step(
             "worker_throughput_1b",
@@ -279,6 +284,7 @@ GOALS = (  # (step, figure, goal, holds): what each GPU figure must reach
     ("decode_ref_auto", "target_step_ms", "<= 0.2 ms", lambda x: x <= 0.2),
     ("worker_throughput_1b", "batch64_over_batch1", ">= 30", lambda x: x >= 30),
     ("attention", "same_bits_everywhere", "true", lambda x: x is True),
+    ("linear", "same_bits_everywhere", "true", lambda x: x is True),
 )
 
 
@@ -296,6 +302,10 @@ def summarize(outcomes: list[Outcome], work: Path, steps: list[Step], smoke: boo
             outcome.figures = worker_figures(doc)
         elif outcome.name == "attention":
             outcome.figures = attention_figures(doc)
+        elif outcome.name == "linear":
+            cases = doc.get("rows", [])
+            same = all(r["same_bits_alone_and_among_rows"] for r in cases) if cases else None
+            outcome.figures = {"step_ms": doc.get("step_ms"), "same_bits_everywhere": same}
     figures = {o.name: o.figures for o in outcomes}
     goals = []
     for step, name, goal, holds in GOALS:

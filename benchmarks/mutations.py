@@ -1637,12 +1637,73 @@ MUTATIONS: tuple[Mutation, ...] = (
         "verified among K+1 gets other bits than decoded alone)",
     ),
     Mutation(
-        "pieces-attention-on-a-cpu-by-default",
+        "triton-forms-on-a-cpu-by-default",
         "decoder/runners/graphed.py",
-        'return "pieces" if device.type == "cuda" and not triton_missing else "capacity"',
-        'return "pieces" if not triton_missing else "capacity"',
-        ("tests/decoder/test_piece_attention.py::test_the_setting_is_validated_and_auto_picks_pieces_on_a_gpu_only",),
-        "auto picks the Triton attention on a CPU, where it runs only under the interpreter",
+        'return fast if device.type == "cuda" and not triton_missing and not compiled else slow',
+        "return fast if not triton_missing and not compiled else slow",
+        (
+            "tests/decoder/test_graph_triton.py::"
+            "test_the_settings_are_validated_and_auto_picks_the_triton_forms_on_a_gpu_only",
+        ),
+        "auto picks the Triton forms on a CPU, where they run only under the interpreter",
+    ),
+    Mutation(
+        "greedy-argmax-copied-per-sequence",
+        "decoder/batch_engine.py",
+        "        argmaxes = greedy_argmaxes([s.params.is_greedy for s in sessions], logits)\n",
+        "        argmaxes = [None] * len(sessions)\n",
+        ("tests/decoder/test_batching.py",),
+        "each greedy sequence copies its argmaxes to the host on its own: one host synchronisation per sequence "
+        "and step on a GPU",
+    ),
+    Mutation(
+        "batched-argmaxes-handed-to-the-wrong-sequence",
+        "decoder/batch_engine.py",
+        "    return [next(together) if g else None for g in greedy]",
+        "    return [*reversed([next(together) if g else None for g in greedy])]",
+        ("tests/decoder/test_batching.py",),
+        "the argmaxes taken together reach the sequences in the wrong order",
+    ),
+    Mutation(
+        "linear-tiles-read-across",
+        "decoder/runners/row_kernels.py",
+        "    pid_m = pid % row_tiles  # row tiles fastest",
+        "    pid_m = pid // tl.cdiv(n_out, BLOCK_N)  # row tiles fastest",
+        ("tests/decoder/test_row_kernels.py",),
+        "the matrix product's programs map to the wrong row tiles: outputs of other rows, or none",
+    ),
+    Mutation(
+        "linear-bias-dropped",
+        "decoder/runners/row_kernels.py",
+        "        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]",
+        "        acc += 0.0",
+        ("tests/decoder/test_row_kernels.py",),
+        "the Triton matrix product ignores a projection's bias",
+    ),
+    Mutation(
+        "rms-norm-mean-over-the-padded-block",
+        "decoder/runners/row_kernels.py",
+        "    variance = tl.sum(x * x, axis=1) / width",
+        "    variance = tl.sum(x * x, axis=1) / BLOCK",
+        ("tests/decoder/test_row_kernels.py",),
+        "RMSNorm divides by the power-of-two block, not the hidden size (wrong for a hidden size like 72 or 5632)",
+    ),
+    Mutation(
+        "tiles-form-runs-all-rows-at-once",
+        "decoder/runners/graphed.py",
+        '        return tiles(step, rows) if self.rows == "tiles" else step(slice(0, rows))',
+        "        return step(slice(0, rows))",
+        ("tests/decoder/test_graph_pass.py",),
+        "the PyTorch form's row-wise steps run over all rows in one call: PyTorch picks its GEMM by the row count, "
+        "and a token's bits change with the batch",
+    ),
+    Mutation(
+        "a-failed-kernel-check-still-serves",
+        "decoder/runners/graphed.py",
+        "            return FORMS[what][1]\n",
+        "            return form\n",
+        ("tests/decoder/test_graph_triton.py::test_auto_serves_with_a_triton_form_only_where_its_check_passes",),
+        "auto serves with Triton kernels that failed their start-up check on this machine",
     ),
 )
 

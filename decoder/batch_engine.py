@@ -105,10 +105,11 @@ class BatchEngine(SpeculativeDecoder):
         logits = self.target_pool.forward_many(rows)  # [k_i + 1, vocab] each
         self._stall(sessions)  # an injected stall lands inside the timed pass, as a real one would
         verify_share = (time.perf_counter() - started) / len(sessions)
-        # 3-5. Accept, emit and roll back, each sequence on its own.
+        # 3-5. Accept, emit and roll back, each sequence on its own (the greedy ones' argmaxes taken together).
+        argmaxes = greedy_argmaxes([s.params.is_greedy for s in sessions], logits)
         return [
-            s.finish_round(k, d, out, seconds, verify_share, len(sessions))
-            for s, k, d, out, seconds in zip(sessions, ks, drafts, logits, draft_seconds, strict=True)
+            s.finish_round(k, d, out, seconds, verify_share, len(sessions), argmax)
+            for s, k, d, out, seconds, argmax in zip(sessions, ks, drafts, logits, draft_seconds, argmaxes, strict=True)
         ]
 
     def inject_stall(self, session: DecodeSession, seconds: float, at_round: int) -> None:
@@ -210,3 +211,15 @@ class BatchEngine(SpeculativeDecoder):
         if model is not None and self.draft_pool is not None:
             assert isinstance(model.seq, PooledSequence)
             self.draft_pool.release(model.seq)
+
+
+def greedy_argmaxes(greedy: Sequence[bool], logits: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Each greedy sequence's argmax per row, on the host, from one argmax over all their rows and one copy (one
+    host synchronisation per step on a GPU, not one per sequence); None for a sampled one. An argmax is per row, so
+    taking it together changes no token.
+    # logits: [k_i + 1, vocab] each -> [k_i + 1] int64 each (or None)"""
+    chosen = [out for out, g in zip(logits, greedy, strict=True) if g]
+    if not chosen:
+        return [None] * len(logits)
+    together = iter(torch.cat(chosen).argmax(dim=-1).cpu().split([out.shape[0] for out in chosen]))
+    return [next(together) if g else None for g in greedy]

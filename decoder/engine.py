@@ -179,17 +179,19 @@ class DecodeSession:
         draft_seconds: float,
         verify_seconds: float,
         batch_size: int = 1,
+        target_argmax: torch.Tensor | None = None,
     ) -> list[int]:
         """Steps 3-5 of a round, given the target's ``logits`` [K + 1, vocab] on ``verify_input(draft)``.
 
         ``draft_seconds`` and ``verify_seconds`` are this sequence's share of the drafting and of the target pass;
-        the time of these steps is added to the verification time.
+        the time of these steps is added to the verification time. ``target_argmax`` (greedy only, on the host):
+        the logits' argmax per row where the caller took it for a whole batch at once (``greedy_argmaxes``).
         """
         started = time.perf_counter()
         length = self.context.shape[0]
 
         # 3. Accept.
-        verdict = self._accept(draft.tokens, draft.probs, logits)
+        verdict = self._accept(draft.tokens, draft.probs, logits, target_argmax)
 
         # 4. Emit, cut at EOS, stop strings and max_new_tokens.
         emitted = self._emit([*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token])
@@ -226,10 +228,16 @@ class DecodeSession:
             self.finish_reason = "length"  # the context is full
         return emitted
 
-    def _accept(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor) -> Verdict:
-        # draft_tokens: [k] CPU, draft_probs: [k, vocab] | None, logits: [k + 1, vocab]
+    def _accept(
+        self,
+        draft_tokens: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        logits: torch.Tensor,
+        target_argmax: torch.Tensor | None = None,
+    ) -> Verdict:
+        # draft_tokens: [k] CPU, draft_probs: [k, vocab] | None, logits: [k + 1, vocab], target_argmax: [k + 1] CPU
         if self.params.is_greedy:
-            return greedy_accept(draft_tokens, logits.argmax(dim=-1).cpu())
+            return greedy_accept(draft_tokens, logits.argmax(dim=-1).cpu() if target_argmax is None else target_argmax)
         target_probs = logits_to_probs(logits, self.params)  # [k + 1, vocab]
         return rejection_sample(draft_tokens.to(logits.device), draft_probs, target_probs, self.generator)
 

@@ -17,24 +17,32 @@ pass runs every step in a bounded set of fixed shapes, so that each can be captu
   in the worker's /metrics);
 - **the graph manager** (decoder/runners/graph_manager.py): one ``torch.cuda.CUDAGraph`` per bucket, captured at
   first use or all at start-up (``capture_all``); on a CPU the same step runs eagerly over the same buffers;
-- **attention** in one of two forms (``SPECD_GRAPH_ATTENTION``), both batch-invariant and capturable: ``pieces``,
-  every sequence over its own length in one Triton kernel per layer (decoder/runners/piece_attention.py); or
-  ``capacity``, each sequence over its slot's whole capacity, masked by position, one fixed-shape call per sequence
-  (decoder/runners/capacity_attention.py, which says why not SDPA). ``auto`` (the default) takes ``pieces`` on CUDA
-  where Triton imports, else ``capacity``.
+- **two forms of each reduction**, both batch-invariant and capturable, a Triton one and a PyTorch one. Attention
+  (``SPECD_GRAPH_ATTENTION``): ``pieces``, every sequence over its own length in one Triton kernel per layer
+  (decoder/runners/piece_attention.py), or ``capacity``, each sequence over its slot's whole capacity, masked by
+  position, one fixed-shape call per sequence (decoder/runners/capacity_attention.py, which says why not SDPA). The
+  row-wise steps (``SPECD_GRAPH_ROWS``): ``triton``, every matrix product and RMSNorm over all of a step's rows in one
+  launch whose sums do not follow the row count (decoder/runners/row_kernels.py: the weights read about once per
+  step), or ``tiles``, PyTorch's modules on tiles of exactly ``TILE`` rows (the invariant pass's idea,
+  decoder/runners/invariant.py; ``TILE`` is 16, not the invariant pass's 8: a verification of K = 8 drafts, 9 rows,
+  then reads the weights once). ``auto`` (the default for both) takes the Triton form on CUDA where Triton imports
+  and its kernels pass a check against the PyTorch form when the pass is made (``GraphPass._checked``; a failure is
+  logged and kept in ``fallbacks``), else the PyTorch form.
 
-Exact by default: every row-wise step (norms, rotary embedding, projections, MLP, LM head) runs on tiles of exactly
-``TILE`` rows (the invariant pass's idea, decoder/runners/invariant.py), and attention in one shape per sequence, so
-the bucket a token lands in, and what shares it, cannot change its bits: alone, verified among 8, batched among 64.
-``TILE`` is 16, not the invariant pass's 8: a verification of K = 8 drafts (9 rows) then reads the weights once.
+Exact by default: in either form a row's reductions are summed in an order its own values and the model's shape
+fix, and elementwise steps (rotary embedding, SiLU x mul, residual adds) do not mix rows, so the bucket a token lands
+in, and what shares it, cannot change its bits: alone, verified among 8, batched among 64.
 
 Settings (environment, read once when the pass is made; ``GraphSettings.from_environ``):
 ``SPECD_GRAPH_K_MAX`` (default 8: widths 1..9), ``SPECD_GRAPH_CAPTURE`` (default 1: capture on CUDA; 0 runs the
 eager stand-in there too, to compare), ``SPECD_GRAPH_COMPILE`` (default 0; 1, CUDA only: ``torch.compile`` of the
-per-tile layer steps to fuse RMSNorm, rotary and SiLU x mul. Untested on a CPU machine: it needs a GPU session to
-check it compiles once per layer and keeps the bits invariant), ``SPECD_GRAPH_ATTENTION`` (``auto``, ``pieces`` or
-``capacity``; ``pieces`` on a CPU runs under Triton's interpreter only, ``TRITON_INTERPRET=1``: the tests' way),
-``SPECD_GRAPH_PIECE`` (positions per piece of the ``pieces`` attention, a multiple of 64 in 64..4096; default 256).
+per-tile layer steps to fuse RMSNorm, rotary and SiLU x mul; with it ``auto`` keeps the tiles. Untested on a CPU
+machine: it needs a GPU session to check it compiles once per layer and keeps the bits invariant),
+``SPECD_GRAPH_ATTENTION`` (``auto``, ``pieces`` or ``capacity``), ``SPECD_GRAPH_ROWS`` (``auto``, ``triton`` or
+``tiles``); a Triton form on a CPU runs under Triton's interpreter only (``TRITON_INTERPRET=1``: the tests' way);
+``SPECD_GRAPH_PIECE`` (positions per piece of the ``pieces`` attention, a multiple of 64 in 64..4096; default 256),
+``SPECD_GRAPH_LINEAR_BLOCKS`` (the Triton matrix product's program, ``M,N,K``, powers of two in 16..256; default
+16,64,64).
 
 Shapes: ``B``/``W`` a bucket's sequences and width, ``R`` its token rows (``B * W`` padded to whole tiles),
 ``Q`` = K_max+1 the query rows attention pads each sequence to, ``C`` the capacity, ``T`` one tile.
@@ -64,12 +72,14 @@ from decoder.runners.buckets import (
 )
 from decoder.runners.capacity_attention import attend_sequences, visible_positions
 from decoder.runners.graph_manager import BucketGraphs
-from decoder.runners.invariant import by_tiles, output_and_mlp, project_qkv
+from decoder.runners.invariant import MODULES, RowOps, by_tiles, output_and_mlp, project_qkv
 from decoder.runners.kv import LlamaTensorPass, SlotTensors, why_not_plain_llama
 
-TILE = 16  # rows per call of every row-wise step
-ATTENTIONS = ("auto", "pieces", "capacity")
+TILE = 16  # rows per call of every row-wise step (the tiles form), and every step's row count a multiple of it
 PIECE = 256  # positions per piece of the pieces attention (decoder/runners/piece_attention.py)
+LINEAR_BLOCKS = (16, 64, 64)  # the Triton matrix product's program: M rows x N outputs, K per step of the sum
+# each choice of the pass: its Triton form (what auto takes on CUDA) and the PyTorch form
+FORMS = {"attention": ("pieces", "capacity"), "rows": ("triton", "tiles")}
 IDS, POSITIONS, ROW_SLOTS, SEQ_SLOTS = range(4)  # the rows of GraphStore.table
 
 
@@ -80,8 +90,10 @@ class GraphSettings:
     k_max: int = DEFAULT_K_MAX
     capture: bool = True  # on CUDA; a CPU always runs the eager stand-in
     compile: bool = False
-    attention: str = "auto"  # one of ATTENTIONS
+    attention: str = "auto"  # auto, or one of FORMS["attention"]
     piece: int = PIECE
+    rows: str = "auto"  # auto, or one of FORMS["rows"]
+    linear_blocks: tuple[int, int, int] = LINEAR_BLOCKS
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GraphSettings:
@@ -91,33 +103,52 @@ class GraphSettings:
                 raise ValueError(f"{name} must be 0 or 1, got {value[:20]!r}")
             return value == "1"
 
+        def form(what: str) -> str:
+            name, value = f"SPECD_GRAPH_{what.upper()}", environ.get(f"SPECD_GRAPH_{what.upper()}", "auto")
+            if value not in ("auto", *FORMS[what]):
+                raise ValueError(f"{name} must be one of auto, {', '.join(FORMS[what])}, got {value[:20]!r}")
+            return value
+
         raw = environ.get("SPECD_GRAPH_K_MAX", str(DEFAULT_K_MAX))
         if not raw.isdigit() or not 1 <= int(raw) <= 32:
             raise ValueError(f"SPECD_GRAPH_K_MAX must be a whole number in 1..32, got {raw[:20]!r}")
-        attention = environ.get("SPECD_GRAPH_ATTENTION", "auto")
-        if attention not in ATTENTIONS:
-            raise ValueError(f"SPECD_GRAPH_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {attention[:20]!r}")
         piece = environ.get("SPECD_GRAPH_PIECE", str(PIECE))
         if not piece.isdigit() or not 64 <= int(piece) <= 4096 or int(piece) % 64:
             raise ValueError(f"SPECD_GRAPH_PIECE must be a multiple of 64 in 64..4096, got {piece[:20]!r}")
+        blocks = environ.get("SPECD_GRAPH_LINEAR_BLOCKS", ",".join(map(str, LINEAR_BLOCKS)))
+        sizes = [int(b) for b in blocks.split(",") if b.isdigit()]
+        if len(sizes) != 3 or blocks.count(",") != 2 or any(not 16 <= b <= 256 or b & (b - 1) for b in sizes):
+            raise ValueError(f"SPECD_GRAPH_LINEAR_BLOCKS must be M,N,K, powers of two in 16..256, got {blocks[:30]!r}")
         return cls(
-            int(raw), flag("SPECD_GRAPH_CAPTURE", True), flag("SPECD_GRAPH_COMPILE", False), attention, int(piece)
+            int(raw),
+            flag("SPECD_GRAPH_CAPTURE", True),
+            flag("SPECD_GRAPH_COMPILE", False),
+            form("attention"),
+            int(piece),
+            form("rows"),
+            (sizes[0], sizes[1], sizes[2]),
         )
 
-    def attention_on(self, device: torch.device) -> str:
-        """The attention this pass runs on ``device``: ``auto`` resolved, a choice that cannot run refused."""
+    def form_on(self, what: str, device: torch.device) -> str:
+        """The form of ``what`` (a key of FORMS) this pass runs on ``device``: ``auto`` resolved (the Triton form on
+        CUDA where Triton imports; the compile option keeps the tiles it compiles), a choice that cannot run refused."""
+        chosen, (fast, slow) = getattr(self, what), FORMS[what]
         triton_missing = triton_import_error()
-        if self.attention == "auto":
-            return "pieces" if device.type == "cuda" and not triton_missing else "capacity"
-        if self.attention == "pieces":
+        if chosen == "auto":
+            compiled = what == "rows" and self.compile
+            return fast if device.type == "cuda" and not triton_missing and not compiled else slow
+        if chosen == fast:
+            name = f"SPECD_GRAPH_{what.upper()}={fast}"
             if triton_missing:
-                raise ValueError(f"SPECD_GRAPH_ATTENTION=pieces needs Triton: {triton_missing}")
+                raise ValueError(f"{name} needs Triton: {triton_missing}")
             if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(
-                    f"SPECD_GRAPH_ATTENTION=pieces runs on {device.type} only under Triton's interpreter "
+                    f"{name} runs on {device.type} only under Triton's interpreter "
                     "(TRITON_INTERPRET=1, set before Triton is imported)"
                 )
-        return self.attention
+            if what == "rows" and self.compile:
+                raise ValueError(f"{name} and SPECD_GRAPH_COMPILE=1 exclude each other: the compile fuses the tiles")
+        return chosen
 
 
 def triton_import_error() -> str:
@@ -213,10 +244,19 @@ class GraphPass(LlamaTensorPass):
         if self.settings.compile and torch.device(device).type != "cuda":
             raise ValueError(f"SPECD_GRAPH_COMPILE=1 compiles for CUDA only, not for {device}")
         self.vocab_size = int(model.lm_head.weight.shape[0])
-        self.attention = self.settings.attention_on(torch.device(device))
-        self.attention_fallback = ""  # why ``auto`` did not get the pieces attention it picked, if it did not
-        if self.attention == "pieces" and self.settings.attention == "auto":
-            self.attention, self.attention_fallback = self._checked_pieces(model, torch.device(device))
+        on = torch.device(device)
+        dtype = next(model.parameters()).dtype
+        shape, blocks = self.shape, self.settings.linear_blocks
+        self.fallbacks: dict[str, str] = {}  # why auto did not get a Triton form it picked, by choice
+        self.attention = self._checked(
+            "attention",
+            on,
+            lambda: piece_self_check(
+                shape.heads, shape.kv_heads, shape.head_dim, self.settings.k_max + 1, self.settings.piece, dtype, on
+            ),
+        )
+        self.rows = self._checked("rows", on, lambda: row_self_check(int(model.config.hidden_size), dtype, on, blocks))
+        self.ops = MODULES if self.rows == "tiles" else triton_row_ops(blocks)
         self.project: Callable[..., torch.Tensor] = project_qkv
         self.finish: Callable[..., torch.Tensor] = output_and_mlp
         if self.settings.compile:  # fuse RMSNorm, rotary and SiLU x mul per tile (untested here: module docstring)
@@ -290,33 +330,41 @@ class GraphPass(LlamaTensorPass):
         sin = store.sin.index_select(0, positions)[None]
         attend = self._attention(store, positions, seq_slots, width)
         heads, kv = self.shape.heads, self.shape.kv_heads
+        ops, by_rows = self.ops, self._by_rows
         for i, layer in enumerate(model.layers):
-            # (each lambda runs inside tiles(), within its iteration: B023's late binding cannot bite)
-            projected = tiles(lambda t: self.project(self, layer, x[t], cos[:, t], sin[:, t]), rows)  # noqa: B023
+            # (each lambda runs inside _by_rows, within its iteration: B023's late binding cannot bite)
+            projected = by_rows(lambda t: self.project(self, layer, x[t], cos[:, t], sin[:, t], ops), rows)  # noqa: B023
             q, k, v = projected.split([heads, kv, kv], dim=1)  # [R, heads | kv | kv, d]
             store.keys[i][row_slots, :, positions] = k
             store.values[i][row_slots, :, positions] = v
             attended = attend(q, store.keys[i], store.values[i], layer.self_attn.scaling)  # [R, heads * d]
-            x = tiles(lambda t: self.finish(layer, x[t], attended[t]), rows)  # noqa: B023  [R, hidden]
+            x = by_rows(lambda t: self.finish(layer, x[t], attended[t], ops), rows)  # noqa: B023  [R, hidden]
         head = self.model.lm_head
-        logits = tiles(lambda t: head(model.norm(x[t])), rows)  # [R, vocab]
+        logits = by_rows(lambda t: ops.linear(head, ops.norm(model.norm, x[t])), rows)  # [R, vocab]
         store.logits[:rows].copy_(logits)
         return store.logits[:rows]
 
-    def _checked_pieces(self, model: Any, device: torch.device) -> tuple[str, str]:
-        """("pieces", "") where the kernels compile here and agree with the capacity attention, else ("capacity",
-        why): ``auto`` never serves with an attention that did not pass its check on this machine."""
-        from decoder.runners.piece_attention import self_check
+    def _by_rows(self, step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
+        """A row-wise step over ``rows``: in TILE-row calls (the tiles form), or in one call over all of them (the
+        Triton form, whose reductions do not depend on the row count)."""
+        return tiles(step, rows) if self.rows == "tiles" else step(slice(0, rows))
 
-        dtype = next(model.parameters()).dtype
-        shape, query_rows = self.shape, self.settings.k_max + 1
+    def _checked(self, what: str, device: torch.device, check: Callable[[], None]) -> str:
+        """The form of ``what`` (a key of FORMS) to serve with. Where ``auto`` picked the Triton form, ``check``
+        compiles and runs its kernels here against PyTorch's: on any failure the PyTorch form, and why in
+        ``fallbacks`` and the log (``auto`` never serves with a kernel that failed its check on this machine)."""
+        form = self.settings.form_on(what, device)
+        if getattr(self.settings, what) != "auto" or form != FORMS[what][0]:
+            return form
         try:
-            self_check(shape.heads, shape.kv_heads, shape.head_dim, query_rows, self.settings.piece, dtype, device)
-        except Exception as error:  # a compiler's error has no one type: any failure means the other attention
-            why = f"{type(error).__name__}: {str(error)[:300]}"
-            logging.getLogger(__name__).warning("graphs pass: the capacity attention, not pieces (%s)", why)
-            return "capacity", why
-        return "pieces", ""
+            check()
+        except Exception as error:  # a compiler's error has no one type: any failure means the PyTorch form
+            self.fallbacks[what] = f"{type(error).__name__}: {str(error)[:300]}"
+            logging.getLogger(__name__).warning(
+                "graphs pass: %s %s, not %s (%s)", what, FORMS[what][1], form, self.fallbacks[what]
+            )
+            return FORMS[what][1]
+        return form
 
     def _attention(
         self, store: GraphStore, positions: torch.Tensor, seq_slots: torch.Tensor, width: int
@@ -324,7 +372,7 @@ class GraphPass(LlamaTensorPass):
         """One step's attention, the same for every layer: (q, keys, values, scaling) -> [R, heads * d]."""
         padded_width = self.settings.k_max + 1
         if self.attention == "pieces":
-            from decoder.runners.piece_attention import attend_pieces  # Triton: imported where it runs
+            from decoder.runners.piece_attention import attend_pieces  # Triton: imported where it runs (so below)
 
             piece = self.settings.piece
             return lambda q, keys, values, scaling: attend_pieces(
@@ -336,3 +384,27 @@ class GraphPass(LlamaTensorPass):
         )
         visible = visible_positions(store.capacity_index, query_positions)  # [B, Q, C]
         return lambda q, keys, values, scaling: attend_sequences(q, keys, values, seq_slots, visible, width, scaling)
+
+
+def piece_self_check(
+    heads: int, kv: int, d: int, query_rows: int, piece: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    from decoder.runners.piece_attention import self_check
+
+    self_check(heads, kv, d, query_rows, piece, dtype, device)
+
+
+def row_self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks: tuple[int, int, int]) -> None:
+    from decoder.runners.row_kernels import self_check
+
+    self_check(hidden, dtype, device, blocks)
+
+
+def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
+    """The Triton form of a layer's row-wise reductions (decoder/runners/row_kernels.py), over all rows at once."""
+    from decoder.runners.row_kernels import linear, rms_norm
+
+    return RowOps(
+        norm=lambda module, x: rms_norm(x, module.weight, module.variance_epsilon),
+        linear=lambda module, x: linear(x, module.weight, module.bias, blocks),
+    )

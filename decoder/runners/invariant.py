@@ -25,6 +25,7 @@ Shapes in the notation of ``decoder/__init__.py``: ``r`` real tokens in the pass
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,24 +57,51 @@ def by_tiles(step: Callable[[slice], torch.Tensor], rows: int, tile: int = TILE)
     return torch.cat([step(slice(first, first + tile)) for first in range(0, rows, tile)])
 
 
+def _module(module: Any, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """How a layer's row-wise reductions run, given the model's module and its input rows: the module itself (the
+    default), or another kernel of the same arithmetic (the graphs pass's Triton kernels, decoder/runners/
+    row_kernels.py). Everything else in a layer is elementwise."""
+
+    norm: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an RMSNorm module
+    linear: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an nn.Linear
+
+
+MODULES = RowOps()
+
+
 def project_qkv(
-    pass_: InvariantPass, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    pass_: InvariantPass,
+    layer: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ops: RowOps = MODULES,
 ) -> torch.Tensor:
-    """Norm, q/k/v projections and rotary embedding of one tile. # x: [tile, hidden] -> [tile, heads + 2 kv, d]"""
+    """Norm, q/k/v projections and rotary embedding of some rows. # x: [n, hidden] -> [n, heads + 2 kv, d]"""
     attn, shape = layer.self_attn, pass_.shape
     heads, kv, d = shape.heads, shape.kv_heads, shape.head_dim
-    h = layer.input_layernorm(x)  # [tile, hidden]
-    q = attn.q_proj(h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, tile, d]
-    k = attn.k_proj(h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, tile, d]
-    v = attn.v_proj(h).view(1, -1, kv, d).transpose(1, 2)
-    q, k = pass_.rope(q, k, cos, sin)  # cos, sin: [1, tile, d]
+    h = ops.norm(layer.input_layernorm, x)  # [n, hidden]
+    q = ops.linear(attn.q_proj, h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, n, d]
+    k = ops.linear(attn.k_proj, h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, n, d]
+    v = ops.linear(attn.v_proj, h).view(1, -1, kv, d).transpose(1, 2)
+    q, k = pass_.rope(q, k, cos, sin)  # cos, sin: [1, n, d]
     return torch.cat([q, k, v], dim=1)[0].transpose(0, 1)
 
 
-def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-    """The attention's output projection and the MLP, residuals included. # x: [tile, hidden] -> [tile, hidden]"""
-    h = x + layer.self_attn.o_proj(attended)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor, ops: RowOps = MODULES) -> torch.Tensor:
+    """The attention's output projection and the MLP (transformers' LlamaMLP: down(act(gate(h)) * up(h))), residuals
+    included. # x: [n, hidden] -> [n, hidden]"""
+    h = x + ops.linear(layer.self_attn.o_proj, attended)
+    mlp = layer.mlp
+    normed = ops.norm(layer.post_attention_layernorm, h)
+    return h + ops.linear(
+        mlp.down_proj, mlp.act_fn(ops.linear(mlp.gate_proj, normed)) * ops.linear(mlp.up_proj, normed)
+    )
 
 
 def attend_one_by_one(

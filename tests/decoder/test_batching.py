@@ -167,3 +167,30 @@ def test_logits_to_keep_returns_the_tail_of_the_full_logits(llama_target, rows):
         assert g.shape[0] == min(3, ids.shape[0])
         torch.testing.assert_close(g, w[-3:], rtol=1e-9, atol=1e-9)
     assert tail.lengths == full.lengths  # every token is cached, whatever logits are kept
+
+
+def test_a_step_copies_its_greedy_argmaxes_to_the_host_once_whatever_the_batch(llama_target, monkeypatch):
+    """Acceptance needs the target's argmaxes on the host: one copy for the whole step (one host synchronisation on
+    a GPU), not one per sequence. Counted: the host copies of a step of 1, then 5 greedy sequences, one sampled among
+    them (its rejection sampling stays on the logits' device)."""
+    copies = 0
+    host_copy = torch.Tensor.cpu
+
+    def counted(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        nonlocal copies
+        copies += 1
+        return host_copy(tensor, *args, **kwargs)
+
+    engine = BatchEngine(llama_target, None, max_batch=7)
+    rules = StopConditions(max_new_tokens=8)
+    one = [engine.open([3, 4, 5], GREEDY, rules, requested("none", 0))]
+    many = [engine.open([3, 4 + i, 5], GREEDY, rules, requested("none", 0)) for i in range(5)]
+    many.append(engine.open([7, 8], SamplingParams(temperature=0.8, seed=1), rules, requested("none", 0)))
+    counts = []
+    for sessions in (one, many):
+        monkeypatch.setattr(torch.Tensor, "cpu", counted)
+        copies = 0
+        engine.step(sessions)
+        monkeypatch.undo()
+        counts.append(copies)
+    assert counts == [1, 1], counts

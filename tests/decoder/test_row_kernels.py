@@ -1,0 +1,91 @@
+"""The graphs pass's Triton row kernels (decoder/runners/row_kernels.py): a matrix product over all of a step's rows
+and RMSNorm, each a row's result summed in an order the row count cannot change. The graphs pass that runs them:
+tests/decoder/test_graph_triton.py.
+
+On a CPU they run under Triton's interpreter (tests/conftest.py) in float32; ``SPECD_TEST_DEVICE=cuda`` compiles
+them. What is checked: they compute what PyTorch computes (a float64 reference; transformers' LlamaRMSNorm), a row's
+bits are the same alone and among any number of rows at any place, and the start-up check refuses a wrong kernel."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
+pytest.importorskip("triton", reason="Triton is not installed (the dev extras bring it: pip install -e '.[dev]')")
+
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+
+from decoder.runners import row_kernels  # noqa: E402
+from decoder.runners.row_kernels import linear, rms_norm  # noqa: E402
+
+BLOCKS = (16, 32, 16)  # several column tiles and K steps at test sizes
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
+
+
+@pytest.mark.parametrize(("rows", "n_in", "n_out"), [(1, 70, 100), (16, 48, 64), (37, 100, 33)])
+def test_linear_computes_x_w_transposed_plus_b(rows, n_in, n_out):
+    """Sizes that are and are not multiples of the blocks (partial row, column and K tiles), with and without bias."""
+    x, w, b = randn(rows, n_in, seed=1), randn(n_out, n_in, seed=2, scale=n_in**-0.5), randn(n_out, seed=3)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(linear(x, w, b, BLOCKS).double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(linear(x, w, None, BLOCKS).double(), want - b.double(), rtol=0, atol=1e-5)
+
+
+def test_a_rows_product_is_the_same_bits_alone_and_among_any_rows():
+    """Row r of a 1-row call, of 16 rows, of 61 rows at another place: the same bits (PyTorch's own matmul gives
+    other bits between 1 and 61 rows on this CPU; the kernel's sum does not follow the row count)."""
+    n_in, n_out = 96, 80
+    w, b = randn(n_out, n_in, seed=5, scale=0.1), randn(n_out, seed=6)
+    row = randn(1, n_in, seed=7)
+    alone = linear(row, w, b, BLOCKS)[0]
+    for rows, at in ((16, 0), (16, 15), (61, 44)):
+        x = randn(rows, n_in, seed=rows + at)
+        x[at] = row[0]
+        assert torch.equal(linear(x, w, b, BLOCKS)[at], alone), (rows, at)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_is_transformers_llama_rms_norm(dtype):
+    """To float32 rounding in float32; in bfloat16 within two roundings of each output (the sum of squares is summed
+    in another order than PyTorch's, and transformers rounds twice: the normalised row, then the product)."""
+    hidden = 72
+    module = LlamaRMSNorm(hidden, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        module.weight.copy_(1 + randn(hidden, seed=8) / 4)
+    module = module.to(dtype)
+    x = randn(23, hidden, seed=9, scale=3.0).to(dtype)
+    got, want = rms_norm(x, module.weight, module.variance_epsilon), module(x)
+    assert got.dtype == want.dtype == dtype
+    rtol = 1e-6 if dtype == torch.float32 else 2**-6  # bfloat16: 2 units in the last place
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol, atol=1e-6)
+
+
+def test_a_rows_norm_is_the_same_bits_alone_and_among_rows():
+    weight = 1 + randn(72, seed=10) / 4
+    row = randn(1, 72, seed=11)
+    x = randn(40, 72, seed=12)
+    x[29] = row[0]
+    assert torch.equal(rms_norm(x, weight, 1e-6)[29], rms_norm(row, weight, 1e-6)[0])
+
+
+def test_what_they_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="linear"):
+        linear(randn(3, 8, seed=1), randn(5, 9, seed=2))
+    with pytest.raises(ValueError, match="rms_norm"):
+        rms_norm(randn(3, 8, seed=1), randn(9, seed=2), 1e-6)
+
+
+def test_the_start_up_check_refuses_wrong_kernels(monkeypatch):
+    row_kernels.self_check(64, torch.float32, DEVICE, BLOCKS)  # the real kernels pass
+    monkeypatch.setattr(row_kernels, "rms_norm", lambda x, weight, eps: x)  # no normalisation
+    with pytest.raises(ValueError, match="RMSNorm"):
+        row_kernels.self_check(64, torch.float32, DEVICE, BLOCKS)
+    monkeypatch.setattr(row_kernels, "linear", lambda x, weight, bias, blocks: torch.nn.functional.linear(x, weight))
+    with pytest.raises(ValueError, match="matrix product"):
+        row_kernels.self_check(64, torch.float32, DEVICE, BLOCKS)
