@@ -1705,6 +1705,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/decoder/test_graph_triton.py::test_auto_serves_with_a_triton_form_only_where_its_check_passes",),
         "auto serves with Triton kernels that failed their start-up check on this machine",
     ),
+    Mutation(
+        "grouped-weight-written-over-the-first",
+        "decoder/runners/row_kernels.py",
+        "        w_ptr, b_ptr, n_out, first_col, tile = w1_ptr, b1_ptr, n1, n0, pid_n - tiles0",
+        "        w_ptr, b_ptr, n_out, first_col, tile = w1_ptr, b1_ptr, n1, 0, pid_n - tiles0",
+        ("tests/decoder/test_row_kernels.py",),
+        "a group's second weight (k of q, k, v; up of gate, up) writes its outputs over the first's",
+    ),
 )
 
 

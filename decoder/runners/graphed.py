@@ -401,10 +401,16 @@ def row_self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks
 
 
 def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
-    """The Triton form of a layer's row-wise reductions (decoder/runners/row_kernels.py), over all rows at once."""
-    from decoder.runners.row_kernels import linear, rms_norm
+    """The Triton form of a layer's row-wise reductions (decoder/runners/row_kernels.py), over all rows at once: q, k
+    and v in one launch, gate and up in one."""
+    from decoder.runners.row_kernels import linear, linear_group, rms_norm
+
+    def linears(modules: Sequence[Any], x: torch.Tensor) -> list[torch.Tensor]:
+        out = linear_group(x, [m.weight for m in modules], [m.bias for m in modules], blocks)
+        return list(out.split([int(m.weight.shape[0]) for m in modules], dim=1))
 
     return RowOps(
         norm=lambda module, x: rms_norm(x, module.weight, module.variance_epsilon),
         linear=lambda module, x: linear(x, module.weight, module.bias, blocks),
+        linears=linears,
     )

@@ -24,7 +24,7 @@ Shapes in the notation of ``decoder/__init__.py``: ``r`` real tokens in the pass
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,10 @@ def _module(module: Any, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def _modules(modules: Sequence[Any], x: torch.Tensor) -> list[torch.Tensor]:
+    return [module(x) for module in modules]
+
+
 @dataclass(frozen=True)
 class RowOps:
     """How a layer's row-wise reductions run, given the model's module and its input rows: the module itself (the
@@ -69,6 +73,7 @@ class RowOps:
 
     norm: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an RMSNorm module
     linear: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an nn.Linear
+    linears: Callable[[Sequence[Any], torch.Tensor], list[torch.Tensor]] = _modules  # nn.Linears reading the same rows
 
 
 MODULES = RowOps()
@@ -86,9 +91,10 @@ def project_qkv(
     attn, shape = layer.self_attn, pass_.shape
     heads, kv, d = shape.heads, shape.kv_heads, shape.head_dim
     h = ops.norm(layer.input_layernorm, x)  # [n, hidden]
-    q = ops.linear(attn.q_proj, h).view(1, -1, heads, d).transpose(1, 2)  # [1, heads, n, d]
-    k = ops.linear(attn.k_proj, h).view(1, -1, kv, d).transpose(1, 2)  # [1, kv, n, d]
-    v = ops.linear(attn.v_proj, h).view(1, -1, kv, d).transpose(1, 2)
+    q, k, v = ops.linears((attn.q_proj, attn.k_proj, attn.v_proj), h)  # [n, heads * d | kv * d | kv * d]
+    q = q.view(1, -1, heads, d).transpose(1, 2)  # [1, heads, n, d]
+    k = k.view(1, -1, kv, d).transpose(1, 2)  # [1, kv, n, d]
+    v = v.view(1, -1, kv, d).transpose(1, 2)
     q, k = pass_.rope(q, k, cos, sin)  # cos, sin: [1, n, d]
     return torch.cat([q, k, v], dim=1)[0].transpose(0, 1)
 
@@ -98,10 +104,8 @@ def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor, ops: Row
     included. # x: [n, hidden] -> [n, hidden]"""
     h = x + ops.linear(layer.self_attn.o_proj, attended)
     mlp = layer.mlp
-    normed = ops.norm(layer.post_attention_layernorm, h)
-    return h + ops.linear(
-        mlp.down_proj, mlp.act_fn(ops.linear(mlp.gate_proj, normed)) * ops.linear(mlp.up_proj, normed)
-    )
+    gate, up = ops.linears((mlp.gate_proj, mlp.up_proj), ops.norm(layer.post_attention_layernorm, h))
+    return h + ops.linear(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
 def attend_one_by_one(

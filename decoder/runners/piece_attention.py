@@ -21,7 +21,7 @@ Capturable: the lengths are read on the device from the step's positions (a sequ
 position + 1), the slots from the step's table; the grid depends on the bucket and the capacity only.
 
 Arithmetic: keys and values are read in the store's dtype; scores, the softmax and the weighted sum accumulate in
-float32. ``qk_in_storage_dtype`` (a bfloat16 or float16 store on a GPU) takes the query-key dot product on the
+float32. A bfloat16 or float16 store on a GPU takes the query-key dot product on the
 tensor cores in that dtype with float32 accumulation (each product is exact in float32); elsewhere both dot products
 run in float32 (IEEE, not TF32). Triton's CPU interpreter (``TRITON_INTERPRET=1``) runs the same kernels on a CPU
 for the tests, in float32.

@@ -3,24 +3,28 @@ reads the weights once per step, and RMSNorm. Batch-invariant by construction, n
 
 The rule: a row's result is summed in an order fixed by the weights' shape alone, never by the number of rows.
 
-- **``linear``** (``y = x W^T + b``): one fixed configuration per call site (``BLOCK_M`` x ``BLOCK_N`` output tiles,
-  ``BLOCK_K`` columns at a time), no split of K: each output is its row's dot product accumulated in float32, K
-  chunk after K chunk, in the same order whatever the step's rows; only the number of row tiles changes with them.
-  The programs of one column tile are launched side by side (row tiles fastest), so a weight tile read from memory
-  serves every row tile from the cache: a step of 64 sequences reads the weights about once, where 16-row calls
-  read them once per 16 rows. vLLM's batch-invariant mode keeps BLOCK_K fixed per weight shape the same way;
+- **``linear``** (``y = x W^T + b``; ``linear_group``: up to three weights that read the same rows, such as q, k
+  and v, in one launch, each weight's outputs the bits it gets alone): one fixed configuration per call site
+  (``BLOCK_M`` x ``BLOCK_N`` output tiles, ``BLOCK_K`` columns at a time), no split of K: each output is its row's
+  dot product accumulated in float32, K chunk after K chunk, in the same order whatever the step's rows; only the
+  number of row tiles changes with them. The programs of one column tile are launched side by side (row tiles
+  fastest), so a weight tile read from memory serves every row tile from the cache: a step of 64 sequences reads
+  the weights about once, where 16-row calls read them once per 16 rows. vLLM's batch-invariant mode keeps BLOCK_K
+  fixed per weight shape the same way;
 - **``rms_norm``**: each row's sum of squares in float32 over one block of the hidden size, then transformers'
   rounding (the normalised row to the input's dtype, times the weight).
 
 Elementwise steps (rotary embedding, SiLU x mul, residual adds) need neither: an element's result does not depend on
 the others, so PyTorch's kernels run them over all rows at once.
 
-Arithmetic: ``low_precision_dot`` (a bfloat16 or float16 model on a GPU) takes the products on the tensor cores in
+Arithmetic: a bfloat16 or float16 model on a GPU takes the products on the tensor cores in
 that dtype with float32 accumulation (each product is exact in float32); elsewhere in float32 (IEEE, not TF32).
 Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernels on a CPU for the tests, in float32.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -32,14 +36,19 @@ DEFAULT_BLOCKS = (16, 64, 64)  # a matrix product's program: M rows x N outputs,
 @triton.jit
 def _linear_kernel(
     x_ptr,
-    w_ptr,
-    b_ptr,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
     y_ptr,
     rows,
-    n_out,
+    n0,
+    n1,
+    n2,
     n_in,
     stride_xr,
-    stride_wn,
     stride_yr,
     HAS_BIAS: tl.constexpr,
     LOW: tl.constexpr,
@@ -47,13 +56,22 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One ``BLOCK_M`` x ``BLOCK_N`` tile of ``y``: K chunk after K chunk, in order."""
+    """One ``BLOCK_M`` x ``BLOCK_N`` tile of ``y``, of one of up to three weights (their outputs side by side in
+    ``y``; each weight's column tiles start at its own first row): K chunk after K chunk, in order."""
     pid = tl.program_id(0)
     row_tiles = tl.cdiv(rows, BLOCK_M)
     pid_m = pid % row_tiles  # row tiles fastest: a column tile's weights are read by neighbouring programs
     pid_n = pid // row_tiles
+    tiles0 = tl.cdiv(n0, BLOCK_N)
+    tiles1 = tl.cdiv(n1, BLOCK_N)
+    if pid_n < tiles0:
+        w_ptr, b_ptr, n_out, first_col, tile = w0_ptr, b0_ptr, n0, 0, pid_n
+    elif pid_n < tiles0 + tiles1:
+        w_ptr, b_ptr, n_out, first_col, tile = w1_ptr, b1_ptr, n1, n0, pid_n - tiles0
+    else:
+        w_ptr, b_ptr, n_out, first_col, tile = w2_ptr, b2_ptr, n2, n0 + n1, pid_n - tiles0 - tiles1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # within this weight
     m_ok = offs_m < rows
     n_ok = offs_n < n_out
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -66,7 +84,7 @@ def _linear_kernel(
             other=0.0,
         )  # [M, K]
         b = tl.load(
-            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None],
+            w_ptr + offs_n[None, :].to(tl.int64) * n_in + offs_k[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )  # [K, N]
@@ -77,10 +95,52 @@ def _linear_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
-        y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + offs_n[None, :],
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + first_col + offs_n[None, :],
         acc.to(y_ptr.dtype.element_ty),
         mask=m_ok[:, None] & n_ok[None, :],
     )
+
+
+def linear_group(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    blocks: tuple[int, int, int] = DEFAULT_BLOCKS,
+) -> torch.Tensor:
+    """``x W_i^T (+ b_i)`` for one to three weights over all rows in one launch, side by side, in ``x``'s dtype: each
+    weight's outputs are the bits ``linear`` gives it alone. ``blocks``: (M, N, K), powers of two >= 16.
+    # x: [R, in]; weights: [out_i, in] each -> [R, sum of out_i]"""
+    if not 1 <= len(weights) <= 3 or len(biases) != len(weights) or len({b is None for b in biases}) != 1:
+        raise ValueError(f"linear: 1 to 3 weights, all with a bias or none, got {len(weights)} and {len(biases)}")
+    n_in = x.shape[-1]
+    for w in weights:
+        if x.dim() != 2 or w.dim() != 2 or w.shape[1] != n_in or x.stride(1) != 1 or not w.is_contiguous():
+            raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} must be [R, in] and [out, in]")
+    rows = x.shape[0]
+    sizes = [int(w.shape[0]) for w in weights] + [0] * (3 - len(weights))
+    w = [*weights, *[weights[0]] * (3 - len(weights))]
+    b = [bias if bias is not None else weights[0] for bias in biases] + [weights[0]] * (3 - len(weights))
+    y = torch.empty(rows, sum(sizes), dtype=x.dtype, device=x.device)
+    low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(v.dtype == x.dtype for v in weights)
+    block_m, block_n, block_k = blocks
+    grid = (triton.cdiv(rows, block_m) * sum(triton.cdiv(n, block_n) for n in sizes),)
+    _linear_kernel[grid](
+        x,
+        *w,
+        *b,
+        y,
+        rows,
+        *sizes,
+        n_in,
+        x.stride(0),
+        y.stride(0),
+        HAS_BIAS=biases[0] is not None,
+        LOW=low,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
+    return y
 
 
 def linear(
@@ -89,34 +149,9 @@ def linear(
     bias: torch.Tensor | None = None,
     blocks: tuple[int, int, int] = DEFAULT_BLOCKS,
 ) -> torch.Tensor:
-    """``x W^T (+ b)`` over all rows in one launch, in ``x``'s dtype; ``blocks``: (M, N, K), powers of two >= 16.
+    """``x W^T (+ b)`` over all rows in one launch (``linear_group`` of one weight).
     # x: [R, in]; weight: [out, in] -> [R, out]"""
-    if x.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [R, in] and [out, in]")
-    rows, n_in = x.shape
-    n_out = weight.shape[0]
-    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
-    low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-    block_m, block_n, block_k = blocks
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n_out, block_n),)
-    _linear_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        rows,
-        n_out,
-        n_in,
-        x.stride(0),
-        weight.stride(0),
-        y.stride(0),
-        HAS_BIAS=bias is not None,
-        LOW=low,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
-    return y
+    return linear_group(x, [weight], [bias], blocks)
 
 
 @triton.jit

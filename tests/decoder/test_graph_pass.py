@@ -252,11 +252,12 @@ def test_every_call_has_one_shape_whatever_the_bucket(monkeypatch):
     """Why the bits cannot depend on the bucket, checked where this CPU cannot show it (MKL gives the same bits for
     every multiple of 16 rows here; a GPU's kernels are chosen by shape): every row-wise module call runs on exactly
     ``TILE`` rows, and every attention call has the same shapes, in buckets 1 x 1, 1 x 9, 4 x 3, 8 x 9 and a split
-    prefill. (The capacity attention's calls: the pieces attention is one launch per layer whatever the bucket,
-    tests/decoder/test_piece_attention.py.)"""
+    prefill. (The PyTorch forms' calls: the Triton forms are one launch per layer and step whatever the bucket,
+    tests/decoder/test_graph_triton.py.)"""
     from decoder.runners import capacity_attention
 
     monkeypatch.setenv("SPECD_GRAPH_ATTENTION", "capacity")
+    monkeypatch.setenv("SPECD_GRAPH_ROWS", "tiles")
     model = model_of(torch.float32)
     pool = graph_pool(model, slots=8)
     seen: set[tuple[str, tuple[int, ...]]] = set()

@@ -89,3 +89,16 @@ def test_the_start_up_check_refuses_wrong_kernels(monkeypatch):
     monkeypatch.setattr(row_kernels, "linear", lambda x, weight, bias, blocks: torch.nn.functional.linear(x, weight))
     with pytest.raises(ValueError, match="matrix product"):
         row_kernels.self_check(64, torch.float32, DEVICE, BLOCKS)
+
+
+def test_a_group_of_weights_gives_each_the_bits_it_gets_alone():
+    """q, k and v (or gate and up) in one launch: each weight's outputs side by side, bit for bit its own call's."""
+    x = randn(33, 80, seed=13)
+    weights = [randn(n, 80, seed=14 + n, scale=0.1) for n in (64, 20, 20)]
+    biases = [randn(n, seed=20 + n) for n in (64, 20, 20)]
+    for count in (1, 2, 3):
+        together = row_kernels.linear_group(x, weights[:count], biases[:count], BLOCKS)
+        alone = torch.cat([linear(x, w, b, BLOCKS) for w, b in zip(weights[:count], biases[:count], strict=True)], 1)
+        assert torch.equal(together, alone), count
+    with pytest.raises(ValueError, match="all with a bias or none"):
+        row_kernels.linear_group(x, weights[:2], [biases[0], None], BLOCKS)
