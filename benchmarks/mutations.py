@@ -1614,8 +1614,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "sequence-length-from-its-first-row",
         "decoder/runners/piece_attention.py",
-        "    length = tl.max(query_pos, axis=0) + 1\n    slot = ",
-        "    length = tl.load(pos_ptr + b * width) + 1\n    slot = ",
+        "    return token, real, query_pos, tl.max(query_pos, axis=0) + 1",
+        "    return token, real, query_pos, tl.load(pos_ptr + b * width) + 1",
         ("tests/decoder/test_piece_attention.py::test_it_computes_attention_over_each_sequences_own_length",),
         "a verification's later rows see no position past its first row's",
     ),

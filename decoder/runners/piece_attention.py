@@ -46,6 +46,16 @@ def rows_per_program(query_rows: int, group: int) -> int:
 
 
 @triton.jit
+def _sequence_rows(pos_ptr, b, width, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's rows for sequence ``b``: each row's query token (``GROUP`` heads per token), whether it is one of
+    the step's, its position, and the sequence's length (its last query's position + 1)."""
+    token = tl.arange(0, BLOCK_M) // GROUP
+    real = token < width
+    query_pos = tl.load(pos_ptr + b * width + token, mask=real, other=-1)  # [M]
+    return token, real, query_pos, tl.max(query_pos, axis=0) + 1
+
+
+@triton.jit
 def _piece_kernel(
     q_ptr,
     k_ptr,
@@ -80,10 +90,7 @@ def _piece_kernel(
     piece = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    token = offs_m // GROUP  # the sequence's query row of each program row
-    real = token < width
-    query_pos = tl.load(pos_ptr + b * width + token, mask=real, other=-1)  # [M]
-    length = tl.max(query_pos, axis=0) + 1
+    token, real, query_pos, length = _sequence_rows(pos_ptr, b, width, GROUP, BLOCK_M)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     d_ok = offs_d < HEAD_DIM
 
@@ -154,10 +161,7 @@ def _fold_kernel(
     h = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    token = offs_m // GROUP
-    real = token < width
-    query_pos = tl.load(pos_ptr + b * width + token, mask=real, other=-1)
-    length = tl.max(query_pos, axis=0) + 1
+    token, real, _, length = _sequence_rows(pos_ptr, b, width, GROUP, BLOCK_M)
     pieces = (length + PIECE_SIZE - 1) // PIECE_SIZE
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)

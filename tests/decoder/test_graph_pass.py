@@ -301,20 +301,30 @@ def test_a_pass_outside_the_buckets_is_split_without_changing_a_bit():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_same_logits_as_transformers(dtype):
-    """Invariance is not enough: the pass must compute the model. Against transformers in float64: to float32
-    rounding in float32; in bfloat16 no further off than transformers' own bfloat16 forward."""
-    ours = graph_pool(model_of(dtype), slots=1).open()
+def beside_transformers(
+    pool: KVPool, dtype: torch.dtype, first: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A prefill of ``first`` tokens, decode steps, a rollback of 4 and a verification, through ``pool``, through
+    transformers in ``dtype`` and in float64: each step's (ours, transformers', float64's) logits, in float64."""
+    ours = pool.open()
     same_dtype = open_sequence(from_objects(model_of(dtype), None, "theirs", runner="transformers"))
     exact = open_sequence(from_objects(model_of(torch.float64), None, "exact", runner="transformers"))
     generator = torch.Generator().manual_seed(1)
-    for i, n in enumerate((37, 1, 6, 1, 9)):
+    steps = []
+    for i, n in enumerate((first, 1, 6, 1, 9)):
         if i == 3:  # roll back 4 tokens first
             for seq in (ours, same_dtype, exact):
                 seq.truncate(seq.length - 4)
         tokens = torch.randint(0, VOCAB, (n,), generator=generator)
-        got, theirs, want = ours.forward(tokens).double(), same_dtype.forward(tokens).double(), exact.forward(tokens)
+        steps.append((ours.forward(tokens).double(), same_dtype.forward(tokens).double(), exact.forward(tokens)))
+    return steps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_same_logits_as_transformers(dtype):
+    """Invariance is not enough: the pass must compute the model. Against transformers in float64: to float32
+    rounding in float32; in bfloat16 no further off than transformers' own bfloat16 forward."""
+    for i, (got, theirs, want) in enumerate(beside_transformers(graph_pool(model_of(dtype), slots=1), dtype, 37)):
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=0, atol=2e-4, msg=f"step {i}")
         else:

@@ -17,12 +17,10 @@ pytest.importorskip("triton", reason="Triton is not installed (the dev extras br
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import SpeculativeDecoder
-from decoder.kv_cache import open_sequence
-from decoder.models import from_objects
 from decoder.request_stop import StopConditions
 from decoder.runners.graphed import GraphSettings
 from decoder.sampling import SamplingParams
-from tests.decoder.test_graph_pass import bf16_pair, graph_pool, model_of, pass_of
+from tests.decoder.test_graph_pass import beside_transformers, bf16_pair, graph_pool, model_of, pass_of
 from tests.decoder.test_native import VOCAB, assert_batched_equals_single
 
 FORMS = {  # the Triton forms, alone and together: (attention, rows)
@@ -104,17 +102,8 @@ def test_the_pass_computes_the_model(forms, dtype):
     rounding in float32; in bfloat16 no further off, over the steps, than transformers' own bfloat16 forward."""
     pool = graph_pool(model_of(dtype), slots=1)
     assert (pass_of(pool).attention, pass_of(pool).rows) == forms
-    ours = pool.open()
-    same_dtype = open_sequence(from_objects(model_of(dtype), None, "theirs", runner="transformers"))
-    exact = open_sequence(from_objects(model_of(torch.float64), None, "exact", runner="transformers"))
-    generator = torch.Generator().manual_seed(1)
     ours_off = theirs_off = 0.0
-    for i, n in enumerate((70, 1, 6, 1, 9)):
-        if i == 3:  # roll back 4 tokens first
-            for seq in (ours, same_dtype, exact):
-                seq.truncate(seq.length - 4)
-        tokens = torch.randint(0, VOCAB, (n,), generator=generator)
-        got, theirs, want = ours.forward(tokens).double(), same_dtype.forward(tokens).double(), exact.forward(tokens)
+    for i, (got, theirs, want) in enumerate(beside_transformers(pool, dtype, 70)):  # 70: across two pieces
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=0, atol=2e-4, msg=f"step {i}")
         ours_off, theirs_off = max(ours_off, (got - want).abs().max()), max(theirs_off, (theirs - want).abs().max())
