@@ -1713,6 +1713,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/decoder/test_row_kernels.py",),
         "a group's second weight (k of q, k, v; up of gate, up) writes its outputs over the first's",
     ),
+    Mutation(
+        "rotary-half-turned-the-wrong-way",
+        "decoder/runners/row_kernels.py",
+        "    sign = tl.where(offs_d < D // 2, -1.0, 1.0)",
+        "    sign = tl.where(offs_d < D // 2, 1.0, -1.0)",
+        ("tests/decoder/test_row_kernels.py",),
+        "the fused rotary embedding rotates by minus the angle (rotate_half's signs swapped)",
+    ),
+    Mutation(
+        "fused-cache-write-skips-the-values",
+        "decoder/runners/row_kernels.py",
+        "    tl.store(v_at + offs_d[None, :], v, mask=kv_ok)",
+        "    tl.store(v_at + offs_d[None, :], v, mask=kv_ok & (offs_d[None, :] < 0))",
+        ("tests/decoder/test_row_kernels.py",),
+        "the fused projection writes the keys to the cache but not the values",
+    ),
 )
 
 

@@ -22,8 +22,8 @@ pass runs every step in a bounded set of fixed shapes, so that each can be captu
   (decoder/runners/piece_attention.py), or ``capacity``, each sequence over its slot's whole capacity, masked by
   position, one fixed-shape call per sequence (decoder/runners/capacity_attention.py, which says why not SDPA). The
   row-wise steps (``SPECD_GRAPH_ROWS``): ``triton``, every matrix product and RMSNorm over all of a step's rows in one
-  launch whose sums do not follow the row count (decoder/runners/row_kernels.py: the weights read about once per
-  step), or ``tiles``, PyTorch's modules on tiles of exactly ``TILE`` rows (the invariant pass's idea,
+  launch whose sums do not follow the row count, q/k/v in one launch and the rotary embedding with the KV write in
+  another (decoder/runners/row_kernels.py: the weights read about once per step), or ``tiles``, PyTorch's modules on tiles of exactly ``TILE`` rows (the invariant pass's idea,
   decoder/runners/invariant.py; ``TILE`` is 16, not the invariant pass's 8: a verification of K = 8 drafts, 9 rows,
   then reads the weights once). ``auto`` (the default for both) takes the Triton form on CUDA where Triton imports
   and its kernels pass a check against the PyTorch form when the pass is made (``GraphPass._checked``; a failure is
@@ -326,23 +326,50 @@ class GraphPass(LlamaTensorPass):
             table[SEQ_SLOTS, :batch],
         )
         x = model.embed_tokens(ids)  # [R, hidden]
-        cos = store.cos.index_select(0, positions)[None]  # [1, R, d]
-        sin = store.sin.index_select(0, positions)[None]
+        if self.rows == "tiles":  # (the Triton form reads the tables at each row's position itself)
+            cos = store.cos.index_select(0, positions)[None]  # [1, R, d]
+            sin = store.sin.index_select(0, positions)[None]
         attend = self._attention(store, positions, seq_slots, width)
         heads, kv = self.shape.heads, self.shape.kv_heads
         ops, by_rows = self.ops, self._by_rows
         for i, layer in enumerate(model.layers):
-            # (each lambda runs inside _by_rows, within its iteration: B023's late binding cannot bite)
-            projected = by_rows(lambda t: self.project(self, layer, x[t], cos[:, t], sin[:, t], ops), rows)  # noqa: B023
-            q, k, v = projected.split([heads, kv, kv], dim=1)  # [R, heads | kv | kv, d]
-            store.keys[i][row_slots, :, positions] = k
-            store.values[i][row_slots, :, positions] = v
+            if self.rows == "triton":  # norm, q/k/v in one launch, rotary embedding and the cache write in another
+                q = self._project_and_store(layer, x, store, i, positions, row_slots)  # [R, heads, d]
+            else:
+                # (each lambda runs inside tiles(), within its iteration: B023's late binding cannot bite)
+                projected = tiles(lambda t: self.project(self, layer, x[t], cos[:, t], sin[:, t]), rows)  # noqa: B023
+                q, k, v = projected.split([heads, kv, kv], dim=1)  # [R, heads | kv | kv, d]
+                store.keys[i][row_slots, :, positions] = k
+                store.values[i][row_slots, :, positions] = v
             attended = attend(q, store.keys[i], store.values[i], layer.self_attn.scaling)  # [R, heads * d]
             x = by_rows(lambda t: self.finish(layer, x[t], attended[t], ops), rows)  # noqa: B023  [R, hidden]
         head = self.model.lm_head
         logits = by_rows(lambda t: ops.linear(head, ops.norm(model.norm, x[t])), rows)  # [R, vocab]
         store.logits[:rows].copy_(logits)
         return store.logits[:rows]
+
+    def _project_and_store(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        store: GraphStore,
+        i: int,
+        positions: torch.Tensor,
+        row_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """The Triton form of ``project_qkv`` and the cache write: the rotated queries; the keys and values written.
+        # x: [R, hidden] -> [R, heads, d]"""
+        from decoder.runners.row_kernels import linear_group, rope_and_store
+
+        attn = layer.self_attn
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        h = self.ops.norm(layer.input_layernorm, x)
+        qkv = linear_group(
+            h, [m.weight for m in projections], [m.bias for m in projections], self.settings.linear_blocks
+        )  # [R, (heads + 2 kv) * d]
+        return rope_and_store(
+            qkv, store.cos, store.sin, positions, row_slots, store.keys[i], store.values[i], self.shape.heads
+        )
 
     def _by_rows(self, step: Callable[[slice], torch.Tensor], rows: int) -> torch.Tensor:
         """A row-wise step over ``rows``: in TILE-row calls (the tiles form), or in one call over all of them (the

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from decoder.runners.row_kernels import round_to
+
 BLOCK_N = 64  # positions per block within a piece (a piece is a whole number of blocks)
 
 
@@ -184,7 +186,7 @@ def _fold_kernel(
     rows = (b * width + token).to(tl.int64) * stride_or + (h * GROUP + offs_m % GROUP) * HEAD_DIM
     tl.store(
         out_ptr + rows[:, None] + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
+        round_to(out, out_ptr.dtype.element_ty),
         mask=real[:, None] & (offs_d < HEAD_DIM)[None, :],
     )
 

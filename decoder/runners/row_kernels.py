@@ -1,5 +1,6 @@
-"""The graphs pass's row-wise reductions on a GPU, all of a step's rows in one launch each: a matrix product that
-reads the weights once per step, and RMSNorm. Batch-invariant by construction, not by padding to a tile.
+"""The graphs pass's row-wise steps on a GPU, all of a step's rows in one launch each: a matrix product that reads
+the weights once per step, RMSNorm, and the rotary embedding with the KV write. Batch-invariant by construction, not
+by padding to a tile.
 
 The rule: a row's result is summed in an order fixed by the weights' shape alone, never by the number of rows.
 
@@ -14,8 +15,11 @@ The rule: a row's result is summed in an order fixed by the weights' shape alone
 - **``rms_norm``**: each row's sum of squares in float32 over one block of the hidden size, then transformers'
   rounding (the normalised row to the input's dtype, times the weight).
 
-Elementwise steps (rotary embedding, SiLU x mul, residual adds) need neither: an element's result does not depend on
-the others, so PyTorch's kernels run them over all rows at once.
+- **``rope_and_store``**: a layer's rotary embedding and its KV cache write in one launch, each row at its own
+  position and slot, with transformers' arithmetic and roundings (bit for bit its apply_rotary_pos_emb).
+
+Other elementwise steps (SiLU x mul, residual adds) need no kernel of their own: an element's result does not depend
+on the others, so PyTorch's kernels run them over all rows at once.
 
 Arithmetic: a bfloat16 or float16 model on a GPU takes the products on the tensor cores in
 that dtype with float32 accumulation (each product is exact in float32); elsewhere in float32 (IEEE, not TF32).
@@ -31,6 +35,18 @@ import triton
 import triton.language as tl
 
 DEFAULT_BLOCKS = (16, 64, 64)  # a matrix product's program: M rows x N outputs, K columns per step of the sum
+
+
+@triton.jit
+def round_to(x, DT: tl.constexpr):
+    """float32 ``x`` in ``DT``, rounded to nearest, ties to even, as PyTorch and a GPU's conversion round (Triton's
+    CPU interpreter truncates a plain cast to bfloat16: bfloat16 is rounded here on the bits, the same everywhere)."""
+    if DT == tl.bfloat16:  # noqa: SIM300 (DT is the argument, tl.bfloat16 the constant)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(DT)
+    else:
+        return x.to(DT)
 
 
 @triton.jit
@@ -96,7 +112,7 @@ def _linear_kernel(
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
         y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + first_col + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
+        round_to(acc, y_ptr.dtype.element_ty),
         mask=m_ok[:, None] & n_ok[None, :],
     )
 
@@ -113,13 +129,18 @@ def linear_group(
     if not 1 <= len(weights) <= 3 or len(biases) != len(weights) or len({b is None for b in biases}) != 1:
         raise ValueError(f"linear: 1 to 3 weights, all with a bias or none, got {len(weights)} and {len(biases)}")
     n_in = x.shape[-1]
-    for w in weights:
-        if x.dim() != 2 or w.dim() != 2 or w.shape[1] != n_in or x.stride(1) != 1 or not w.is_contiguous():
-            raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} must be [R, in] and [out, in]")
+    for weight in weights:
+        if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != n_in or x.stride(1) != 1:
+            raise ValueError(
+                f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [R, in] and [out, in]"
+            )
+        if not weight.is_contiguous():
+            raise ValueError(f"linear: a weight {tuple(weight.shape)} must be contiguous")
     rows = x.shape[0]
-    sizes = [int(w.shape[0]) for w in weights] + [0] * (3 - len(weights))
-    w = [*weights, *[weights[0]] * (3 - len(weights))]
-    b = [bias if bias is not None else weights[0] for bias in biases] + [weights[0]] * (3 - len(weights))
+    sizes = [int(weight.shape[0]) for weight in weights] + [0] * (3 - len(weights))
+    unused = [weights[0]] * (3 - len(weights))  # pointers no program reads (their sizes are 0)
+    w = [*weights, *unused]
+    b = [bias if bias is not None else weights[0] for bias in biases] + unused
     y = torch.empty(rows, sum(sizes), dtype=x.dtype, device=x.device)
     low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(v.dtype == x.dtype for v in weights)
     block_m, block_n, block_k = blocks
@@ -164,10 +185,12 @@ def _rms_norm_kernel(
     ok = (offs_r < rows)[:, None] & (offs < width)[None, :]
     x = tl.load(x_ptr + offs_r[:, None] * stride_xr + offs[None, :], mask=ok, other=0.0).to(tl.float32)
     variance = tl.sum(x * x, axis=1) / width  # [ROWS]: each row's own sum
-    normed = (x * tl.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = round_to(x * tl.rsqrt(variance + eps)[:, None], x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=offs < width, other=0.0).to(tl.float32)
     tl.store(
-        y_ptr + offs_r[:, None] * stride_yr + offs[None, :], (w[None, :] * normed).to(y_ptr.dtype.element_ty), mask=ok
+        y_ptr + offs_r[:, None] * stride_yr + offs[None, :],
+        round_to(w[None, :] * normed, y_ptr.dtype.element_ty),
+        mask=ok,
     )
 
 
@@ -191,6 +214,113 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BLOCK=triton.next_power_of_2(x.shape[1]),
     )
     return y
+
+
+@triton.jit
+def _rotated(x, partner, cos, sin, sign, DT: tl.constexpr):
+    """transformers' x * cos + rotate_half(x) * sin with its roundings: each product, then the sum, to ``DT``."""
+    first = round_to(x * cos[None, :], DT).to(tl.float32)
+    second = round_to(sign[None, :] * partner * sin[None, :], DT).to(tl.float32)
+    return round_to(first + second, DT)
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_qkv,
+    stride_cos,
+    stride_ks,
+    stride_kh,
+    stride_kc,
+    stride_vs,
+    stride_vh,
+    stride_vc,
+    HEADS: tl.constexpr,
+    KV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One row: its q and k heads rotated at its position, q written out, k and v written to its slot's cache."""
+    row = tl.program_id(0).to(tl.int64)
+    position = tl.load(pos_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    partner_d = tl.where(offs_d < D // 2, offs_d + D // 2, offs_d - D // 2)  # rotate_half's pairs
+    sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+    cos = tl.load(cos_ptr + position * stride_cos + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + position * stride_cos + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    dt = qkv_ptr.dtype.element_ty
+    base = qkv_ptr + row * stride_qkv
+    q_ok = (offs_h < HEADS)[:, None] & d_ok[None, :]
+    heads = offs_h[:, None] * D
+    q = tl.load(base + heads + offs_d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+    q_partner = tl.load(base + heads + partner_d[None, :], mask=q_ok, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * HEADS * D + heads + offs_d[None, :], _rotated(q, q_partner, cos, sin, sign, dt), mask=q_ok)
+    kv_ok = (offs_h < KV)[:, None] & d_ok[None, :]
+    k = tl.load(base + HEADS * D + heads + offs_d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    k_partner = tl.load(base + HEADS * D + heads + partner_d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    k_at = k_ptr + slot * stride_ks + offs_h[:, None].to(tl.int64) * stride_kh + position * stride_kc
+    tl.store(k_at + offs_d[None, :], _rotated(k, k_partner, cos, sin, sign, dt), mask=kv_ok)
+    v = tl.load(base + (HEADS + KV) * D + heads + offs_d[None, :], mask=kv_ok, other=0.0)
+    v_at = v_ptr + slot * stride_vs + offs_h[:, None].to(tl.int64) * stride_vh + position * stride_vc
+    tl.store(v_at + offs_d[None, :], v, mask=kv_ok)
+
+
+def rope_and_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    row_slots: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    heads: int,
+) -> torch.Tensor:
+    """A layer's rotary embedding and KV write in one launch, each row on its own: the rotated queries returned, the
+    rotated keys and the values written at each row's slot and position; transformers' arithmetic and roundings.
+    # qkv: [R, (heads + 2 kv) * d]; cos, sin: [C, d]; positions, row_slots: [R]; keys, values: [slots, kv, C, d]
+    # -> [R, heads, d]"""
+    rows = qkv.shape[0]
+    kv, d = keys.shape[1], keys.shape[3]
+    if qkv.shape[1] != (heads + 2 * kv) * d or qkv.stride(1) != 1 or d % 2 or keys.stride(3) != 1:
+        raise ValueError(f"rope_and_store: qkv {tuple(qkv.shape)} must be [R, (heads + 2 kv) * d] for {heads} heads")
+    if keys.dtype != qkv.dtype or values.dtype != qkv.dtype or cos.stride() != sin.stride() or cos.stride(1) != 1:
+        raise ValueError("rope_and_store: the cache, qkv, cos and sin must share a dtype and a layout")
+    q = torch.empty(rows, heads, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_store_kernel[(rows,)](
+        qkv,
+        cos,
+        sin,
+        positions,
+        row_slots,
+        q,
+        keys,
+        values,
+        qkv.stride(0),
+        cos.stride(0),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        HEADS=heads,
+        KV=kv,
+        D=d,
+        BLOCK_H=triton.next_power_of_2(max(heads, kv)),
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+    return q
 
 
 def self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks: tuple[int, int, int]) -> None:
