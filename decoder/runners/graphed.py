@@ -23,11 +23,12 @@ pass runs every step in a bounded set of fixed shapes, so that each can be captu
   position, one fixed-shape call per sequence (decoder/runners/capacity_attention.py, which says why not SDPA). The
   row-wise steps (``SPECD_GRAPH_ROWS``): ``triton``, every matrix product and RMSNorm over all of a step's rows in one
   launch whose sums do not follow the row count, q/k/v in one launch and the rotary embedding with the KV write in
-  another (decoder/runners/row_kernels.py: the weights read about once per step), or ``tiles``, PyTorch's modules on tiles of exactly ``TILE`` rows (the invariant pass's idea,
-  decoder/runners/invariant.py; ``TILE`` is 16, not the invariant pass's 8: a verification of K = 8 drafts, 9 rows,
-  then reads the weights once). ``auto`` (the default for both) takes the Triton form on CUDA where Triton imports
-  and its kernels pass a check against the PyTorch form when the pass is made (``GraphPass._checked``; a failure is
-  logged and kept in ``fallbacks``), else the PyTorch form.
+  another (decoder/runners/row_kernels.py: the weights read about once per step), or ``tiles``, PyTorch's modules
+  on tiles of exactly ``TILE`` rows (the invariant pass's idea, decoder/runners/invariant.py; ``TILE`` is 16, not the
+  invariant pass's 8: a verification of K = 8 drafts, 9 rows, then reads the weights once). ``auto`` (the default
+  for both) takes the Triton form on CUDA where Triton imports and its kernels pass a check against the PyTorch form
+  when the pass is made (``GraphPass._checked``; a failure is logged and kept in ``fallbacks``), else the PyTorch
+  form.
 
 Exact by default: in either form a row's reductions are summed in an order its own values and the model's shape
 fix, and elementwise steps (rotary embedding, SiLU x mul, residual adds) do not mix rows, so the bucket a token lands
