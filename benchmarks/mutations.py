@@ -1339,8 +1339,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "report-head-drops-a-field",
         "controller/serving/report_head.py",
-        'kept = {aggregate.name: ("segment", "batch_size", "temperature", "calibration"),',
-        'kept = {aggregate.name: ("segment", "temperature", "calibration"),',
+        'kept = {aggregate.name: ("segment", "batch_size", "temperature", "start_up_timings"),',
+        'kept = {aggregate.name: ("segment", "temperature", "start_up_timings"),',
         ("tests/controller/test_report_process.py",),
         "every aggregate's batch size reads 0 in the head: the child's step times are looked up at no bucket",
     ),

@@ -6,8 +6,8 @@ the draft model to long K).
 
 Each n is measured in several short sequences, each one observation of the controller's median (a stall during
 calibration is one rank among them, as in traffic). The first round of each sequence is dropped: it pays one-off
-costs (the prefill's caches, a new shape). The rounds are reported as ``calibration`` aggregates: counted in the
-costs, in no segment. Online timings then confirm or move these figures as any others.
+costs (the prefill's caches, a new shape). The rounds are reported as ``start_up_timings`` aggregates: counted in
+the costs, in no segment. Online timings then confirm or move these figures as any others.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from decoder.sampling import SamplingParams
 from specd_api.plan import offers, requested
 from specd_api.rounds import RoundRecord
 
-CALIBRATION_SEGMENT = "_calibration"  # the segment field of the calibration aggregates (counted in no segment)
+CALIBRATION_SEGMENT = "_calibration"  # the segment field of the start_up_timings aggregates (no segment)
 CALIBRATION_MAX_K = 8
 SEQUENCES_PER_K = 4  # observations per n: a median of 4 survives one stalled sequence
 ROUNDS_PER_SEQUENCE = 6  # the first is dropped

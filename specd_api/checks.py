@@ -118,8 +118,8 @@ def check_aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = Non
     lists = repeated(a)
     _check_positions(lists, k, rounds, drafted, accepted)
     counterfactual = a.counterfactual
-    if counterfactual and a.calibration:
-        raise ValueError("calibration: a worker's start-up timings are served rounds, never counterfactual")
+    if counterfactual and a.start_up_timings:
+        raise ValueError("start_up_timings: a worker's start-up timings are served rounds, never counterfactual")
     if counterfactual:
         _check_counterfactual(a)
     else:

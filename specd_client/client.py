@@ -321,7 +321,7 @@ class ControllerClient:
         self_repetition: float,
         scored: Sequence[Scored] = (),
         expected_speedup: float = 0.0,
-        calibration: bool = False,
+        start_up_timings: bool = False,
         drafter_prefill_seconds: float = 0.0,
     ) -> None:
         """Convert one request's rounds (and its counterfactually ``scored`` drafters) and enqueue them for the
@@ -329,8 +329,8 @@ class ControllerClient:
         logged, counted and left out."""
         try:
             aggregates = rounds_to_aggregates(
-                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup, calibration,
-                drafter_prefill_seconds,
+                segment, rounds, temperature, prompt_tokens, self_repetition, scored, expected_speedup,
+                start_up_timings, drafter_prefill_seconds,
             )  # fmt: skip
             for aggregate in aggregates:
                 check_aggregate(aggregate)  # the controller's own rules: one bad entry would sink a whole report

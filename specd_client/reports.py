@@ -77,7 +77,7 @@ def rounds_to_aggregates(
     self_repetition: float,
     scored: Sequence[Scored] = (),
     expected_speedup: float = 0.0,
-    calibration: bool = False,
+    start_up_timings: bool = False,
     drafter_prefill_seconds: float = 0.0,
 ) -> list[pb.RoundsAggregate]:
     """One RoundsAggregate per (drafter, K, batch bucket) among ``rounds`` (one request's), in order of first
@@ -85,7 +85,7 @@ def rounds_to_aggregates(
     the most rounds carries the plan's ``expected_speedup`` and the request's totals (tokens and seconds of every
     round, and ``drafter_prefill_seconds``: the drafter's prefill, which the request waited for between its first
     token and its second): the controller checks the request's realised speedup against it, one observation per
-    request however many K its round policy ran (a one-round tail at K 1 is no request's speedup). ``calibration``:
+    request however many K its round policy ran (a one-round tail at K 1 is no request's speedup). ``start_up_timings``:
     the rounds are the worker's start-up timings (decoder.calibration), counted in the costs only.
 
     Raises ValueError naming the first impossible round.
@@ -116,7 +116,7 @@ def rounds_to_aggregates(
             temperature=temperature,
             prompt_tokens=prompt_tokens,
             self_repetition=self_repetition,
-            calibration=calibration,
+            start_up_timings=start_up_timings,
             **(_request_totals(groups.values(), expected_speedup, drafter_prefill_seconds) if key == carrier else {}),
         )
         for key, g in groups.items()

@@ -268,7 +268,7 @@ class Aggregate:
     by_drafted: tuple[tuple[int, float], ...] = ()  # (rounds, verify seconds) per number drafted n = 0..
     counterfactual: bool = False  # scored, not served: position counts only
     expected_speedup: float = 0.0  # what the plan promised (0: not known)
-    calibration: bool = False  # measured by the worker before serving: costs only, in no segment
+    start_up_timings: bool = False  # measured by the worker before serving: costs only, in no segment
     request_tokens_emitted: int = 0  # the whole request's, on its calibration carrier (0: not sent, its own rounds)
     request_seconds: float = 0.0
 
@@ -311,7 +311,7 @@ class Aggregate:
         """Increments for the segment's bucket hash."""
         d, k = self.drafter, self.k
         fields: dict[str, float] = {}
-        if self.calibration:
+        if self.start_up_timings:
             return fields
         if not self.counterfactual:
             fields |= {

@@ -34,7 +34,7 @@ def _head_class() -> Any:
     request.file.CopyToProto(source)
     package = source.package  # in a pool of its own: protobuf's parse errors name the request's own type
     head_file = descriptor_pb2.FileDescriptorProto(name="specd_report_head.proto", package=package, syntax="proto3")
-    kept = {aggregate.name: ("segment", "batch_size", "temperature", "calibration"),
+    kept = {aggregate.name: ("segment", "batch_size", "temperature", "start_up_timings"),
             request.name: ("report_id", "aggregates")}  # fmt: skip
     for message in source.message_type:
         if message.name not in kept:
@@ -54,7 +54,7 @@ ReportHead = _head_class()
 @dataclass(frozen=True, eq=False)
 class ReceivedReport:
     """A ReportRounds request's bytes and its head (``report_id``, and each aggregate's ``segment``, ``batch_size``,
-    ``temperature`` and ``calibration``): what gRPC hands the servicer for ReportRounds (``parse`` is the method's
+    ``temperature`` and ``start_up_timings``): what gRPC hands the servicer for ReportRounds (``parse`` is the method's
     deserializer)."""
 
     data: bytes

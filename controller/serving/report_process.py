@@ -107,7 +107,7 @@ def report_steps(request: Any, step_seconds: Callable[[str, int], float]) -> Ste
     ReportRoundsRequest); the aggregates are not validated yet, so a batch size out of range is left out
     (validation refuses the report)."""
     pairs = {
-        (a.segment if a.calibration else learning_segment(a.segment, a.temperature), a.batch_size)
+        (a.segment if a.start_up_timings else learning_segment(a.segment, a.temperature), a.batch_size)
         for a in request.aggregates
         if 1 <= a.batch_size <= MAX_BATCH_SIZE
     }

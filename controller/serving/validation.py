@@ -90,7 +90,7 @@ def aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = None) -> 
         mean = round(a.num_drafted / rounds)
         by_drafted = tuple((rounds, verify_seconds) if n == mean else (0, 0.0) for n in range(mean + 1))
     return Aggregate(
-        segment=a.segment if a.calibration else learning_segment(a.segment, a.temperature),
+        segment=a.segment if a.start_up_timings else learning_segment(a.segment, a.temperature),
         drafter=a.drafter,
         k=a.k,
         rounds=rounds,
@@ -109,7 +109,7 @@ def aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = None) -> 
         by_drafted=by_drafted,
         counterfactual=counterfactual,
         expected_speedup=a.expected_speedup,
-        calibration=a.calibration,
+        start_up_timings=a.start_up_timings,
         request_tokens_emitted=a.request_tokens_emitted,
         request_seconds=a.request_seconds,
     )

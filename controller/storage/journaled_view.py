@@ -153,7 +153,7 @@ def _add_into(total: dict[str, float], increments: Mapping[str, float]) -> None:
 
 
 def report_counts(aggregates: Sequence[Aggregate]) -> ReportCounts:
-    served = [a for a in aggregates if not a.calibration]  # the worker's start-up timings: costs only, in no segment
+    served = [a for a in aggregates if not a.start_up_timings]  # the worker's: costs only, in no segment
     return ReportCounts(segment_increments(served), cost_increments(aggregates))
 
 

@@ -31,7 +31,7 @@ def segment_increments(
 ) -> dict[str, dict[str, float]]:
     """Segment -> the increments of that segment's bucket hash: the sum of ``segment_fields()`` (and, with
     ``step_seconds``, ``calibration_fields``) over the aggregates of that segment, nonzero fields only. Every segment
-    of ``aggregates`` has an entry, empty when nothing is added (a worker's calibration rounds)."""
+    of ``aggregates`` has an entry, empty when nothing is added (a worker's start-up timings)."""
     by_segment: dict[str, list[Aggregate]] = {}
     for a in aggregates:
         by_segment.setdefault(a.segment, []).append(a)
@@ -48,7 +48,7 @@ def _one_segment(segment: str, aggregates: Sequence[Aggregate], step_seconds: St
     observations: Counter[str] = Counter()  # histogram fields (st|, sp|, cal|): one observation per aggregate
     steps: dict[int, float] = {}  # batch size -> step_seconds(segment, batch size), asked once each
     for a in aggregates:
-        if not a.calibration:
+        if not a.start_up_timings:
             if not a.counterfactual:
                 sums = k_sums.setdefault((a.drafter, a.k), [0, 0, 0, 0, 0.0, 0.0])
                 sums[0] += a.rounds

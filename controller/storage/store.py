@@ -286,7 +286,7 @@ class TelemetryStore:
         now = self.clock()
         c = self.config
         pace = Pacer()  # a report sums up to MAX_AGGREGATES: other requests get the interpreter between chunks
-        segments = list(dict.fromkeys(a.segment for a in aggregates if not a.calibration))  # in order, each once
+        segments = list(dict.fromkeys(a.segment for a in aggregates if not a.start_up_timings))  # in order, each once
         duplicate, verdict = self._ingest_head(report_id, aggregates, segments, now, pace)
         counted_as = dict(pair.split("=", 1) for pair in verdict.split() if "=" in pair)
         parts: dict[str, dict[str, float]] = {}  # segment counted as -> its increments (segments over the cap: one)
@@ -325,7 +325,7 @@ class TelemetryStore:
                     at=now,
                 )
                 for a in aggregates
-                if a.drafter != "none" and a.rounds and not a.calibration
+                if a.drafter != "none" and a.rounds and not a.start_up_timings
             ],
         }
         c = self.config
@@ -670,5 +670,5 @@ def _numbers(raw: Mapping[object, object]) -> dict[str, float]:
 
 
 def _a_sample(agg: Aggregate) -> bool:
-    """Does ``agg`` train the prior? Served traffic that speculated (not a worker's start-up calibration)."""
-    return agg.drafter != "none" and agg.rounds > 0 and not agg.calibration
+    """Does ``agg`` train the prior? Served traffic that speculated (not a worker's start-up timings)."""
+    return agg.drafter != "none" and agg.rounds > 0 and not agg.start_up_timings

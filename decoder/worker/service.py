@@ -182,7 +182,7 @@ class WorkerService:
         prompt_tokens = len(calibration_prompt(self.engine.target.vocab_size))
         for sequence in self._calibration:
             self.client.report(segment=CALIBRATION_SEGMENT, rounds=sequence.rounds, temperature=sequence.temperature,
-                               prompt_tokens=prompt_tokens, self_repetition=0.0, calibration=True)  # fmt: skip
+                               prompt_tokens=prompt_tokens, self_repetition=0.0, start_up_timings=True)  # fmt: skip
         self._calibration = []
 
     def _watched_drafters(self) -> tuple[str, ...]:

@@ -136,8 +136,8 @@ def test_a_workers_start_up_calibration_sets_the_costs_and_no_segment(embedded_r
     with running_daemon(embedded_redis_url, tmp_path, DEFAULT_POLICY.read_text()) as d, connected(d) as channel:
         fresh = pb_grpc.ControllerStub(channel)
         assert batch_one(fresh) is None
-        calibration = [_calibration(draft_request("_calibration")) for _ in range(4)]
-        send(fresh, *calibration)
+        timings = [_start_up_timings(draft_request("_calibration")) for _ in range(4)]
+        send(fresh, *timings)
         costs = until(lambda: batch_one(fresh), lambda b: b is not None and b.measured)
         assert costs is not None and costs.step_seconds == pytest.approx(STEP, rel=0.05)
         assert costs.verify_cost[4] == pytest.approx(V4, rel=0.05)
@@ -147,8 +147,8 @@ def test_a_workers_start_up_calibration_sets_the_costs_and_no_segment(embedded_r
         assert stats.rounds == 0
 
 
-def _calibration(message: pb.RoundsAggregate) -> pb.RoundsAggregate:
+def _start_up_timings(message: pb.RoundsAggregate) -> pb.RoundsAggregate:
     marked = pb.RoundsAggregate()
     marked.CopyFrom(message)
-    marked.calibration = True
+    marked.start_up_timings = True
     return marked

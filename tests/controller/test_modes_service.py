@@ -20,7 +20,7 @@ WAIT_S = 30.0  # for the refreshes to take reports in, on a loaded machine
 
 
 def rounds(segment: str, temperature: float, draft_seconds_per_token: float, *, k: int = 4, accepted: int = 3,
-           calibration: bool = False, plain_rounds: int = 8, step: float = STEP,
+           start_up_timings: bool = False, plain_rounds: int = 8, step: float = STEP,
            totals: tuple[int, float] | None = None, expected: float = 0.0) -> pb.RoundsAggregate:  # fmt: skip
     """12 rounds at K ``k`` (``accepted`` kept each, verification 1.5 steps) and ``plain_rounds`` plain rounds of
     ``step`` seconds; ``totals``: the request's (tokens, seconds), on the aggregate that carries them."""
@@ -35,7 +35,7 @@ def rounds(segment: str, temperature: float, draft_seconds_per_token: float, *, 
         verify_seconds=plain_rounds * step + verify_k, batch_size=1,
         rounds_by_drafted=[plain_rounds] + [0] * (k - 1) + [12],
         verify_seconds_by_drafted=[plain_rounds * step] + [0.0] * (k - 1) + [verify_k],
-        temperature=temperature, calibration=calibration, expected_speedup=expected, **extra,
+        temperature=temperature, start_up_timings=start_up_timings, expected_speedup=expected, **extra,
     )  # fmt: skip
 
 
@@ -60,8 +60,8 @@ def test_sampled_requests_are_learned_apart_and_priced_at_their_own_costs(stub) 
     # The worker's start-up calibration: a drafted token costs 0.2 steps greedy, 0.6 sampled (each sampled token is
     # drawn from the draft's softmax).
     for _ in range(4):
-        send(stub, rounds("_calibration", 0.0, 0.2 * STEP, calibration=True),
-             rounds("_calibration", 1.0, 0.6 * STEP, calibration=True))  # fmt: skip
+        send(stub, rounds("_calibration", 0.0, 0.2 * STEP, start_up_timings=True),
+             rounds("_calibration", 1.0, 0.6 * STEP, start_up_timings=True))  # fmt: skip
     greedy = until(lambda: bucket(stub, "greedy"), lambda b: b is not None, WAIT_S)
     sampled = until(lambda: bucket(stub, "sampled"), lambda b: b is not None, WAIT_S)
     assert greedy is not None and sampled is not None
@@ -100,7 +100,7 @@ def test_expected_and_realised_speedups_are_read_at_one_reference(stub) -> None:
     # realised / expected at its reference for the segment, and a decision reads what the draft realised at the
     # reference: the same one, so realised = calibration x expected.
     for _ in range(8):
-        send(stub, rounds("_calibration", 0.0, 0.2 * STEP, calibration=True))
+        send(stub, rounds("_calibration", 0.0, 0.2 * STEP, start_up_timings=True))
     for _ in range(5):
         send(stub, rounds("ref", 0.0, 0.2 * STEP, plain_rounds=6, step=2 * STEP))
     until(

@@ -28,13 +28,13 @@ def step_seconds(segment: str, batch_size: int) -> float:
 
 
 def random_aggregate(rng: random.Random) -> Aggregate:
-    """Any mix the store may see: served, counterfactual and calibration rounds; K 0..8 with position lists shorter
+    """Any mix the store may see: served, counterfactual and start-up timings; K 0..8 with position lists shorter
     than K; per-n tables with empty entries and seconds without rounds; several batch buckets; with and without an
     expected speedup."""
     drafter = rng.choice(DRAFTERS)
     k = 0 if drafter == "none" else rng.randint(1, 8)
     counterfactual = drafter != "none" and rng.random() < 0.2
-    calibration = not counterfactual and rng.random() < 0.1
+    start_up_timings = not counterfactual and rng.random() < 0.1
     rounds = rng.choice((0, rng.randint(1, 60)))
     proposed = sorted((rng.randint(0, rounds) for _ in range(rng.randint(0, k))), reverse=True)
     verified = [rng.randint(0, p) for p in proposed]
@@ -62,7 +62,7 @@ def random_aggregate(rng: random.Random) -> Aggregate:
         by_drafted=by_drafted,
         counterfactual=counterfactual,
         expected_speedup=rng.choice((0.0, 1.5, 2.5)),
-        calibration=calibration,
+        start_up_timings=start_up_timings,
         request_tokens_emitted=0,
         request_seconds=0.0,
     )
@@ -110,11 +110,11 @@ def test_without_step_seconds_no_calibration_field_is_written() -> None:
     )
 
 
-def test_a_segment_with_calibration_rounds_only_has_an_empty_part() -> None:
-    calibration = Aggregate("boot", "draft", 2, 5, 10, 4, (5, 5), (5, 3), (3, 1), 9, 0.1, 0.2, 1,
-                            by_drafted=((0, 0.0), (0, 0.0), (5, 0.2)), calibration=True)  # fmt: skip
-    assert segment_increments([calibration], step_seconds) == {"boot": {}}
-    assert cost_increments([calibration])  # its timings are costs
+def test_a_segment_with_start_up_timings_only_has_an_empty_part() -> None:
+    timings = Aggregate("boot", "draft", 2, 5, 10, 4, (5, 5), (5, 3), (3, 1), 9, 0.1, 0.2, 1,
+                        by_drafted=((0, 0.0), (0, 0.0), (5, 0.2)), start_up_timings=True)  # fmt: skip
+    assert segment_increments([timings], step_seconds) == {"boot": {}}
+    assert cost_increments([timings])  # its timings are costs
 
 
 # --- in Redis -----------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def store_one_by_one(client: redis.Redis, store: TelemetryStore, aggregates: lis
     for a in aggregates:
         fields = a.segment_fields() | a.calibration_fields(step_seconds(a.segment, a.batch_size))
         for name, value in fields.items():
-            if value and not a.calibration:
+            if value and not a.start_up_timings:
                 pipe.hincrbyfloat(store.keys.segment_bucket(a.segment, bucket), name, value)
     for name, value in per_aggregate_costs(aggregates).items():
         pipe.hincrbyfloat(store.keys.cost_bucket(bucket), name, value)
@@ -156,7 +156,7 @@ def store_one_by_one(client: redis.Redis, store: TelemetryStore, aggregates: lis
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_stored_counts_are_those_of_adding_aggregate_by_aggregate(client: redis.Redis, seed: int) -> None:
-    aggregates = [a for a in report(seed) if not a.calibration]  # a calibration-only segment is not counted
+    aggregates = [a for a in report(seed) if not a.start_up_timings]  # a segment of start-up timings only: none
     summed = TelemetryStore(client, StoreConfig(prefix=f"sum{seed}"), lambda: NOW)
     one_by_one = TelemetryStore(client, StoreConfig(prefix=f"one{seed}"), lambda: NOW)
     try:

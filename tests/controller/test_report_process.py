@@ -144,7 +144,7 @@ def test_a_reports_head_reads_the_requests_own_fields() -> None:
     assert head.report_id == "r-head"
     assert [(a.segment, a.batch_size) for a in head.aggregates] == [("head-a", 3), ("head-b", 1)]
     assert ReceivedReport.of(request).message() == request
-    kept = ("segment", "batch_size", "temperature", "calibration")
+    kept = ("segment", "batch_size", "temperature", "start_up_timings")
     for message, names in ((head, ("report_id", "aggregates")), (head.aggregates[0], kept)):
         full = pb.DESCRIPTOR.message_types_by_name[message.DESCRIPTOR.name]
         assert [(f.name, f.number, f.type, f.is_repeated, f.is_packed) for f in message.DESCRIPTOR.fields] == [
