@@ -180,11 +180,16 @@ def test_the_prepared_run_call_fits_the_device_tool():
 def test_the_gpu_plan_runs_what_the_issue_asks(tmp_path):
     steps = {s.name: s for s in gpu_suite.plan(False, tmp_path, "python3")}
     assert dict(steps["pytest"].env)["SPECD_TEST_DEVICE"] == "cuda"
-    assert "invariant or graph or runners" in steps["pytest"].argv
+    selected = steps["pytest"].argv[steps["pytest"].argv.index("-k") + 1]  # the Triton kernels' tests too
+    assert all(word in selected.split(" or ") for word in ("invariant", "graph", "runners", "piece", "row_kernels"))
     assert "1b" in steps["pair"].argv
-    for name in ("decode_1b_auto", "decode_1b_lean", "decode_ref_auto", "decode_ref_lean", "worker_throughput"):
+    names = ("decode_1b_auto", "decode_1b_capacity", "decode_1b_lean", "decode_ref_auto", "decode_ref_lean")
+    for name in (*names, "worker_throughput", "worker_throughput_1b"):
         argv = " ".join(steps[name].argv)
         assert "--device cuda --dtype bfloat16" in argv, name
+    before = dict(steps["decode_1b_capacity"].env)  # the step the Triton forms replace, on the same pair
+    assert (before["SPECD_GRAPH_ATTENTION"], before["SPECD_GRAPH_ROWS"]) == ("capacity", "tiles")
+    assert "--smoke" not in steps["attention"].argv and "--smoke" not in steps["linear"].argv
     assert "--alphas 0.5,0.7,0.9 --ks 1,2,4,8" in " ".join(steps["decode_1b_auto"].argv)
     assert "hf-plain" in " ".join(steps["decode_1b_auto"].argv)  # transformers' generate(), same GPU, same run
     assert "1,2,4,8,16,32,64" in steps["worker_throughput"].argv
