@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a file: the repository root is not on th
 
 from benchmarks.controller_latency import SEGMENTS, aggregate, percentile
 from benchmarks.faults import Controller
+from specd_api.request_features import RequestFeatures
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client import ClientConfig, ControllerClient
@@ -68,10 +69,10 @@ def make_client(address: str, name: str, watch: bool) -> ControllerClient:
 
 
 def decide(client: ControllerClient, rng: random.Random) -> str:
-    plan = client.decide(
+    plan = client.decide(RequestFeatures(
         segment=rng.choice(SEGMENTS), batch_size=rng.choice((1, 2, 4)), drafters=DRAFTERS, temperature=0.0, top_p=1.0,
         top_k=0, prompt_tokens=200, max_new_tokens=128, self_repetition=0.2,
-    )  # fmt: skip
+    ))  # fmt: skip
     return plan.source
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 import httpx
 
+from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -257,9 +258,9 @@ class Load:
             ]
             try:
                 start = time.monotonic()
-                plan = client.decide(segment=segment, batch_size=1, drafters=("draft", "prompt_lookup"),
+                plan = client.decide(RequestFeatures(segment=segment, batch_size=1, drafters=("draft", "prompt_lookup"),
                                      temperature=0.0, top_p=1.0, top_k=0, prompt_tokens=100, max_new_tokens=64,
-                                     self_repetition=0.1)  # fmt: skip
+                                     self_repetition=0.1))  # fmt: skip
                 latency = time.monotonic() - start
                 client.report(segment=segment, rounds=rounds, temperature=0.0, prompt_tokens=100, self_repetition=0.1)
                 with self._lock:

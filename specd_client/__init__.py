@@ -4,6 +4,7 @@ Torch-free: any decode engine can use it (see docs/controller_client.md).
 """
 
 from specd_api.plan import Plan
+from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
 from specd_client.client import ControllerClient
 from specd_client.config import ClientConfig, ClientStats
@@ -14,6 +15,7 @@ __all__ = [
     "ClientStats",
     "ControllerClient",
     "Plan",
+    "RequestFeatures",
     "RoundRecord",
     "Scored",
     "rounds_to_aggregates",

@@ -20,8 +20,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from specd_api.checks import check_aggregate
-from specd_api.modes import learning_segment
 from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
+from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
 from specd_api.security import controller_channel
 from specd_api.spans import plan_attributes
@@ -44,28 +44,6 @@ NOT_RETRIED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 NOT_CONNECTED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 MAX_GRPC_MS = 2**31 - 1
-
-
-def make_decide_request(
-    segment: str,
-    batch_size: int,
-    drafters: Sequence[str],
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    prompt_tokens: int,
-    max_new_tokens: int,
-    self_repetition: float,
-) -> pb.DecideRequest:
-    return pb.DecideRequest(
-        segment=segment,
-        batch_size=batch_size,
-        drafters=list(drafters),
-        sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
-        prompt_tokens=prompt_tokens,
-        prompt_features=pb.PromptFeatures(self_repetition=self_repetition),
-        max_new_tokens=max_new_tokens,
-    )
 
 
 def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
@@ -196,51 +174,30 @@ class ControllerClient:
 
     # --- decisions ----------------------------------------------------------------------------------
 
-    def decide(
-        self,
-        *,
-        segment: str,
-        batch_size: int,
-        drafters: Sequence[str],
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        prompt_tokens: int,
-        max_new_tokens: int,
-        self_repetition: float,
-    ) -> Plan:
-        """How to speculate for this request: the controller's plan within the deadline, else a fallback.
+    def decide(self, request: RequestFeatures) -> Plan:
+        """How to speculate for ``request``: the controller's plan within the deadline, else a fallback.
         Never raises."""
-
-        def make_request() -> pb.DecideRequest:
-            return make_decide_request(
-                segment, batch_size, drafters, temperature, top_p, top_k, prompt_tokens, max_new_tokens,
-                self_repetition,
-            )  # fmt: skip
-
-        learned = learning_segment(segment, temperature)  # the tables and the memory are per learning segment
+        learned = request.learning_segment  # the tables and the memory are per learning segment
 
         def answer() -> Plan:
-            local = self._local(learned, drafters, batch_size, max_new_tokens, prompt_tokens)
-            return local if local is not None else self._decide(learned, batch_size, drafters, make_request)
+            local = self._local(learned, request)
+            return local if local is not None else self._decide(learned, request)
 
         if self._tracer is None:
             return answer()
         with self._tracer.start_as_current_span(DECIDE_SPAN, kind=SpanKind.CLIENT) as span:
             outcome = answer()
-            span.set_attributes(plan_attributes(outcome, segment))
+            span.set_attributes(plan_attributes(outcome, request.segment))
             return outcome
 
-    def _local(
-        self, segment: str, drafters: Sequence[str], batch_size: int, max_new_tokens: int, prompt_tokens: int
-    ) -> Plan | None:
+    def _local(self, segment: str, request: RequestFeatures) -> Plan | None:
         """The plan from the pushed decision tables of the learning segment ``segment``, or None (ask Decide)."""
         tables = self._tables
         if tables is None:
             return None
         start = time.perf_counter()
         try:
-            found = tables.lookup(segment, drafters, batch_size, max_new_tokens, prompt_tokens)
+            found = tables.lookup(segment, request)
         except Exception:  # a bad argument, or a bug: Decide (and its fallbacks) still answer
             log.exception("decision table lookup failed for segment %r", segment[:128])
             return None
@@ -254,12 +211,9 @@ class ControllerClient:
             self._local_decisions += 1
         return plan
 
-    def _decide(
-        self, segment: str, batch_size: int, drafters: Sequence[str], make_request: Callable[[], pb.DecideRequest]
-    ) -> Plan:
-        """The call, or the fallback (the last plan remembered for the learning segment ``segment``). ``make_request``
-        is called inside the guard: a bad argument (e.g. an int
-        out of int32 range) is a fallback too, not an exception."""
+    def _decide(self, segment: str, request: RequestFeatures) -> Plan:
+        """The call, or the fallback (the last plan remembered for the learning segment ``segment``). The message is
+        built inside the guard: a bad value (e.g. an int out of int32 range) is a fallback too, not an exception."""
         start = time.perf_counter()
         stub = self._stub
         code: grpc.StatusCode | None = grpc.StatusCode.UNAVAILABLE
@@ -267,7 +221,7 @@ class ControllerClient:
         if stub is not None:
             try:
                 decision = stub.Decide(
-                    make_request(),
+                    request.to_proto(),
                     timeout=self.config.decide_deadline_s,
                     metadata=metadata_with_context(),
                     wait_for_ready=False,
@@ -286,7 +240,8 @@ class ControllerClient:
         cause = fallback_cause(code)
         self._count_decision(cause, detail, code)
         return fallback_plan(
-            self._memory.recall(segment), self._default, drafters, batch_size, self.config.fallback_max_batch_size,
+            self._memory.recall(segment), self._default, request.drafters, request.batch_size,
+            self.config.fallback_max_batch_size,
             cause, time.perf_counter() - start,
         )  # fmt: skip
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from specd_api.plan import Plan
+from specd_api.request_features import RequestFeatures
 from specd_api.table_rule import SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -71,16 +72,17 @@ class TableWatcher:
     def fresh(self) -> bool:
         return self._clock() < self._fresh_until
 
-    def lookup(
-        self, segment: str, drafters: Sequence[str], batch_size: int, max_new_tokens: int, prompt_tokens: int
-    ) -> tuple[Plan, bool] | None:
-        """The table's plan for this request and whether the controller's view was stale, or None (ask Decide)."""
-        if not self.fresh or frozenset(d for d in drafters if d != "none") != self.drafters:
+    def lookup(self, segment: str, request: RequestFeatures) -> tuple[Plan, bool] | None:
+        """The table's plan for ``request`` of the learning segment ``segment`` and whether the controller's view was
+        stale, or None (ask Decide)."""
+        if not self.fresh or frozenset(d for d in request.drafters if d != "none") != self.drafters:
             return None
         table = self._tables.get(segment)
         if table is None:
             return None
-        plan = plan_from_table(table, batch_size, max_new_tokens, prompt_tokens, random.random())
+        plan = plan_from_table(
+            table, request.batch_size, request.max_new_tokens, request.prompt_tokens, random.random()
+        )
         return None if plan is None else (plan, self._stale)
 
     def apply(self, msg: pb.DecisionTables) -> None:

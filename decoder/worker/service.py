@@ -40,6 +40,7 @@ from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, Shut
 from decoder.worker.segments import CLASSIFIER_SEGMENTS, WINDOW_CHARS, classify_prompt
 from decoder.worker.text_stream import TextStream
 from specd_api.plan import Plan, local_plan, requested, runnable
+from specd_api.request_features import RequestFeatures
 from specd_api.spans import plan_attributes
 from specd_api.sparse_log import SparseLog
 from specd_api.tracing import make_exporter, make_provider, no_tracer
@@ -386,19 +387,20 @@ class WorkerService:
         else:
             client = self.client
             p = spec.params
+            features = RequestFeatures(
+                segment=segment,
+                batch_size=batch_size,
+                drafters=tuple(offered),
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                prompt_tokens=len(spec.prompt_ids),
+                max_new_tokens=spec.max_new_tokens,
+                self_repetition=repetition,
+            )
 
             def call() -> Plan:
-                return client.decide(
-                    segment=segment,
-                    batch_size=batch_size,
-                    drafters=offered,
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    prompt_tokens=len(spec.prompt_ids),
-                    max_new_tokens=spec.max_new_tokens,
-                    self_repetition=repetition,
-                )
+                return client.decide(features)
 
             # The client's span must be a child of the request span: run it inside that context.
             token = otel_context.attach(ctx)

@@ -29,6 +29,7 @@ from controller.config import ControllerConfig, TokenAuth, load_config
 from controller.server import ControllerDaemon
 from controller.serving.auth import RefusalLog, Tokens, exposure_warnings, refusal, required_role
 from specd.cli import main as specd_main
+from specd_api.request_features import RequestFeatures
 from specd_api.security import ClientTls, ControllerCredentials, Secret, ServerTls, controller_channel
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -323,10 +324,10 @@ def client_for(daemon: ControllerDaemon, creds: ControllerCredentials) -> Contro
 
 
 def decide(client: ControllerClient) -> Any:
-    return client.decide(
+    return client.decide(RequestFeatures(
         segment="auth-client", batch_size=1, drafters=["prompt_lookup"], temperature=0.0, top_p=1.0, top_k=0,
         prompt_tokens=10, max_new_tokens=10, self_repetition=0.0,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def report(client: ControllerClient) -> None:

@@ -36,6 +36,7 @@ from controller.config import ControllerConfig
 from specd_api.checks import check_aggregate
 from specd_api.plan import Plan
 from specd_api.position_tally import PositionTally
+from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -499,7 +500,7 @@ RULE_CASES = [
 def test_decide_returns_the_controllers_decision(daemon, segment, batch_size, expected):
     version = stub_for(daemon.address).GetPolicy(pb.GetPolicyRequest(), timeout=5).version
     with started(config(daemon.address, decide_deadline_ms=1000)) as client:
-        outcome = client.decide(segment=segment, **{**DECIDE_ARGS, "batch_size": batch_size})
+        outcome = client.decide(RequestFeatures(segment=segment, **{**DECIDE_ARGS, "batch_size": batch_size}))
     assert (outcome.drafter, outcome.k, outcome.reason) == expected
     assert (outcome.source, outcome.fallback, outcome.policy_version) == ("controller", None, version)
     assert 0 < outcome.latency_s < 1.0
@@ -508,11 +509,11 @@ def test_decide_returns_the_controllers_decision(daemon, segment, batch_size, ex
 def test_decide_never_raises(daemon):
     with started(config(daemon.address, decide_deadline_ms=1000)) as client:
         # the controller refuses a segment with a space (INVALID_ARGUMENT): "error", not an exception
-        refused = client.decide(segment="a b", **DECIDE_ARGS)
+        refused = client.decide(RequestFeatures(segment="a b", **DECIDE_ARGS))
         # 2**40 does not fit the int32 field: the request cannot even be built
-        unbuildable = client.decide(segment="chat", **{**DECIDE_ARGS, "prompt_tokens": 2**40})
+        unbuildable = client.decide(RequestFeatures(segment="chat", **{**DECIDE_ARGS, "prompt_tokens": 2**40}))
         stats = client.stats()
-    not_started = ControllerClient(config(daemon.address)).decide(segment="chat", **DECIDE_ARGS)
+    not_started = ControllerClient(config(daemon.address)).decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
     assert (refused.fallback, refused.source) == ("error", "local_default")
     assert (unbuildable.fallback, unbuildable.source) == ("error", "local_default")
     assert (not_started.fallback, not_started.source) == ("unavailable", "local_default")
@@ -539,7 +540,7 @@ def test_killed_controller_falls_back_within_the_deadline(tmp_path, embedded_red
         with started(config(f"127.0.0.1:{port}")) as client:
             assert client.wait_until_ready(60), "the controller did not start"
             for _ in range(200):  # a cold controller may miss the 5 ms deadline on its first decisions
-                seen = client.decide(segment="seen", **DECIDE_ARGS)
+                seen = client.decide(RequestFeatures(segment="seen", **DECIDE_ARGS))
                 if seen.source == "controller":
                     break
             assert seen.source == "controller", seen
@@ -549,7 +550,7 @@ def test_killed_controller_falls_back_within_the_deadline(tmp_path, embedded_red
             outcomes, latencies = [], []
             for i in range(60):
                 start = time.perf_counter()
-                outcomes.append(client.decide(segment="seen" if i % 2 else "unseen", **DECIDE_ARGS))
+                outcomes.append(client.decide(RequestFeatures(segment="seen" if i % 2 else "unseen", **DECIDE_ARGS)))
                 latencies.append(time.perf_counter() - start)
             stats = client.stats()
     finally:
@@ -572,7 +573,7 @@ def test_slow_controller_is_a_timeout_within_the_deadline():
         latencies, outcomes = [], []
         for _ in range(20):
             start = time.perf_counter()
-            outcomes.append(client.decide(segment="chat", **DECIDE_ARGS))
+            outcomes.append(client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS)))
             latencies.append(time.perf_counter() - start)
     print(f"timeout fallback latency: p50 {p(latencies, 0.5) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms")
     assert {(o.fallback, o.source) for o in outcomes} == {("timeout", "local_default")}
@@ -582,7 +583,7 @@ def test_slow_controller_is_a_timeout_within_the_deadline():
 
 def test_never_reachable_controller_gives_local_defaults():
     with started(config(f"127.0.0.1:{free_port()}", default_drafter="prompt_lookup", default_k=5)) as c:
-        outcome = c.decide(segment="chat", **DECIDE_ARGS)
+        outcome = c.decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
     assert (outcome.drafter, outcome.k, outcome.reason) == ("prompt_lookup", 5, "local_default")
     assert (outcome.fallback, outcome.source, outcome.stale) == ("unavailable", "local_default", True)
 
@@ -726,7 +727,7 @@ def test_decide_span_joins_the_controllers_trace(tmp_path, embedded_redis_url, p
         started(config(d.address, decide_deadline_ms=1000), tracer=tracer) as client,
     ):
         with tracer.start_as_current_span("worker.request") as request_span:
-            outcome = client.decide(segment="chat", **DECIDE_ARGS)
+            outcome = client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
         assert wait_until(lambda: any(s.name.endswith("/Decide") for s in server_spans.get_finished_spans()), 5)
 
     (client_span,) = [s for s in exporter.get_finished_spans() if s.name == "specd.controller.decide"]
@@ -754,7 +755,7 @@ def test_decide_sends_the_trace_context_in_the_metadata(client_spans):
     fake = FakeController()
     tracer = provider.get_tracer("specd.worker")
     with serving(fake) as address, started(config(address, decide_deadline_ms=1000), tracer=tracer) as client:
-        client.decide(segment="chat", **DECIDE_ARGS)
+        client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
     (span,) = exporter.get_finished_spans()
     traceparent = fake.decide_metadata[0]["traceparent"]
     # W3C: version-trace_id-parent_id-flags, the parent being the client's decide span
@@ -765,7 +766,7 @@ def test_decide_sends_the_trace_context_in_the_metadata(client_spans):
 def test_a_fallback_says_so_in_the_span(client_spans):
     provider, exporter = client_spans
     with started(config(f"127.0.0.1:{free_port()}"), tracer=provider.get_tracer("w")) as client:
-        client.decide(segment="chat", **DECIDE_ARGS)
+        client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
     (span,) = exporter.get_finished_spans()
     assert span.attributes is not None
     assert (span.attributes["specd.fallback"], span.attributes["specd.decision.source"]) == (

@@ -17,6 +17,7 @@ import pytest
 from controller.config import ControllerConfig
 from controller.serving.table_publisher import HEARTBEAT_PERIODS, PROBE_DRAWS, segment_table
 from specd_api.plan import BATCH_RULE_REASON, Plan, off
+from specd_api.request_features import RequestFeatures
 from specd_api.table_rule import BucketEntry, SegmentTable, plan_from_table
 from specd_api.v1 import controller_pb2 as pb
 from specd_client import ClientConfig
@@ -133,6 +134,10 @@ def decide_args(batch_size: int, **changes) -> dict:
     return {**DECIDE_ARGS, "batch_size": batch_size, "max_new_tokens": 128, "prompt_tokens": 10, **changes}
 
 
+def features(segment: str, batch_size: int, **changes) -> RequestFeatures:
+    return RequestFeatures(segment=segment, **decide_args(batch_size, **changes))
+
+
 def rpc_decide(address: str, segment: str, batch_size: int) -> pb.Decision:
     args = decide_args(batch_size)
     return stub_for(address).Decide(
@@ -159,37 +164,43 @@ def test_local_decisions_equal_decide_and_follow_new_segments(embedded_redis_url
             teach(reporter, "tab-young", requests=1)  # 4 rounds: its own data weighs less than the prior (20)
             wait_for(lambda: reporter.stats().buffered == 0 and reporter.stats().aggregates_sent > 0, "the report")
         with started(client_config(daemon.address)) as client:
-            wait_for(lambda: client.decide(segment="tab-code", **decide_args(1)).source == "table", "the tables")
+            wait_for(
+                lambda: client.decide(features("tab-code", 1)).source == "table",
+                "the tables",
+            )
             for batch_size in (1, 2, 3, 4, 5, 8, 9, 16):
-                local = client.decide(segment="tab-code", **decide_args(batch_size))
+                local = client.decide(features("tab-code", batch_size))
                 assert local.source == "table", batch_size
                 assert same_plan(local, rpc_decide(daemon.address, "tab-code", batch_size)), batch_size
-            assert client.decide(segment="tab-code", **decide_args(1)).speculates
-            assert client.decide(segment="tab-code", **decide_args(9)).reason == BATCH_RULE_REASON
+            assert client.decide(features("tab-code", 1)).speculates
+            assert client.decide(features("tab-code", 9)).reason == BATCH_RULE_REASON
 
             # what the table cannot say goes to Decide
-            assert client.decide(segment="tab-unseen", **decide_args(1)).source == "controller"
-            assert client.decide(segment="tab-young", **decide_args(1)).source == "controller"
-            short = client.decide(segment="tab-code", **decide_args(1, max_new_tokens=8))
+            assert client.decide(features("tab-unseen", 1)).source == "controller"
+            assert client.decide(features("tab-young", 1)).source == "controller"
+            short = client.decide(features("tab-code", 1, max_new_tokens=8))
             assert short.source == "controller" and short.k <= 7
-            other = client.decide(segment="tab-code", **decide_args(1, drafters=["prompt_lookup"]))
+            other = client.decide(features("tab-code", 1, drafters=["prompt_lookup"]))
             assert other.source == "controller" and other.drafter != "draft"
 
             # a sampled request is its segment's sampled traffic, learned apart: the greedy table does not answer it
-            sampled = client.decide(segment="tab-code", **decide_args(1, temperature=0.9))
+            sampled = client.decide(features("tab-code", 1, temperature=0.9))
             assert sampled.source == "controller" and sampled.segment == "tab-code#sampled"
             for _ in range(12):
                 client.report(segment="tab-code", rounds=[draft(4, 4, 1), draft(4, 4, 0)],
                               **{**REPORT_ARGS, "temperature": 0.9})  # fmt: skip
-            wait_for(lambda: client.decide(segment="tab-code", **decide_args(1, temperature=0.9)).source == "table",
+            wait_for(lambda: client.decide(features("tab-code", 1, temperature=0.9)).source == "table",
                      "the sampled table")  # fmt: skip
-            sampled = client.decide(segment="tab-code", **decide_args(1, temperature=0.9))
+            sampled = client.decide(features("tab-code", 1, temperature=0.9))
             assert sampled.segment == "tab-code#sampled"
-            assert sampled.acceptance != client.decide(segment="tab-code", **decide_args(1)).acceptance
+            assert sampled.acceptance != client.decide(features("tab-code", 1)).acceptance
 
             # a segment learned after the stream opened arrives in a later (partial) message
             teach(client, "tab-later")
-            wait_for(lambda: client.decide(segment="tab-later", **decide_args(1)).source == "table", "the new segment")
+            wait_for(
+                lambda: client.decide(features("tab-later", 1)).source == "table",
+                "the new segment",
+            )
             stats = client.stats()
             assert stats.local_decisions >= 10 and stats.fallbacks == {}
             assert daemon.publisher is not None and daemon.publisher.watchers == 1
@@ -206,15 +217,21 @@ def test_tables_go_quiet_when_the_controller_stops_and_come_back_with_it(embedde
     address = f"127.0.0.1:{port}"
     with started(client_config(address)) as client:
         with running(daemon_config(embedded_redis_url, tmp_path, prefix, port=port)):
-            wait_for(lambda: client.decide(segment="tab-restart", **decide_args(1)).source == "table", "the tables")
-            learned = client.decide(segment="tab-restart", **decide_args(1))
+            wait_for(
+                lambda: client.decide(features("tab-restart", 1)).source == "table",
+                "the tables",
+            )
+            learned = client.decide(features("tab-restart", 1))
         # the controller is gone: within 3 heartbeat periods (HEARTBEAT_PERIODS refreshes each) the tables are no
         # longer used, and decisions fall back to the segment's last plan (which the tables gave)
         time.sleep(3 * HEARTBEAT_PERIODS * 0.1 + 0.2)
-        fallback = client.decide(segment="tab-restart", **decide_args(1))
+        fallback = client.decide(features("tab-restart", 1))
         assert fallback.source == "last_decision" and fallback.drafter == learned.drafter
         with running(daemon_config(embedded_redis_url, tmp_path, prefix, port=port)):
-            wait_for(lambda: client.decide(segment="tab-restart", **decide_args(1)).source == "table", "reconnection")
+            wait_for(
+                lambda: client.decide(features("tab-restart", 1)).source == "table",
+                "reconnection",
+            )
 
 
 def test_probes_come_from_the_table_at_the_controllers_rate(embedded_redis_url, prefix, tmp_path):
@@ -233,14 +250,17 @@ def test_probes_come_from_the_table_at_the_controllers_rate(embedded_redis_url, 
         stream.cancel()
         shares = [p.probability for p in table.buckets[0].probes]
         with started(client_config(daemon.address)) as client:
-            wait_for(lambda: client.decide(segment="tab-probe", **decide_args(1)).source == "table", "the tables")
+            wait_for(
+                lambda: client.decide(features("tab-probe", 1)).source == "table",
+                "the tables",
+            )
             # Every refresh (0.1 s here) brings a table with a new 64-draw estimate of the share: compare the
             # client's draws with the one table they were all drawn from (a run that a refresh split is redone).
             watcher = client._tables
             assert watcher is not None
             for _ in range(20):
                 used = watcher._tables
-                plans = [client.decide(segment="tab-probe", **decide_args(1)) for _ in range(n)]
+                plans = [client.decide(features("tab-probe", 1)) for _ in range(n)]
                 if watcher._tables is used:
                     break
             else:

@@ -28,6 +28,7 @@ import grpc
 import pytest
 
 from controller.storage.redis_conn import make_client
+from specd_api.request_features import RequestFeatures
 from specd_api.security import ClientTls, ControllerCredentials
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -164,7 +165,7 @@ def drive(client: ControllerClient, segment: str, stop: threading.Event, outcome
     """One worker thread: a decision and a report per period until ``stop``; returns the requests it reported."""
     requests = 0
     while not stop.is_set():
-        plan = client.decide(segment=segment, **DECIDE_ARGS)
+        plan = client.decide(RequestFeatures(segment=segment, **DECIDE_ARGS))
         outcomes.append(Outcome(time.monotonic(), plan.source, plan.fallback))
         client.report(segment=segment, rounds=REQUEST_ROUNDS, **REPORT_ARGS)
         requests += 1
@@ -293,10 +294,10 @@ def test_tls_replicas_are_checked_against_the_configured_name(tmp_path):
             assert client.wait_until_ready(10)
             deadline = time.monotonic() + 10
             while not all(fake.decide_metadata for fake in fakes) and time.monotonic() < deadline:
-                client.decide(segment="chat", **DECIDE_ARGS)  # until both replicas are connected
+                client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS))  # until both replicas are connected
             for fake in fakes:
                 fake.decide_metadata.clear()
-            plans = [client.decide(segment="chat", **DECIDE_ARGS) for _ in range(20)]
+            plans = [client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS)) for _ in range(20)]
     finally:
         for server in servers:
             server.stop(None).wait()
@@ -331,7 +332,7 @@ def test_the_decision_tables_stream_moves_to_the_surviving_replica(tmp_path, emb
         with ControllerClient(config) as client:
 
             def local() -> bool:
-                return client.decide(segment="watched", **DECIDE_ARGS).source == "table"
+                return client.decide(RequestFeatures(segment="watched", **DECIDE_ARGS)).source == "table"
 
             assert wait_until(local, timeout=15), "no local decision from the tables"
             assert wait_until(lambda: sum(streams_opened(tmp_path, f"replica{i}") for i in (0, 1)) == 1)
@@ -342,7 +343,7 @@ def test_the_decision_tables_stream_moves_to_the_surviving_replica(tmp_path, emb
             killed = time.monotonic()
             plans, moved = [], None
             while time.monotonic() - killed < 1.5 or moved is None:  # decisions go on throughout
-                plans.append(client.decide(segment="watched", **DECIDE_ARGS))
+                plans.append(client.decide(RequestFeatures(segment="watched", **DECIDE_ARGS)))
                 if moved is None and streams_opened(tmp_path, survivor):
                     moved = time.monotonic() - killed  # the span is exported within 100 ms of the opening
                 assert time.monotonic() - killed < 10, "the stream did not open on the surviving replica"
