@@ -47,9 +47,8 @@ class BatchEngine(SpeculativeDecoder):
         prompt_lookup: PromptLookupConfig | None = None,
         max_batch: int = 16,
         suffix_cache: SuffixCache | None = None,
-        fallback_max_batch_size: int | None = None,
     ) -> None:
-        super().__init__(target, draft, prompt_lookup, suffix_cache, fallback_max_batch_size)
+        super().__init__(target, draft, prompt_lookup, suffix_cache)
         self.max_batch = max_batch
         self.target_pool = KVPool(target, max_batch, capacity=target.max_context or 1024)
         self.draft_pool = KVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None

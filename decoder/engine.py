@@ -253,8 +253,8 @@ class DecodeSession:
 class SpeculativeDecoder:
     """A loaded target, optionally a draft model, and the drafters they make possible. ``suffix_cache`` holds the
     outputs suffix decoding proposes from (one per worker: whoever serves requests fills it); by default an empty
-    one, so suffix decoding reads the request's own text until something is added. ``fallback_max_batch_size``:
-    the batch threshold of a plan that carries none (the worker's own setting); None: no batch rule.
+    one, so suffix decoding reads the request's own text until something is added. A plan runs under its own batch
+    threshold (none: no batch rule; a worker resolves it first, ``specd_api.plan.runnable``).
 
     One sequence at a time (``session``, ``decode``) decodes in KV pools kept from one request to the next
     (``SparePools``): a request pays for no pool of its own (on a GPU, the graphs pass would capture its CUDA graphs
@@ -266,7 +266,6 @@ class SpeculativeDecoder:
         draft: LoadedModel | None = None,
         prompt_lookup: PromptLookupConfig | None = None,
         suffix_cache: SuffixCache | None = None,
-        fallback_max_batch_size: int | None = None,
     ) -> None:
         if draft is not None:
             check_pair(target, draft)
@@ -274,7 +273,6 @@ class SpeculativeDecoder:
         self.draft = draft
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
-        self.fallback_max_batch_size = fallback_max_batch_size
         self.spare_target = SparePools(target)  # one-sequence decoding's slots (no pool is made before one is asked)
         self.spare_draft = SparePools(draft) if draft is not None else None
 
@@ -376,7 +374,7 @@ class SpeculativeDecoder:
             raise ValueError(f"unknown drafter {plan.drafter[:40]!r}; choose one of {', '.join(DRAFTER_NAMES)}")
         drafter = make_drafter(plan, self.draft, self.prompt_lookup, params, generator, draft_sequence,
                                self.suffix_cache)  # fmt: skip
-        return RoundPolicy.open(plan, drafter, self.fallback_max_batch_size)
+        return RoundPolicy.open(plan, drafter)
 
 
 def make_drafter(

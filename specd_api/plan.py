@@ -57,9 +57,9 @@ class Plan:
     # (drafter, K ceiling) per drafter to score counterfactually over the request's rounds, by name; none: nothing.
     counterfactual_ks: tuple[tuple[str, int], ...] = ()
     calibration: float = 1.0  # realised / model for this segment and drafter, already in expected_speedup
-    # The batch rule's threshold, the policy's (contract 6): no speculation in a batch of more sequences than this,
-    # applied every round. None: the plan does not say (a fallback, a caller's own plan); the worker's own setting
-    # applies.
+    # The batch rule's threshold (contract 6): no speculation in a batch of more sequences than this, applied every
+    # round. Set by whoever makes the plan: the controller (its policy's), a fallback (the worker's); a plan that
+    # reaches a worker without one (a caller's own) gets the worker's in ``runnable``. None: no batch rule.
     max_batch_size: int | None = None
     # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
     # controller did not answer in time.
@@ -181,9 +181,12 @@ def offers(offered: Collection[str], drafter: str) -> bool:
     return drafter == "none" or drafter in offered
 
 
-def runnable(plan: Plan, offered: Collection[str]) -> Plan:
-    """``plan`` as a worker that offers ``offered`` runs it: unchanged, or no speculation when it cannot run the
-    plan's drafter."""
+def runnable(plan: Plan, offered: Collection[str], max_batch_size: int | None) -> Plan:
+    """``plan`` as a worker that offers ``offered`` runs it: no speculation when it cannot run the plan's drafter,
+    and the batch threshold in force, the plan's, else the worker's ``max_batch_size``. The one place a plan's
+    threshold is resolved: the round policy applies the plan's and nothing else."""
+    if plan.max_batch_size is None:
+        plan = replace(plan, max_batch_size=max_batch_size)
     return plan if offers(offered, plan.drafter) else replace(plan, drafter="none", k=0, k_schedule=())
 
 
@@ -196,15 +199,25 @@ def local_plan(
     fallback: Fallback | None,
     latency_s: float = 0.0,
 ) -> Plan:
-    """The plan when no controller answered: the batch rule first, then ``drafter`` at ``k`` if the worker can run
-    it, else no speculation. Every round runs at ``k`` (nothing is known to adapt with)."""
+    """The plan when no controller answered: the batch rule at the worker's ``max_batch_size`` first, then
+    ``drafter`` at ``k`` if the worker can run it, else no speculation. Every round runs at ``k`` (nothing is known
+    to adapt with), under the worker's threshold."""
     if not speculation_allowed(batch_size, max_batch_size):
         drafter, k, reason = "none", 0, BATCH_RULE_REASON
     else:
         reason = LOCAL_DEFAULT_REASON
         if drafter == "none" or k <= 0 or not offers(offered, drafter):
             drafter, k = "none", 0
-    return Plan(drafter, k, reason, stale=True, source="local_default", fallback=fallback, latency_s=latency_s)
+    return Plan(
+        drafter,
+        k,
+        reason,
+        stale=True,
+        max_batch_size=max_batch_size,
+        source="local_default",
+        fallback=fallback,
+        latency_s=latency_s,
+    )
 
 
 def fallback_plan(
@@ -217,10 +230,21 @@ def fallback_plan(
     latency_s: float,
 ) -> Plan:
     """The plan when the controller did not answer in time: the segment's last plan if the worker can still run its
-    drafter (the batch rule applies first), else the local default."""
+    drafter and the batch is within the threshold in force, else the local default under it. The threshold is the
+    last plan's (the policy's), else the worker's ``max_batch_size``."""
+    if last is not None and last.max_batch_size is not None:
+        max_batch_size = last.max_batch_size
     if last is not None and offers(offered, last.drafter) and speculation_allowed(batch_size, max_batch_size):
-        return replace(last, stale=True, source="last_decision", fallback=cause, latency_s=latency_s, exploration=False)
+        return replace(
+            last, max_batch_size=max_batch_size, stale=True, source="last_decision", fallback=cause,
+            latency_s=latency_s, exploration=False,
+        )  # fmt: skip
     return local_plan(default.drafter, default.k, offered, batch_size, max_batch_size, cause, latency_s)
+
+
+def allows_batch(plan: Plan, batch_size: int) -> bool:
+    """The batch rule at ``plan``'s own threshold (None: no rule)."""
+    return plan.max_batch_size is None or speculation_allowed(batch_size, plan.max_batch_size)
 
 
 def worth_remembering(plan: Plan) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from specd_api.plan import Plan, speculation_allowed
+from specd_api.plan import Plan, allows_batch
 from specd_api.position_tally import PositionTally
 from specd_api.speedup import best_k, speedup_curve
 
@@ -40,15 +40,13 @@ class RoundPolicy(Generic[D]):
 
     plan: Plan
     drafter: D  # made from the plan (its drafter, its stop threshold, its segment)
-    max_batch_size: int | None  # the batch threshold in force: the plan's, else the worker's; None: no batch rule
     observed: PositionTally = field(default_factory=PositionTally)  # the request's own rounds so far
 
     @classmethod
-    def open(cls, plan: Plan, drafter: D, fallback_max_batch_size: int | None = None) -> RoundPolicy[D]:
-        """The policy of a sequence opening with ``plan``. ``fallback_max_batch_size``: the worker's own batch
-        threshold, for a plan that carries none (a fallback's, a caller's own)."""
-        threshold = plan.max_batch_size if plan.max_batch_size is not None else fallback_max_batch_size
-        return cls(plan, drafter, threshold)
+    def open(cls, plan: Plan, drafter: D) -> RoundPolicy[D]:
+        """The policy of a sequence opening with ``plan``, under the plan's batch threshold (a worker resolves it
+        before: ``specd_api.plan.runnable``)."""
+        return cls(plan, drafter)
 
     @property
     def ceiling(self) -> int:
@@ -62,7 +60,7 @@ class RoundPolicy(Generic[D]):
 
     def speculates_at(self, batch_size: int) -> bool:
         """The batch rule: may this sequence draft in a batch of ``batch_size`` sequences decoded together?"""
-        return self.max_batch_size is None or speculation_allowed(batch_size, self.max_batch_size)
+        return allows_batch(self.plan, batch_size)
 
     def round_k(self, batch_size: int, budget: int) -> int:
         """This round's K, in a batch of ``batch_size`` sequences, with room for ``budget`` drafted tokens (what the

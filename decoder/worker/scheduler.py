@@ -21,6 +21,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from decoder.batch_engine import BatchEngine
 from decoder.engine import DecodeSession, GenerationResult
@@ -72,9 +73,13 @@ class Job:
         self.cancelled = True
 
 
+# How a job ended: "error" is the request's fault (e.g. a prompt over the context), "failed" the worker's.
+JobStatus = Literal["finished", "cancelled", "timeout", "error", "failed"]
+
+
 @dataclass(frozen=True)
 class JobOutcome:
-    status: str  # "finished" | "cancelled" | "timeout" | "error" (the request's fault) | "failed" (the worker's)
+    status: JobStatus
     result: GenerationResult | None = None
     error: str | None = None
     steps_in_batch: tuple[int, ...] = ()  # the batch size at each step this request took part in

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from opentelemetry import context as otel_context
@@ -83,9 +83,14 @@ class Speculation:
     report: bool = True
 
 
+# What a request's event stream says, in order: "accepted" (queued: the first event), "text" (any number), then one of
+# "done" or "error".
+EventKind = Literal["accepted", "text", "done", "error"]
+
+
 @dataclass
 class Event:
-    kind: str  # "accepted" (queued: the first event) | "text" | "done" | "error"
+    kind: EventKind
     text: str = ""
     finish_reason: str | None = None
     status: int = 200
@@ -200,9 +205,7 @@ class WorkerService:
         draft = load_model(cfg.draft, device, dtype, cfg.runner) if cfg.draft is not None else None
         lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
         cache = SuffixCache(cfg.suffix.config())  # one per worker: filled by ``_share`` as requests finish
-        # The batch threshold is the plan's (the policy's); the worker's own only for a plan that carries none.
-        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache,
-                             fallback_max_batch_size=cfg.speculation_max_batch)  # fmt: skip
+        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache)
         if cfg.warm_up:
             started = time.perf_counter()
             captured = engine.capture_graphs()  # before any round: the warm-up's rounds then replay them
@@ -311,9 +314,11 @@ class WorkerService:
 
     def _submit(self, request: InFlight, put: Callable[[str, Any], None]) -> Job:
         """Step 2: queue the job with the plan as this worker runs it (no speculation with a drafter it does not
-        offer); its callbacks feed the request's event queue from the decode thread."""
+        offer; the plan's batch threshold, else ``speculation_max_batch``); its callbacks feed the request's event
+        queue from the decode thread."""
         assert self.engine is not None and self.scheduler is not None
-        spec, plan = request.spec, runnable(request.plan, self.engine.drafters)
+        spec = request.spec
+        plan = runnable(request.plan, self.engine.drafters, self.cfg.speculation_max_batch)
         if plan.segment != request.segment:  # suffix decoding reads the outputs of the plan's segment
             plan = replace(plan, segment=request.segment)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from specd_api.plan import (
@@ -50,6 +52,10 @@ DEFAULT = Plan("prompt_lookup", 4, source="local_default")
          "the worker lost the draft model: the local default"),
         (LAST, ["draft", "prompt_lookup"], 9, ("none", 0, BATCH_RULE_REASON, "local_default"),
          "the batch rule comes first, even over the last plan"),
+        (replace(LAST, max_batch_size=16), ["draft", "prompt_lookup"], 9,
+         ("draft", 6, "best_expected_speedup", "last_decision"), "the last plan's own threshold, not the worker's"),
+        (replace(LAST, max_batch_size=2), ["draft", "prompt_lookup"], 3,
+         ("none", 0, BATCH_RULE_REASON, "local_default"), "... under the worker's too: the local default obeys it"),
         (None, ["draft"], 1, ("none", 0, LOCAL_DEFAULT_REASON, "local_default"),
          "the default's drafter is not offered: no speculation"),
         (None, ["draft", "prompt_lookup"], 1, ("prompt_lookup", 4, LOCAL_DEFAULT_REASON, "local_default"),
@@ -59,6 +65,8 @@ DEFAULT = Plan("prompt_lookup", 4, source="local_default")
 def test_fallbacks(last, offered, batch, expected, why):
     plan = fallback_plan(last, DEFAULT, offered, batch, 8, "timeout", 0.004)
     assert (plan.drafter, plan.k, plan.reason, plan.source) == expected, why
+    own = last.max_batch_size if last is not None else None
+    assert plan.max_batch_size == (8 if own is None else own), "a fallback carries the threshold it was chosen under"
     assert plan.stale and plan.fallback == "timeout" and plan.latency_s == 0.004 and not plan.exploration
 
 
@@ -68,6 +76,7 @@ def test_a_fallback_keeps_the_last_plans_estimates():
 
 
 def test_the_local_plan_without_a_controller():
+    assert local_plan("draft", 4, ["draft"], 1, 8, None).max_batch_size == 8, "under the worker's threshold"
     assert local_plan("draft", 4, ["draft"], 1, 8, None).speculates
     assert local_plan("draft", 0, ["draft"], 1, 8, None).drafter == "none"
     assert local_plan("draft", 4, ["draft"], 16, 8, None).reason == BATCH_RULE_REASON
@@ -92,10 +101,22 @@ def test_worth_remembering(plan, worth, why):
      (("draft",), "chain", "none", "offering the draft model's drafter is not offering the chain")],
 )  # fmt: skip
 def test_a_plan_runs_as_the_worker_can(offered, drafter, runs, why):
-    plan = runnable(Plan(drafter, 4 if drafter != "none" else 0, "best_expected_speedup", max_batch_size=4), offered)
+    plan = runnable(Plan(drafter, 4 if drafter != "none" else 0, "best_expected_speedup", max_batch_size=4), offered, 8)
     assert offers(offered, drafter) is (runs == drafter), why
     assert (plan.drafter, plan.speculates) == (runs, runs != "none"), why
     assert plan.reason == "best_expected_speedup" and plan.max_batch_size == 4, "the rest of the plan is kept"
+
+
+@pytest.mark.parametrize(
+    ("carried", "worker", "in_force", "why"),
+    [(2, 8, 2, "the plan's threshold under the worker's: the plan's"),
+     (16, 8, 16, "the plan's over the worker's: still the plan's (one threshold, the policy's)"),
+     (0, 8, 0, "a policy that never speculates"),
+     (None, 8, 8, "a plan without one (a caller's own): the worker's"),
+     (None, None, None, "neither: no batch rule (an engine used on its own)")],
+)  # fmt: skip
+def test_the_batch_threshold_is_resolved_once_when_the_worker_takes_the_plan(carried, worker, in_force, why):
+    assert runnable(Plan("draft", 4, max_batch_size=carried), ["draft"], worker).max_batch_size == in_force, why
 
 
 def test_a_callers_own_plan():

@@ -41,27 +41,25 @@ def test_adapted_k(plan, seen, ceiling, k, why):
 
 
 @pytest.mark.parametrize(
-    ("plan", "fallback", "batch", "budget", "k", "why"),
+    ("plan", "batch", "budget", "k", "why"),
     [
-        (Plan("draft", 4), None, 64, 10, 4, "no threshold anywhere: no batch rule (an engine used on its own)"),
-        (Plan("draft", 4), 8, 8, 10, 4, "the worker's fallback, at it: on"),
-        (Plan("draft", 4), 8, 9, 10, 0, "the worker's fallback, above it: off"),
-        (Plan("draft", 4, max_batch_size=2), 8, 3, 10, 0, "the plan's threshold under the worker's: the plan's"),
-        (Plan("draft", 4, max_batch_size=16), 8, 12, 10, 4, "the plan's over the worker's: still the plan's"),
-        (Plan("draft", 4, max_batch_size=0), 8, 1, 10, 0, "a policy that never speculates"),
-        (Plan("draft", 4), None, 1, 2, 2, "the budget cuts the ceiling"),
-        (Plan("draft", 4), None, 1, 0, 0, "no budget left: a plain step"),
-        (Plan("none", 0), None, 1, 10, 0, "no speculation"),
-        (Plan(**{**ADAPTIVE.__dict__, "k": 2}), None, 1, 10, 2, "the plan's rule, never above the plan's k"),
-        (ADAPTIVE, None, 1, 10, 4, "the plan's rule under its ceiling"),
+        (Plan("draft", 4), 64, 10, 4, "no threshold: no batch rule (an engine used on its own)"),
+        (Plan("draft", 4, max_batch_size=8), 8, 10, 4, "at the plan's threshold: on"),
+        (Plan("draft", 4, max_batch_size=8), 9, 10, 0, "above it: off"),
+        (Plan("draft", 4, max_batch_size=0), 1, 10, 0, "a policy that never speculates"),
+        (Plan("draft", 4), 1, 2, 2, "the budget cuts the ceiling"),
+        (Plan("draft", 4), 1, 0, 0, "no budget left: a plain step"),
+        (Plan("none", 0), 1, 10, 0, "no speculation"),
+        (Plan(**{**ADAPTIVE.__dict__, "k": 2}), 1, 10, 2, "the plan's rule, never above the plan's k"),
+        (ADAPTIVE, 1, 10, 4, "the plan's rule under its ceiling"),
     ],
 )  # fmt: skip
-def test_round_k(plan, fallback, batch, budget, k, why):
-    assert RoundPolicy.open(plan, plan.drafter, fallback).round_k(batch, budget) == k, why
+def test_round_k(plan, batch, budget, k, why):
+    assert RoundPolicy.open(plan, plan.drafter).round_k(batch, budget) == k, why
 
 
 def test_the_batch_rule_follows_the_batch_as_it_grows_and_shrinks():
-    policy = RoundPolicy.open(Plan("prompt_lookup", 3, max_batch_size=4), "prompt_lookup", fallback_max_batch_size=8)
+    policy = RoundPolicy.open(Plan("prompt_lookup", 3, max_batch_size=4), "prompt_lookup")
     assert [policy.round_k(batch, 10) for batch in (1, 4, 5, 8, 4, 2)] == [3, 3, 0, 0, 3, 3]
 
 

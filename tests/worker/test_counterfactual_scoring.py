@@ -17,6 +17,7 @@ from decoder.sampling import SamplingParams
 from decoder.worker.config import WorkerConfig
 from decoder.worker.service import RequestSpec, WorkerService
 from specd_api.plan import Plan
+from specd_api.request_features import RequestFeatures
 
 SEGMENT = "scored"
 PROMPT = [5, 9, 3, 7, 11, 5, 9, 3, 7, 11, 5, 9]  # repeats: prompt lookup, which serves it, finds matches
@@ -31,7 +32,7 @@ class Client:
         self.plan = plan
         self.reports: list[dict[str, Any]] = []
 
-    def decide(self, **_: Any) -> Plan:
+    def decide(self, request: RequestFeatures) -> Plan:
         return self.plan
 
     def report(self, **report: Any) -> None:

@@ -17,7 +17,7 @@ from decoder.engine import DecodeSession
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
-from specd_api.plan import Plan
+from specd_api.plan import Plan, runnable
 from tests.conftest import tiny_lm
 
 
@@ -60,13 +60,12 @@ class Recorder:
 
 @pytest.fixture
 def make(target) -> Iterator:
-    """make(max_batch, max_queue, speculation_max_batch=8) -> (scheduler, steps); stopped afterwards. The worker's
-    speculation_max_batch is the engine's batch threshold for a plan that carries none."""
+    """make(max_batch, max_queue) -> (scheduler, steps); stopped afterwards."""
     made: list[Scheduler] = []
 
-    def make(max_batch: int, max_queue: int, speculation_max_batch: int = 8) -> tuple[Scheduler, list]:
+    def make(max_batch: int, max_queue: int) -> tuple[Scheduler, list]:
         steps: list[StepObservation] = []
-        engine = BatchEngine(target, max_batch=max_batch, fallback_max_batch_size=speculation_max_batch)
+        engine = BatchEngine(target, max_batch=max_batch)
         scheduler = Scheduler(engine, max_queue, steps.append)
         made.append(scheduler)
         return scheduler, steps
@@ -111,10 +110,12 @@ def test_jobs_run_to_their_end_and_report_each_step(make, target):
 
 
 def test_above_speculation_max_batch_steps_do_not_speculate(make, target):
-    scheduler, steps = make(max_batch=4, max_queue=4, speculation_max_batch=1)
+    scheduler, steps = make(max_batch=4, max_queue=4)
     recorders = [Recorder(), Recorder()]
     for recorder in recorders:
-        scheduler.submit(recorder.job(target, max_new_tokens=6))
+        job = recorder.job(target, max_new_tokens=6)
+        job.plan = runnable(job.plan, scheduler.engine.drafters, 1)  # as the worker queues it: its threshold 1
+        scheduler.submit(job)
     scheduler.start()
     for recorder in recorders:
         assert recorder.outcome().status == "finished"
@@ -128,11 +129,12 @@ def test_above_speculation_max_batch_steps_do_not_speculate(make, target):
      (None, 1, False, "a plan without one: the worker's own setting is the fallback")],
 )  # fmt: skip
 def test_the_plans_batch_threshold_applies_every_step(make, target, plan_threshold, worker_threshold, speculates, why):
-    scheduler, steps = make(max_batch=4, max_queue=4, speculation_max_batch=worker_threshold)
+    scheduler, steps = make(max_batch=4, max_queue=4)
     recorders = [Recorder(), Recorder()]
     for recorder in recorders:
         job = recorder.job(target, max_new_tokens=6)
-        job.plan = Plan("prompt_lookup", 2, max_batch_size=plan_threshold)
+        plan = Plan("prompt_lookup", 2, max_batch_size=plan_threshold)
+        job.plan = runnable(plan, scheduler.engine.drafters, worker_threshold)  # as the worker queues it
         scheduler.submit(job)
     scheduler.start()
     outcomes = [recorder.outcome() for recorder in recorders]
