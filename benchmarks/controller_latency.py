@@ -56,6 +56,7 @@ def aggregate(segment: str, rng: random.Random, rounds: int = 50, k: int = 4) ->
         num_accepted=total, proposed_per_position=proposed, verified_per_position=verified,
         accepted_per_position=accepted, tokens_emitted=total + rounds, draft_seconds=0.001 * rounds * k,
         verify_seconds=0.012 * rounds, batch_size=1, temperature=0.0, prompt_tokens=200, self_repetition=0.2,
+        rounds_by_drafted=[0] * k + [rounds], verify_seconds_by_drafted=[0.0] * k + [0.012 * rounds],  # all drafted K
     )  # fmt: skip
 
 

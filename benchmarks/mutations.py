@@ -106,10 +106,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "batch-threshold-from-the-worker",
-        "specd_api/round_policy.py",
-        "threshold = plan.max_batch_size if plan.max_batch_size is not None else fallback_max_batch_size",
-        "threshold = fallback_max_batch_size",
-        ("tests/specd_api/test_round_policy.py", "tests/worker/test_scheduler.py"),
+        "specd_api/plan.py",
+        "    if plan.max_batch_size is None:\n        plan = replace(plan, max_batch_size=max_batch_size)",
+        "    plan = replace(plan, max_batch_size=max_batch_size)",
+        ("tests/specd_api/test_plan.py", "tests/worker/test_scheduler.py"),
         "the worker's speculation_max_batch overrides the policy's batch threshold carried in the plan (two "
         "thresholds again: a policy lower than the worker's is not applied as the batch grows)",
     ),
@@ -1728,6 +1728,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    tl.store(v_at + offs_d[None, :], v, mask=kv_ok & (offs_d[None, :] < 0))",
         ("tests/decoder/test_row_kernels.py",),
         "the fused projection writes the keys to the cache but not the values",
+    ),
+    Mutation(
+        "request-features-drop-top-k",
+        "specd_api/request_features.py",
+        "top_k=self.top_k)",
+        "top_k=0)",
+        ("tests/specd_api/test_request_features.py",),
+        "a request feature never reaches its field of the DecideRequest",
+    ),
+    Mutation(
+        "aggregate-drops-a-field-as-sent",
+        "controller/serving/validation.py",
+        "AS_SENT = tuple(f.name for f in fields(Aggregate) if f.name not in READ_HERE)",
+        "AS_SENT = tuple(f.name for f in fields(Aggregate) if f.name not in READ_HERE | {'expected_speedup'})",
+        ("tests/controller/test_aggregate_from_proto.py",),
+        "a field of the report is left at its default instead of read from the message",
+    ),
+    Mutation(
+        "served-rounds-without-per-n-timings",
+        "specd_api/checks.py",
+        '        if rounds:\n            raise ValueError("rounds_by_drafted: served',
+        '        if False:\n            raise ValueError("rounds_by_drafted: served',
+        ("tests/controller/test_aggregate_from_proto.py",),
+        "served rounds without their per-n timings are stored as if none drafted anything",
+    ),
+    Mutation(
+        "fallback-under-the-workers-threshold",
+        "specd_api/plan.py",
+        "    if last is not None and last.max_batch_size is not None:\n        max_batch_size = last.max_batch_size",
+        "    if False:\n        max_batch_size = last.max_batch_size",
+        ("tests/specd_api/test_plan.py",),
+        "a fallback to the segment's last plan is checked against the worker's threshold, not the plan's own",
     ),
 )
 

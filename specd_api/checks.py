@@ -201,7 +201,9 @@ def _check_timings(a: pb.RoundsAggregate, lists: Repeated, k: int, rounds: int, 
             "must have the same length"
         )
     if not by_rounds:
-        return  # a worker that does not time rounds per drafted count: the totals alone
+        if rounds:
+            raise ValueError("rounds_by_drafted: served rounds are reported per number drafted (n = 0..k)")
+        return
     if len(by_rounds) > k + 1:
         raise ValueError(f"rounds_by_drafted has {len(by_rounds)} entries, more than k + 1 ({k + 1})")
     if not _timings_hold(by_rounds, by_seconds, rounds):

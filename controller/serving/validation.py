@@ -8,6 +8,7 @@ INVALID_ARGUMENT, so no input can crash the daemon or poison the counts.
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 
 from controller.decision.counts import Aggregate
 from controller.decision.decide import Request
@@ -82,34 +83,21 @@ def report(msg: pb.ReportRoundsRequest) -> tuple[str, list[Aggregate]]:
     return msg.report_id, aggregates
 
 
+# The Aggregate's fields read here rather than copied: the segment (learned per sampling mode), the checked lists.
+READ_HERE = frozenset(
+    ("segment", "proposed_per_position", "verified_per_position", "accepted_per_position", "by_drafted")
+)
+# Every other field is the message's field of the same name, as sent (checked by ``check_aggregate``).
+AS_SENT = tuple(f.name for f in fields(Aggregate) if f.name not in READ_HERE)
+
+
 def aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = None) -> Aggregate:
     lists = check_aggregate(a, valid_segments)
-    counterfactual, rounds, verify_seconds = a.counterfactual, a.rounds, a.verify_seconds
-    by_drafted = tuple(zip(lists.rounds_by_drafted, lists.verify_seconds_by_drafted, strict=True))
-    if not by_drafted and rounds and not counterfactual:  # totals only: all rounds at their mean length
-        mean = round(a.num_drafted / rounds)
-        by_drafted = tuple((rounds, verify_seconds) if n == mean else (0, 0.0) for n in range(mean + 1))
     return Aggregate(
         segment=a.segment if a.start_up_timings else learning_segment(a.segment, a.temperature),
-        drafter=a.drafter,
-        k=a.k,
-        rounds=rounds,
-        num_drafted=a.num_drafted,
-        num_accepted=a.num_accepted,
         proposed_per_position=tuple(lists.proposed_per_position),
         verified_per_position=tuple(lists.verified_per_position),
         accepted_per_position=tuple(lists.accepted_per_position),
-        tokens_emitted=a.tokens_emitted,
-        draft_seconds=a.draft_seconds,
-        verify_seconds=verify_seconds,
-        batch_size=a.batch_size,
-        temperature=a.temperature,
-        prompt_tokens=a.prompt_tokens,
-        self_repetition=a.self_repetition,
-        by_drafted=by_drafted,
-        counterfactual=counterfactual,
-        expected_speedup=a.expected_speedup,
-        start_up_timings=a.start_up_timings,
-        request_tokens_emitted=a.request_tokens_emitted,
-        request_seconds=a.request_seconds,
+        by_drafted=tuple(zip(lists.rounds_by_drafted, lists.verify_seconds_by_drafted, strict=True)),
+        **{name: getattr(a, name) for name in AS_SENT},
     )

@@ -119,6 +119,7 @@ def report_request() -> pb.ReportRoundsRequest:
         segment="auth", drafter="prompt_lookup", k=2, rounds=4, num_drafted=8, num_accepted=4,
         proposed_per_position=[4, 4], verified_per_position=[4, 3], accepted_per_position=[3, 1],
         tokens_emitted=8, draft_seconds=0.0, verify_seconds=0.04, batch_size=1,
+        rounds_by_drafted=[0, 0, 4], verify_seconds_by_drafted=[0.0, 0.0, 0.04],
     )  # fmt: skip
     return pb.ReportRoundsRequest(report_id=uuid.uuid4().hex, worker_id="t", aggregates=[aggregate])
 

@@ -31,6 +31,7 @@ def daemon(tmp_path_factory, embedded_redis_url):
             segment="code", drafter="draft", k=2, rounds=10, num_drafted=20, num_accepted=15,
             proposed_per_position=[10, 10], verified_per_position=[10, 8], accepted_per_position=[8, 7],
             tokens_emitted=25, draft_seconds=0.02, verify_seconds=0.1, batch_size=1,
+            rounds_by_drafted=[0, 0, 10], verify_seconds_by_drafted=[0.0, 0.0, 0.1],
         )  # fmt: skip
         stub.ReportRounds(pb.ReportRoundsRequest(report_id="cli-1", aggregates=[agg]))
         assert d.controller is not None and d.controller.learner.refresh()

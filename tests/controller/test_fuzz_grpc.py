@@ -30,7 +30,7 @@ from specd_api.checks import MAX_AGGREGATES, MAX_K
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.proto_strategies import SEGMENT_CHARS, field_values, messages, wire, with_field
-from tests.controller.test_service import decide, draft_aggregate, report
+from tests.controller.test_service import decide, draft_aggregate, per_drafted, report
 from tests.controller.yaml_strategies import DEFAULT_TEXT, mutated_default_documents, policy_files
 from tests.daemons import RPC_TIMEOUT, connected, running_daemon
 from tests.fuzzing import fuzz_settings
@@ -298,10 +298,10 @@ def plausible_aggregates(draw: st.DrawFn, segment: st.SearchStrategy[str]) -> pb
         a.tokens_emitted = draw(st.integers(0, rounds * (k + 1)))
         a.draft_seconds = draw(st.sampled_from([0.0, 1e-9]) | st.floats(0, 10.0 * max(drafted, rounds, 1)))
         a.verify_seconds = draw(st.floats(1e-7 * rounds, 60.0 * max(rounds, 1)).filter(lambda s: s >= 1e-7 * rounds))
-        if rounds and drafted % rounds == 0 and draw(st.booleans()):  # every round drafted the same number
-            n = drafted // rounds
-            a.rounds_by_drafted.extend([0] * n + [rounds])
-            a.verify_seconds_by_drafted.extend([0.0] * n + [a.verify_seconds])
+        if rounds:  # served rounds: the per-n timing table their positions imply
+            table = per_drafted(rounds, proposed, a.verify_seconds)
+            a.rounds_by_drafted.extend(table["rounds_by_drafted"])
+            a.verify_seconds_by_drafted.extend(table["verify_seconds_by_drafted"])
     return a
 
 

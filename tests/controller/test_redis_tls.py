@@ -133,7 +133,7 @@ def report(report_id: str, rounds: int) -> pb.ReportRoundsRequest:
         segment=SEGMENT, drafter="prompt_lookup", k=2, rounds=rounds, num_drafted=2 * rounds, num_accepted=rounds,
         proposed_per_position=[rounds, rounds], verified_per_position=[rounds, rounds],
         accepted_per_position=[rounds, 0], tokens_emitted=2 * rounds, draft_seconds=0.0, verify_seconds=0.01 * rounds,
-        batch_size=1,
+        batch_size=1, rounds_by_drafted=[0, 0, rounds], verify_seconds_by_drafted=[0.0, 0.0, 0.01 * rounds],
     )  # fmt: skip
     return pb.ReportRoundsRequest(report_id=report_id, worker_id="tls-test", aggregates=[aggregate])
 

@@ -216,6 +216,7 @@ def aggregate(segment: str) -> pb.RoundsAggregate:
         segment=segment, drafter="draft", k=2, rounds=10, num_drafted=20, num_accepted=12,
         proposed_per_position=[10, 10], verified_per_position=[10, 8], accepted_per_position=[8, 4],
         tokens_emitted=22, draft_seconds=0.02, verify_seconds=0.1, batch_size=1,
+        rounds_by_drafted=[0, 0, 10], verify_seconds_by_drafted=[0.0, 0.0, 0.1],
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from controller.storage.redis_conn import make_client
+from specd_api.checks import MAX_VERIFY_SECONDS_PER_ROUND, MIN_VERIFY_SECONDS_PER_ROUND
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
@@ -63,7 +64,9 @@ def decide(
 
 
 def draft_aggregate(segment: str = "valid", **changes) -> pb.RoundsAggregate:
-    """10 rounds of the draft model at K = 2: position 0 accepted 8 times of 10, position 1 4 times of 8."""
+    """10 rounds of the draft model at K = 2: position 0 accepted 8 times of 10, position 1 4 times of 8. Served
+    rounds carry the per-n timing table their rounds and positions imply (``per_drafted``), unless ``changes`` gives
+    one."""
     fields = dict(
         segment=segment,
         drafter="draft",
@@ -80,7 +83,24 @@ def draft_aggregate(segment: str = "valid", **changes) -> pb.RoundsAggregate:
         batch_size=1,
     )
     fields.update(changes)
+    served = fields["rounds"] > 0 and not fields.get("counterfactual")
+    if served and "rounds_by_drafted" not in changes and "verify_seconds_by_drafted" not in changes:
+        fields.update(per_drafted(fields["rounds"], fields["proposed_per_position"], fields["verify_seconds"]))
     return pb.RoundsAggregate(**fields)
+
+
+def per_drafted(rounds: int, proposed_per_position: Sequence[int], verify_seconds: float) -> dict[str, list]:
+    """The per-n timing table of ``rounds`` served rounds with these positions: ``rounds_by_drafted[n]`` the rounds
+    that drafted exactly n tokens (position i is proposed in every round that drafted more than i), and
+    ``verify_seconds`` shared among them by their rounds (each share within the per-round bounds the wire checks)."""
+    proposed = list(proposed_per_position)
+    counts = [more - fewer for more, fewer in zip([rounds, *proposed], [*proposed, 0], strict=True)]
+    seconds = [
+        min(max(verify_seconds * n_rounds / rounds, MIN_VERIFY_SECONDS_PER_ROUND * n_rounds),
+            MAX_VERIFY_SECONDS_PER_ROUND * n_rounds)
+        for n_rounds in counts
+    ]  # fmt: skip
+    return {"rounds_by_drafted": counts, "verify_seconds_by_drafted": seconds}
 
 
 def lookup_aggregate(segment: str) -> pb.RoundsAggregate:
@@ -99,6 +119,8 @@ def lookup_aggregate(segment: str) -> pb.RoundsAggregate:
         draft_seconds=0.0,
         verify_seconds=0.1,
         batch_size=1,
+        rounds_by_drafted=[0, 2, 2, 1],  # 5 rounds proposed a first token, 3 a second, 1 a third
+        verify_seconds_by_drafted=[0.0, 0.04, 0.04, 0.02],
     )
 
 
@@ -118,6 +140,8 @@ def hopeless_aggregate(segment: str) -> pb.RoundsAggregate:
         draft_seconds=0.4,
         verify_seconds=30.0,
         batch_size=1,
+        rounds_by_drafted=[0, 0, 0, 0, 1000],
+        verify_seconds_by_drafted=[0.0, 0.0, 0.0, 0.0, 30.0],
     )
 
 
@@ -271,6 +295,13 @@ INVALID = [
         "ReportRounds",
         report(draft_aggregate(rounds_by_drafted=[0, 0, 10], verify_seconds_by_drafted=[0, 0, 0.3])),
         "verify_seconds_by_drafted",
+    ),
+    # served rounds come with their per-n table: totals alone no longer stand for "every round drafted the mean"
+    invalid(
+        "by-drafted-missing",
+        "ReportRounds",
+        report(draft_aggregate(rounds_by_drafted=[], verify_seconds_by_drafted=[])),
+        "rounds_by_drafted",
     ),
     invalid(
         "by-drafted-longer-than-k",
