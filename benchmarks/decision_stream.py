@@ -73,7 +73,7 @@ def decide(client: ControllerClient, rng: random.Random) -> str:
         segment=rng.choice(SEGMENTS), batch_size=rng.choice((1, 2, 4)), drafters=DRAFTERS, temperature=0.0, top_p=1.0,
         top_k=0, prompt_tokens=200, max_new_tokens=128, self_repetition=0.2,
     ))  # fmt: skip
-    return plan.source
+    return plan.origin.source
 
 
 def one_worker(address: str, watch: bool, seconds: float) -> dict[str, float]:

@@ -264,7 +264,7 @@ class Load:
                 latency = time.monotonic() - start
                 client.report(segment=segment, rounds=rounds, temperature=0.0, prompt_tokens=100, self_repetition=0.1)
                 with self._lock:
-                    self._decisions.append(Decision(start, latency, plan.source, plan.stale))
+                    self._decisions.append(Decision(start, latency, plan.origin.source, plan.stale))
                     self._rounds += len(rounds)
             except Exception:
                 with self._lock:

@@ -33,6 +33,17 @@ REQUEST_REASON = "request_override"
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where a worker got its plan and how long asking took: the worker's record, never on the wire. ``source``:
+    "controller" (Decide), "table" (the pushed decision tables), "request" (the caller's own), or a fallback when
+    the controller did not answer in time ("last_decision", "local_default", with the ``fallback`` cause)."""
+
+    source: Source = "controller"
+    fallback: Fallback | None = None
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class Plan:
     """What to run for one request. ``k`` is the ceiling of every round; the round policy picks each round's K
     (``specd_api.round_policy``)."""
@@ -43,9 +54,7 @@ class Plan:
     policy_version: str = ""
     exploration: bool = False
     expected_speedup: float = 1.0
-    stale: bool = (
-        False  # the controller's statistics were stale, or this is not the controller's answer to this request
-    )
+    stale: bool = False  # not made from the controller's fresh statistics: they were stale, or this is a fallback
     segment: str = ""
     stop_threshold: float = 0.0  # the draft model ends a round when its own probability of the next token is lower
     acceptance: tuple[float, ...] = ()  # a_i per position, the controller's estimate
@@ -61,16 +70,12 @@ class Plan:
     # round. Set by whoever makes the plan: the controller (its policy's), a fallback (the worker's); a plan that
     # reaches a worker without one (a caller's own) gets the worker's in ``runnable``. None: no batch rule.
     max_batch_size: int | None = None
-    # Where the worker got it: "controller" (Decide), "table" (the pushed decision tables), or a fallback when the
-    # controller did not answer in time.
-    source: Source = "controller"
-    fallback: Fallback | None = None
-    latency_s: float = 0.0
     # A caller's own K ceiling for each round in turn, cycled (warm-up, calibration, tests); never on the wire.
     # (): every round's ceiling is ``k``.
     k_schedule: tuple[int, ...] = ()
     # plain rounds run before the first that drafts: the segment's plain step in the request's context (a reference)
     plain_rounds: int = 0
+    origin: Origin = Origin()  # where the worker got it (not on the wire)
 
     @property
     def speculates(self) -> bool:
@@ -137,8 +142,7 @@ class Plan:
             counterfactual_ks=counterfactual_ks(dict(msg.counterfactual_ks)),
             calibration=msg.calibration if msg.calibration > 0 else 1.0,  # 0: not set (proto3's default), none applied
             max_batch_size=msg.max_batch_size if msg.HasField("max_batch_size") else None,  # absent: not given
-            source="controller",
-            latency_s=latency_s,
+            origin=Origin("controller", None, latency_s),
         )
 
 
@@ -153,8 +157,9 @@ def requested(drafter: str, k: int, k_schedule: Sequence[int] = (), max_batch_si
     batch threshold applies."""
     k = k if drafter != "none" else 0
     return Plan(
-        drafter, k, REQUEST_REASON, source="request", k_schedule=tuple(k_schedule), max_batch_size=max_batch_size
-    )
+        drafter, k, REQUEST_REASON, origin=Origin("request"), k_schedule=tuple(k_schedule),
+        max_batch_size=max_batch_size,
+    )  # fmt: skip
 
 
 def off(reason: str, policy_version: str = "", segment: str = "", expected_speedup: float = 1.0) -> Plan:
@@ -208,16 +213,8 @@ def local_plan(
         reason = LOCAL_DEFAULT_REASON
         if drafter == "none" or k <= 0 or not offers(offered, drafter):
             drafter, k = "none", 0
-    return Plan(
-        drafter,
-        k,
-        reason,
-        stale=True,
-        max_batch_size=max_batch_size,
-        source="local_default",
-        fallback=fallback,
-        latency_s=latency_s,
-    )
+    origin = Origin("local_default", fallback, latency_s)
+    return Plan(drafter, k, reason, stale=True, max_batch_size=max_batch_size, origin=origin)
 
 
 def fallback_plan(
@@ -236,8 +233,8 @@ def fallback_plan(
         max_batch_size = last.max_batch_size
     if last is not None and offers(offered, last.drafter) and speculation_allowed(batch_size, max_batch_size):
         return replace(
-            last, max_batch_size=max_batch_size, stale=True, source="last_decision", fallback=cause,
-            latency_s=latency_s, exploration=False,
+            last, max_batch_size=max_batch_size, stale=True, exploration=False,
+            origin=Origin("last_decision", cause, latency_s),
         )  # fmt: skip
     return local_plan(default.drafter, default.k, offered, batch_size, max_batch_size, cause, latency_s)
 
@@ -249,4 +246,4 @@ def allows_batch(plan: Plan, batch_size: int) -> bool:
 
 def worth_remembering(plan: Plan) -> bool:
     """A plan about the segment, not about one request: the controller's, not a probe, not the batch rule."""
-    return plan.source in ("controller", "table") and not plan.exploration and plan.reason != BATCH_RULE_REASON
+    return plan.origin.source in ("controller", "table") and not plan.exploration and plan.reason != BATCH_RULE_REASON

@@ -29,10 +29,10 @@ def plan_attributes(plan: Plan, segment: str | None = None) -> dict[str, Any]:
         "specd.drafter": plan.drafter,
         "specd.k": plan.k,
         "specd.decision.reason": plan.reason,
-        "specd.decision.source": plan.source,
+        "specd.decision.source": plan.origin.source,
         "specd.policy_version": plan.policy_version,
         "specd.exploration": plan.exploration,
         "specd.expected_speedup": plan.expected_speedup,
         "specd.stale": plan.stale,
-        "specd.fallback": plan.fallback or "",
+        "specd.fallback": plan.origin.fallback or "",
     }

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from specd_api.plan import Plan, batch_bucket, speculation_allowed
+from specd_api.plan import Origin, Plan, batch_bucket, speculation_allowed
 from specd_api.speedup import repays_prefill
 
 if TYPE_CHECKING:
@@ -87,4 +87,4 @@ def _probe(entry: BucketEntry, draw: float) -> Plan | None:
 
 def as_local(plan: Plan, stale: bool, latency_s: float) -> Plan:
     """A table's plan as the worker runs it: where it came from, and whether the controller's view was stale."""
-    return replace(plan, source="table", stale=plan.stale or stale, latency_s=latency_s)
+    return replace(plan, stale=plan.stale or stale, origin=Origin("table", None, latency_s))

@@ -20,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from specd_api.checks import check_aggregate
-from specd_api.plan import Fallback, Plan, fallback_plan, worth_remembering
+from specd_api.plan import Fallback, Origin, Plan, fallback_plan, worth_remembering
 from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
 from specd_api.security import controller_channel
@@ -87,7 +87,7 @@ class ControllerClient:
         self._tracer = tracer
         self._quiet = quiet
         self._memory = DecisionMemory(config.max_remembered_segments)
-        self._default = Plan(config.default_drafter, config.default_k, source="local_default")
+        self._default = Plan(config.default_drafter, config.default_k, origin=Origin("local_default"))
         self._buffer = ReportBuffer(config.max_buffered_aggregates, config.max_aggregates_per_report)
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.ControllerStub | None = None

@@ -309,7 +309,7 @@ class WorkerService:
             span.end()
             raise
         self._observe_decision(segment, plan)
-        span.set_attributes({**plan_attributes(plan, segment), "specd.fallback_used": plan.fallback is not None})
+        span.set_attributes({**plan_attributes(plan, segment), "specd.fallback_used": plan.origin.fallback is not None})
         return InFlight(spec, segment, repetition, plan, started, span, span_ctx, received=received)
 
     def _submit(self, request: InFlight, put: Callable[[str, Any], None]) -> Job:
@@ -416,14 +416,14 @@ class WorkerService:
             plan = await asyncio.get_running_loop().run_in_executor(None, context.run, call)
         # The controller call as the client timed it (the deadline applies to it), and the whole wait,
         # which adds the hop to a thread and back (it grows when the CPU is saturated).
-        self.metrics.decide_seconds.observe(plan.latency_s)
+        self.metrics.decide_seconds.observe(plan.origin.latency_s)
         self.metrics.decision_wait_seconds.observe(time.perf_counter() - started)
         return plan
 
     def _observe_decision(self, segment: str, plan: Plan) -> None:
-        self.metrics.decisions.labels(segment, plan.drafter, plan.reason, plan.source).inc()
-        if plan.fallback is not None:
-            self.metrics.fallbacks.labels(plan.fallback).inc()
+        self.metrics.decisions.labels(segment, plan.drafter, plan.reason, plan.origin.source).inc()
+        if plan.origin.fallback is not None:
+            self.metrics.fallbacks.labels(plan.origin.fallback).inc()
 
     def _finish(self, request: InFlight, outcome: JobOutcome) -> dict[str, Any]:
         """Step 3: metrics, the report to the controller, the spans; returns the response's ``specd`` block."""
@@ -595,9 +595,9 @@ def response_info(segment: str, plan: Plan, batch_size: int, stats: RequestStats
         "drafter": plan.drafter,
         "k": plan.k,
         "decision_reason": plan.reason,
-        "decision_source": plan.source,
-        "fallback": plan.fallback,
-        "decide_ms": round(plan.latency_s * 1000, 3),
+        "decision_source": plan.origin.source,
+        "fallback": plan.origin.fallback,
+        "decide_ms": round(plan.origin.latency_s * 1000, 3),
         "exploration": plan.exploration,
         "expected_speedup": round(plan.expected_speedup, 4),
         "batch_size": batch_size,
@@ -630,6 +630,6 @@ def span_attributes(segment: str, plan: Plan, info: dict[str, Any], status: str)
         "specd.alpha": alpha if alpha is not None else -1.0,
         "specd.tokens_per_second": info.get("tokens_per_second", 0.0),
         "specd.batch_size": info["batch_size"],
-        "specd.fallback_used": plan.fallback is not None,
+        "specd.fallback_used": plan.origin.fallback is not None,
         "specd.status": status,
     }

@@ -338,7 +338,7 @@ def report(client: ControllerClient) -> None:
 def test_the_client_decides_and_reports_with_the_right_credentials(secured, pki, tokens):
     with client_for(secured, credentials(pki, token=tokens.write)) as client:
         assert client.wait_until_ready(TIMEOUT)
-        assert decide(client).source == "controller"
+        assert decide(client).origin.source == "controller"
         report(client)
         wait_until(lambda: client.stats().reports_sent == 1, what="report acknowledged")
         assert client.stats().aggregates_dropped == 0
@@ -348,7 +348,7 @@ def test_a_refused_client_decides_locally_and_says_so_once(secured, pki, tokens,
     caplog.set_level(logging.INFO, logger="specd.controller.client")
     with client_for(secured, credentials(pki, token=tokens.wrong)) as client:
         plans = [decide(client) for _ in range(20)]
-        assert {(p.source, p.fallback) for p in plans} == {("local_default", "error")}
+        assert {(p.origin.source, p.origin.fallback) for p in plans} == {("local_default", "error")}
         assert client.stats().fallbacks == {"error": 20}
         refused = [r for r in caplog.records if "refused this worker's credentials for Decide" in r.getMessage()]
         assert len(refused) == 1 and refused[0].levelno == logging.ERROR
@@ -359,7 +359,7 @@ def test_a_refused_client_decides_locally_and_says_so_once(secured, pki, tokens,
 def test_reports_refused_for_the_read_token_stay_buffered_and_are_logged_once(secured, pki, tokens, caplog):
     caplog.set_level(logging.INFO, logger="specd.controller.client")
     with client_for(secured, credentials(pki, token=tokens.read)) as client:
-        assert decide(client).source == "controller"  # the read token decides
+        assert decide(client).origin.source == "controller"  # the read token decides
         report(client)
         wait_until(lambda: client.stats().send_failures >= 3, what="three refused sends")
         stats = client.stats()
@@ -378,11 +378,11 @@ def test_a_refusal_after_an_outage_is_still_logged(tmp_path, embedded_redis_url,
     creds = ControllerCredentials(token=Secret(file=tokens.wrong))
     config = ClientConfig(address=f"127.0.0.1:{port}", worker_id="t", decide_deadline_ms=2000.0, credentials=creds)
     with ControllerClient(config) as client:
-        assert decide(client).fallback == "unavailable"
+        assert decide(client).origin.fallback == "unavailable"
         auth = TokenAuth(write_token=Secret(file=tokens.write))
         with running(tmp_path, embedded_redis_url, listen=f"127.0.0.1:{port}", auth=auth):
             assert client.wait_until_ready(TIMEOUT)
-            assert decide(client).fallback == "error"
+            assert decide(client).origin.fallback == "error"
     lines = [r.getMessage() for r in caplog.records if "controller at" in r.getMessage()]
     assert len(lines) == 2 and "did not answer" in lines[0] and "refused this worker's credentials" in lines[1], lines
 
@@ -390,7 +390,7 @@ def test_a_refusal_after_an_outage_is_still_logged(tmp_path, embedded_redis_url,
 def test_a_client_that_does_not_trust_the_server_falls_back(tls_only, pki):
     with client_for(tls_only, credentials(pki, ca=pki.other_ca, client=None)) as client:
         plan = decide(client)
-    assert plan.source == "local_default" and plan.fallback == "unavailable"
+    assert plan.origin.source == "local_default" and plan.origin.fallback == "unavailable"
 
 
 # --- the CLI -------------------------------------------------------------------------------------------------

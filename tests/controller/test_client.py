@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanKind
 import controller.server as server_module
 from controller.config import ControllerConfig
 from specd_api.checks import check_aggregate
-from specd_api.plan import Plan
+from specd_api.plan import Origin, Plan
 from specd_api.position_tally import PositionTally
 from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
@@ -307,7 +307,7 @@ def test_self_repetition(prompt, n, expected):
 
 # --- fallbacks ---------------------------------------------------------------------------------------
 
-LAST = Plan("prompt_lookup", 6, "best_expected_speedup", "v1", expected_speedup=1.8, latency_s=0.001)
+LAST = Plan("prompt_lookup", 6, "best_expected_speedup", "v1", expected_speedup=1.8, origin=Origin(latency_s=0.001))
 
 
 def test_decision_memory_forgets_the_least_recently_used():
@@ -502,8 +502,8 @@ def test_decide_returns_the_controllers_decision(daemon, segment, batch_size, ex
     with started(config(daemon.address, decide_deadline_ms=1000)) as client:
         outcome = client.decide(RequestFeatures(segment=segment, **{**DECIDE_ARGS, "batch_size": batch_size}))
     assert (outcome.drafter, outcome.k, outcome.reason) == expected
-    assert (outcome.source, outcome.fallback, outcome.policy_version) == ("controller", None, version)
-    assert 0 < outcome.latency_s < 1.0
+    assert (outcome.origin.source, outcome.origin.fallback, outcome.policy_version) == ("controller", None, version)
+    assert 0 < outcome.origin.latency_s < 1.0
 
 
 def test_decide_never_raises(daemon):
@@ -514,9 +514,9 @@ def test_decide_never_raises(daemon):
         unbuildable = client.decide(RequestFeatures(segment="chat", **{**DECIDE_ARGS, "prompt_tokens": 2**40}))
         stats = client.stats()
     not_started = ControllerClient(config(daemon.address)).decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
-    assert (refused.fallback, refused.source) == ("error", "local_default")
-    assert (unbuildable.fallback, unbuildable.source) == ("error", "local_default")
-    assert (not_started.fallback, not_started.source) == ("unavailable", "local_default")
+    assert (refused.origin.fallback, refused.origin.source) == ("error", "local_default")
+    assert (unbuildable.origin.fallback, unbuildable.origin.source) == ("error", "local_default")
+    assert (not_started.origin.fallback, not_started.origin.source) == ("unavailable", "local_default")
     assert (stats.decisions, stats.fallbacks) == (2, {"error": 2})
 
 
@@ -541,9 +541,9 @@ def test_killed_controller_falls_back_within_the_deadline(tmp_path, embedded_red
             assert client.wait_until_ready(60), "the controller did not start"
             for _ in range(200):  # a cold controller may miss the 5 ms deadline on its first decisions
                 seen = client.decide(RequestFeatures(segment="seen", **DECIDE_ARGS))
-                if seen.source == "controller":
+                if seen.origin.source == "controller":
                     break
-            assert seen.source == "controller", seen
+            assert seen.origin.source == "controller", seen
             process.send_signal(signal.SIGKILL)
             process.wait(timeout=10)
 
@@ -559,10 +559,10 @@ def test_killed_controller_falls_back_within_the_deadline(tmp_path, embedded_red
     p50, p99 = p(latencies, 0.5) * 1e3, p(latencies, 0.99) * 1e3
     print(f"fallback latency, controller killed: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
     assert p99 < LATENCY_BOUND_S * 1e3
-    assert all(o.fallback in ("unavailable", "timeout") for o in outcomes)
+    assert all(o.origin.fallback in ("unavailable", "timeout") for o in outcomes)
     # the seen segment keeps its last decision; the unseen one gets the local default ("none")
-    assert {(o.drafter, o.k, o.source) for o in outcomes[1::2]} == {(seen.drafter, seen.k, "last_decision")}
-    assert {(o.drafter, o.k, o.source) for o in outcomes[0::2]} == {("none", 0, "local_default")}
+    assert {(o.drafter, o.k, o.origin.source) for o in outcomes[1::2]} == {(seen.drafter, seen.k, "last_decision")}
+    assert {(o.drafter, o.k, o.origin.source) for o in outcomes[0::2]} == {("none", 0, "local_default")}
     assert stats.fallbacks.get("unavailable", 0) + stats.fallbacks.get("timeout", 0) >= 60
 
 
@@ -576,7 +576,7 @@ def test_slow_controller_is_a_timeout_within_the_deadline():
             outcomes.append(client.decide(RequestFeatures(segment="chat", **DECIDE_ARGS)))
             latencies.append(time.perf_counter() - start)
     print(f"timeout fallback latency: p50 {p(latencies, 0.5) * 1e3:.2f} ms, max {max(latencies) * 1e3:.2f} ms")
-    assert {(o.fallback, o.source) for o in outcomes} == {("timeout", "local_default")}
+    assert {(o.origin.fallback, o.origin.source) for o in outcomes} == {("timeout", "local_default")}
     assert min(latencies) >= DEADLINE_MS / 1000 * 0.9  # it did wait for the deadline ...
     assert p(latencies, 0.99) < LATENCY_BOUND_S  # ... and not much longer
 
@@ -585,7 +585,7 @@ def test_never_reachable_controller_gives_local_defaults():
     with started(config(f"127.0.0.1:{free_port()}", default_drafter="prompt_lookup", default_k=5)) as c:
         outcome = c.decide(RequestFeatures(segment="chat", **DECIDE_ARGS))
     assert (outcome.drafter, outcome.k, outcome.reason) == ("prompt_lookup", 5, "local_default")
-    assert (outcome.fallback, outcome.source, outcome.stale) == ("unavailable", "local_default", True)
+    assert (outcome.origin.fallback, outcome.origin.source, outcome.stale) == ("unavailable", "local_default", True)
 
 
 # --- reports ---------------------------------------------------------------------------------------------

@@ -165,31 +165,31 @@ def test_local_decisions_equal_decide_and_follow_new_segments(embedded_redis_url
             wait_for(lambda: reporter.stats().buffered == 0 and reporter.stats().aggregates_sent > 0, "the report")
         with started(client_config(daemon.address)) as client:
             wait_for(
-                lambda: client.decide(features("tab-code", 1)).source == "table",
+                lambda: client.decide(features("tab-code", 1)).origin.source == "table",
                 "the tables",
             )
             for batch_size in (1, 2, 3, 4, 5, 8, 9, 16):
                 local = client.decide(features("tab-code", batch_size))
-                assert local.source == "table", batch_size
+                assert local.origin.source == "table", batch_size
                 assert same_plan(local, rpc_decide(daemon.address, "tab-code", batch_size)), batch_size
             assert client.decide(features("tab-code", 1)).speculates
             assert client.decide(features("tab-code", 9)).reason == BATCH_RULE_REASON
 
             # what the table cannot say goes to Decide
-            assert client.decide(features("tab-unseen", 1)).source == "controller"
-            assert client.decide(features("tab-young", 1)).source == "controller"
+            assert client.decide(features("tab-unseen", 1)).origin.source == "controller"
+            assert client.decide(features("tab-young", 1)).origin.source == "controller"
             short = client.decide(features("tab-code", 1, max_new_tokens=8))
-            assert short.source == "controller" and short.k <= 7
+            assert short.origin.source == "controller" and short.k <= 7
             other = client.decide(features("tab-code", 1, drafters=["prompt_lookup"]))
-            assert other.source == "controller" and other.drafter != "draft"
+            assert other.origin.source == "controller" and other.drafter != "draft"
 
             # a sampled request is its segment's sampled traffic, learned apart: the greedy table does not answer it
             sampled = client.decide(features("tab-code", 1, temperature=0.9))
-            assert sampled.source == "controller" and sampled.segment == "tab-code#sampled"
+            assert sampled.origin.source == "controller" and sampled.segment == "tab-code#sampled"
             for _ in range(12):
                 client.report(segment="tab-code", rounds=[draft(4, 4, 1), draft(4, 4, 0)],
                               **{**REPORT_ARGS, "temperature": 0.9})  # fmt: skip
-            wait_for(lambda: client.decide(features("tab-code", 1, temperature=0.9)).source == "table",
+            wait_for(lambda: client.decide(features("tab-code", 1, temperature=0.9)).origin.source == "table",
                      "the sampled table")  # fmt: skip
             sampled = client.decide(features("tab-code", 1, temperature=0.9))
             assert sampled.segment == "tab-code#sampled"
@@ -198,7 +198,7 @@ def test_local_decisions_equal_decide_and_follow_new_segments(embedded_redis_url
             # a segment learned after the stream opened arrives in a later (partial) message
             teach(client, "tab-later")
             wait_for(
-                lambda: client.decide(features("tab-later", 1)).source == "table",
+                lambda: client.decide(features("tab-later", 1)).origin.source == "table",
                 "the new segment",
             )
             stats = client.stats()
@@ -218,7 +218,7 @@ def test_tables_go_quiet_when_the_controller_stops_and_come_back_with_it(embedde
     with started(client_config(address)) as client:
         with running(daemon_config(embedded_redis_url, tmp_path, prefix, port=port)):
             wait_for(
-                lambda: client.decide(features("tab-restart", 1)).source == "table",
+                lambda: client.decide(features("tab-restart", 1)).origin.source == "table",
                 "the tables",
             )
             learned = client.decide(features("tab-restart", 1))
@@ -226,10 +226,10 @@ def test_tables_go_quiet_when_the_controller_stops_and_come_back_with_it(embedde
         # longer used, and decisions fall back to the segment's last plan (which the tables gave)
         time.sleep(3 * HEARTBEAT_PERIODS * 0.1 + 0.2)
         fallback = client.decide(features("tab-restart", 1))
-        assert fallback.source == "last_decision" and fallback.drafter == learned.drafter
+        assert fallback.origin.source == "last_decision" and fallback.drafter == learned.drafter
         with running(daemon_config(embedded_redis_url, tmp_path, prefix, port=port)):
             wait_for(
-                lambda: client.decide(features("tab-restart", 1)).source == "table",
+                lambda: client.decide(features("tab-restart", 1)).origin.source == "table",
                 "reconnection",
             )
 
@@ -251,7 +251,7 @@ def test_probes_come_from_the_table_at_the_controllers_rate(embedded_redis_url, 
         shares = [p.probability for p in table.buckets[0].probes]
         with started(client_config(daemon.address)) as client:
             wait_for(
-                lambda: client.decide(features("tab-probe", 1)).source == "table",
+                lambda: client.decide(features("tab-probe", 1)).origin.source == "table",
                 "the tables",
             )
             # Every refresh (0.1 s here) brings a table with a new 64-draw estimate of the share: compare the
@@ -265,7 +265,7 @@ def test_probes_come_from_the_table_at_the_controllers_rate(embedded_redis_url, 
                     break
             else:
                 pytest.fail("every run of draws straddled a table refresh")
-        assert all(p.source == "table" for p in plans)
+        assert all(p.origin.source == "table" for p in plans)
         local = sum(p.exploration for p in plans) / n
         entry = used["tab-probe"].buckets[1]
         ((_, drawn_at),) = entry.probes

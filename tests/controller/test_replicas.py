@@ -166,7 +166,7 @@ def drive(client: ControllerClient, segment: str, stop: threading.Event, outcome
     requests = 0
     while not stop.is_set():
         plan = client.decide(RequestFeatures(segment=segment, **DECIDE_ARGS))
-        outcomes.append(Outcome(time.monotonic(), plan.source, plan.fallback))
+        outcomes.append(Outcome(time.monotonic(), plan.origin.source, plan.origin.fallback))
         client.report(segment=segment, rounds=REQUEST_ROUNDS, **REPORT_ARGS)
         requests += 1
         stop.wait(PERIOD_S)
@@ -301,7 +301,7 @@ def test_tls_replicas_are_checked_against_the_configured_name(tmp_path):
     finally:
         for server in servers:
             server.stop(None).wait()
-    assert {(p.source, p.drafter, p.k) for p in plans} == {("controller", "draft", 4)}
+    assert {(p.origin.source, p.drafter, p.k) for p in plans} == {("controller", "draft", 4)}
     assert [len(fake.decide_metadata) for fake in fakes] == [10, 10]  # round_robin: every other call
     with pytest.raises(ValueError, match=r"tls\.server_name"):
         ClientConfig(
@@ -332,7 +332,7 @@ def test_the_decision_tables_stream_moves_to_the_surviving_replica(tmp_path, emb
         with ControllerClient(config) as client:
 
             def local() -> bool:
-                return client.decide(RequestFeatures(segment="watched", **DECIDE_ARGS)).source == "table"
+                return client.decide(RequestFeatures(segment="watched", **DECIDE_ARGS)).origin.source == "table"
 
             assert wait_until(local, timeout=15), "no local decision from the tables"
             assert wait_until(lambda: sum(streams_opened(tmp_path, f"replica{i}") for i in (0, 1)) == 1)
@@ -349,7 +349,7 @@ def test_the_decision_tables_stream_moves_to_the_surviving_replica(tmp_path, emb
                 assert time.monotonic() - killed < 10, "the stream did not open on the surviving replica"
                 time.sleep(0.01)
             assert wait_until(local, timeout=5), "the tables did not come back from the surviving replica"
-    sources = Counter(p.source for p in plans)
+    sources = Counter(p.origin.source for p in plans)
     print(f"\nstream moved from replica{holder} to {survivor} within {moved:.2f} s; decisions meanwhile: {sources}")
-    assert all(p.source in ("table", "controller", "last_decision") for p in plans), sources
+    assert all(p.origin.source in ("table", "controller", "last_decision") for p in plans), sources
     assert sources["table"] > 0

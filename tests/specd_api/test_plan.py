@@ -10,6 +10,7 @@ from specd_api.plan import (
     BATCH_RULE_REASON,
     LOCAL_DEFAULT_REASON,
     REQUEST_REASON,
+    Origin,
     Plan,
     batch_bucket,
     fallback_plan,
@@ -40,7 +41,7 @@ def test_batch_buckets_are_named_by_their_top(batch, bucket):
 
 
 LAST = Plan("draft", 6, "best_expected_speedup", "v1", acceptance=(0.9,) * 6, verify_cost=CPU_V[:7])
-DEFAULT = Plan("prompt_lookup", 4, source="local_default")
+DEFAULT = Plan("prompt_lookup", 4, origin=Origin("local_default"))
 
 
 @pytest.mark.parametrize(
@@ -64,10 +65,10 @@ DEFAULT = Plan("prompt_lookup", 4, source="local_default")
 )  # fmt: skip
 def test_fallbacks(last, offered, batch, expected, why):
     plan = fallback_plan(last, DEFAULT, offered, batch, 8, "timeout", 0.004)
-    assert (plan.drafter, plan.k, plan.reason, plan.source) == expected, why
+    assert (plan.drafter, plan.k, plan.reason, plan.origin.source) == expected, why
     own = last.max_batch_size if last is not None else None
     assert plan.max_batch_size == (8 if own is None else own), "a fallback carries the threshold it was chosen under"
-    assert plan.stale and plan.fallback == "timeout" and plan.latency_s == 0.004 and not plan.exploration
+    assert plan.stale and plan.origin.fallback == "timeout" and plan.origin.latency_s == 0.004 and not plan.exploration
 
 
 def test_a_fallback_keeps_the_last_plans_estimates():
@@ -87,7 +88,7 @@ def test_the_local_plan_without_a_controller():
     [(LAST, True, "the controller's learned plan"),
      (Plan("draft", 8, "exploration", exploration=True), False, "a probe"),
      (Plan("none", 0, BATCH_RULE_REASON), False, "about the batch, not the segment"),
-     (Plan("draft", 4, source="last_decision"), False, "a fallback is not news")],
+     (Plan("draft", 4, origin=Origin("last_decision")), False, "a fallback is not news")],
 )  # fmt: skip
 def test_worth_remembering(plan, worth, why):
     assert worth_remembering(plan) is worth, why
@@ -120,7 +121,7 @@ def test_the_batch_threshold_is_resolved_once_when_the_worker_takes_the_plan(car
 
 
 def test_a_callers_own_plan():
-    assert requested("draft", 4) == Plan("draft", 4, REQUEST_REASON, source="request")
+    assert requested("draft", 4) == Plan("draft", 4, REQUEST_REASON, origin=Origin("request"))
     assert requested("none", 3).k == 0, "no speculation has no K"
     assert requested("draft", 8, [1, 8]).k_schedule == (1, 8)
 
@@ -131,7 +132,7 @@ def test_the_plan_survives_the_wire(max_batch_size):
                 8.0, 0.12, (1.0, 1.2, 1.3), 4, (("prompt_lookup", 10), ("suffix", 16)),
                 max_batch_size=max_batch_size)  # fmt: skip
     back = Plan.from_proto(plan.to_proto(), latency_s=0.002)
-    assert back == Plan(**{**plan.__dict__, "latency_s": 0.002})
+    assert back == Plan(**{**plan.__dict__, "origin": Origin(latency_s=0.002)})
 
 
 def test_the_drafters_to_score_reach_the_worker():
