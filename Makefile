@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck unit bench mutants protos wheel clean
+.PHONY: setup demo test lint typecheck unit bench mutants protos wheel clean llama-server
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
+unit: setup llama-server
 	$(BIN)/pytest -q
+
+# llama.cpp's server, built from the llama-cpp-python source distribution (minutes the first time; cached under
+# ~/.cache/specd): the tests run the shipped pair through it.
+llama-server: setup
+	$(BIN)/specd llama-server-build
 
 test: lint typecheck unit
 

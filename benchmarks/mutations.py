@@ -1761,6 +1761,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/specd_api/test_plan.py",),
         "a fallback to the segment's last plan is checked against the worker's threshold, not the plan's own",
     ),
+    Mutation(
+        "gguf-keys-in-halves",
+        "specd/llama/gguf_export.py",
+        'pairs_interleaved(read(f"{hf}.self_attn.k_proj.weight"), shape.kv_heads)',
+        'read(f"{hf}.self_attn.k_proj.weight")',
+        ("tests/llama/test_gguf_parity.py",),
+        "the key projection exported in transformers' rotary layout: llama.cpp rotates the wrong pairs",
+    ),
+    Mutation(
+        "gguf-merges-out-of-order",
+        "specd/llama/gguf_export.py",
+        'merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]',
+        'merges = sorted(m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or [])',
+        ("tests/llama/test_gguf_parity.py",),
+        "the BPE merges exported out of their rank order: llama.cpp merges in another order than transformers",
+    ),
 )
 
 

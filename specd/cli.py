@@ -33,6 +33,7 @@ PROJECT_PACKAGES = frozenset(
     {"specd", "specd_api", "specd_client", "decoder", "controller", "workloads", "refmodels", "distill"}
 )
 DEMO_EXTRA_MODULES = frozenset({"rich", "matplotlib", "httpx"})  # pyproject's demo extra; the rest is worker's
+LLAMA_EXTRA_MODULES = frozenset({"gguf"})  # pyproject's llama extra
 
 
 def extra_for(error: ModuleNotFoundError) -> str | None:
@@ -41,6 +42,8 @@ def extra_for(error: ModuleNotFoundError) -> str | None:
     top = (error.name or "").partition(".")[0]
     if not top or top in PROJECT_PACKAGES:
         return None
+    if top in LLAMA_EXTRA_MODULES:
+        return "llama"
     return "demo" if top in DEMO_EXTRA_MODULES else "worker"
 
 
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     from decoder import generate_cli, tiny
     from decoder.worker import cli as worker_cli
     from distill import cli as distill_cli
+    from specd.llama import cli as llama_cli
 
     parser = OneLineParser(prog="specd", description="Adaptive speculative decoding.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
@@ -64,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     controller_cli.add_parsers(commands)
     distill_cli.add_parser(commands)
     worker_cli.add_parser(commands)
+    llama_cli.add_parsers(commands)
     add_extra_parser(commands, "demo", "the demo")
     add_extra_parser(commands, "bench", "the benchmark")
     tiny_parser = commands.add_parser(

@@ -1,0 +1,47 @@
+"""`specd export-gguf` (a model folder, or the shipped reference pair, as GGUF files llama.cpp loads) and
+`specd llama-server-build` (llama.cpp's server built from source, cached: ``specd.llama.build``). Light on purpose:
+numpy, safetensors and gguf are imported only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+REFERENCE = Path("models/reference")
+
+
+def add_parsers(commands: Any) -> None:
+    p = commands.add_parser("export-gguf", help="write Llama-family models as GGUF files (default: the shipped pair)")
+    p.add_argument(
+        "--model", type=Path, action="append", metavar="PATH",
+        help="a Hugging Face model folder (repeatable; default: models/reference/target and draft)",
+    )  # fmt: skip
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="DIR",
+        help="where the .gguf files go (default: $SPECD_CACHE or ~/.cache/specd, under gguf/)",
+    )  # fmt: skip
+    p.set_defaults(handler=export_gguf)
+    b = commands.add_parser("llama-server-build", help="build llama.cpp's llama-server from its source (cached)")
+    b.add_argument("--jobs", type=int, default=None, metavar="N", help="parallel compile jobs (default: cores)")
+    b.add_argument("--force", action="store_true", help="build even when the cache holds the binary")
+    b.set_defaults(handler=build_server)
+
+
+def export_gguf(args: argparse.Namespace) -> int:
+    from specd.llama.build import cache_root
+    from specd.llama.gguf_export import export
+
+    models = args.model or [REFERENCE / "target", REFERENCE / "draft"]
+    out = args.out or cache_root() / "gguf"
+    for folder in models:
+        name = folder.resolve().name if folder.parent.resolve() != REFERENCE.resolve() else f"reference-{folder.name}"
+        print(export(folder, out / f"{name}.gguf", name))
+    return 0
+
+
+def build_server(args: argparse.Namespace) -> int:
+    from specd.llama.build import build
+
+    print(build(jobs=args.jobs, force=args.force))
+    return 0
