@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -41,41 +37,7 @@ ENDPOINTS: dict[str, tuple[str, ...]] = {
         "8",
     ),
 }
-COMMON = ("--host", "127.0.0.1", "-t", "2", "-c", "1024", "-np", "1", "--no-webui", "-ctk", "f32", "-ctv", "f32")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def server(binary: Path, target: Path, args: tuple[str, ...], log: Path) -> Iterator[str]:
-    import httpx
-
-    port = free_port()
-    with log.open("w") as out:
-        process = subprocess.Popen([str(binary), "-m", str(target), "--port", str(port), *COMMON, *args],
-                                   stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"llama-server exited {process.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("llama-server did not start in 60 s")
-            time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(10)
+FLOAT32_CACHE = ("-ctk", "f32", "-ctv", "f32")
 
 
 def complete(url: str, ids: list[int], tokens: int) -> dict[str, Any]:
@@ -99,6 +61,7 @@ def measure(per_workload: int, tokens: int) -> dict[str, Any]:
 
     from specd.llama.build import built
     from specd.llama.gguf_export import export
+    from specd.llama.server import running
     from workloads import load_all
 
     binary = built()
@@ -115,8 +78,11 @@ def measure(per_workload: int, tokens: int) -> dict[str, Any]:
     with ExitStack() as stack:
         urls = {
             name: stack.enter_context(
-                server(
-                    binary, target, tuple(a.format(draft=draft) for a in args), folder / f"{name.replace(':', '-')}.log"
+                running(
+                    binary,
+                    target,
+                    (*FLOAT32_CACHE, *(a.format(draft=draft) for a in args)),
+                    log=folder / f"{name.replace(':', '-')}.log",
                 )
             )
             for name, args in ENDPOINTS.items()

@@ -102,3 +102,13 @@ def test_greedy_output_agrees_with_transformers_in_float32(target_server, tokeni
 # rotary layout, tokenizer) parts at once and where the choice is clear.
 MAX_PARTED = 0.25
 NEAR_TIE = 0.05  # logits: the engines' sums differ by ~1e-5 relative; a clear choice is a margin of 0.5 and more
+
+
+def test_a_server_that_cannot_start_is_reported_with_its_log(server_binary, tmp_path):
+    from specd.llama.server import ServerFailed, running
+
+    with (
+        pytest.raises(ServerFailed, match="exited"),
+        running(server_binary, tmp_path / "missing.gguf", log=tmp_path / "log"),
+    ):
+        pass
