@@ -1762,6 +1762,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a fallback to the segment's last plan is checked against the worker's threshold, not the plan's own",
     ),
     Mutation(
+        "residual-left-out-of-the-epilogue",
+        "decoder/runners/row_kernels.py",
+        "        out = round_to(r.to(tl.float32) + out.to(tl.float32), y_ptr.dtype.element_ty)",
+        "        out = round_to(out.to(tl.float32), y_ptr.dtype.element_ty)",
+        ("tests/decoder/test_row_kernels.py",),
+        "the fused residual add loses the residual: a layer's output is its projection alone",
+    ),
+    Mutation(
         "gguf-keys-in-halves",
         "specd/llama/gguf_export.py",
         'pairs_interleaved(read(f"{hf}.self_attn.k_proj.weight"), shape.kv_heads)',

@@ -430,7 +430,7 @@ def row_self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks
 
 def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
     """The Triton form of a layer's row-wise reductions (decoder/runners/row_kernels.py), over all rows at once: q, k
-    and v in one launch, gate and up in one."""
+    and v in one launch, gate and up in one, each residual add in its projection's launch."""
     from decoder.runners.row_kernels import linear, linear_group, rms_norm
 
     def linears(modules: Sequence[Any], x: torch.Tensor) -> list[torch.Tensor]:
@@ -441,4 +441,5 @@ def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
         norm=lambda module, x: rms_norm(x, module.weight, module.variance_epsilon),
         linear=lambda module, x: linear(x, module.weight, module.bias, blocks),
         linears=linears,
+        onto=lambda module, x, residual: linear(x, module.weight, module.bias, blocks, residual),
     )

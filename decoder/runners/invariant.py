@@ -65,6 +65,10 @@ def _modules(modules: Sequence[Any], x: torch.Tensor) -> list[torch.Tensor]:
     return [module(x) for module in modules]
 
 
+def _module_onto(module: Any, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return residual + module(x)
+
+
 @dataclass(frozen=True)
 class RowOps:
     """How a layer's row-wise reductions run, given the model's module and its input rows: the module itself (the
@@ -74,6 +78,7 @@ class RowOps:
     norm: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an RMSNorm module
     linear: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an nn.Linear
     linears: Callable[[Sequence[Any], torch.Tensor], list[torch.Tensor]] = _modules  # nn.Linears reading the same rows
+    onto: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] = _module_onto  # residual + an nn.Linear's output
 
 
 MODULES = RowOps()
@@ -102,10 +107,10 @@ def project_qkv(
 def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor, ops: RowOps = MODULES) -> torch.Tensor:
     """The attention's output projection and the MLP (transformers' LlamaMLP: down(act(gate(h)) * up(h))), residuals
     included. # x: [n, hidden] -> [n, hidden]"""
-    h = x + ops.linear(layer.self_attn.o_proj, attended)
+    h = ops.onto(layer.self_attn.o_proj, attended, x)
     mlp = layer.mlp
     gate, up = ops.linears((mlp.gate_proj, mlp.up_proj), ops.norm(layer.post_attention_layernorm, h))
-    return h + ops.linear(mlp.down_proj, mlp.act_fn(gate) * up)
+    return ops.onto(mlp.down_proj, mlp.act_fn(gate) * up, h)
 
 
 def attend_one_by_one(

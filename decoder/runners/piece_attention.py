@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from decoder.runners.row_kernels import round_to
+from decoder.runners.row_kernels import dot_f32, round_to
 
 BLOCK_N = 64  # positions per block within a piece (a piece is a whole number of blocks)
 
@@ -85,6 +85,7 @@ def _piece_kernel(
     PIECE_SIZE: tl.constexpr,
     BLOCK_POS: tl.constexpr,
     QK_LOW: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     """One piece of one sequence's positions for one key-value head: partial maximum, sum and weighted values."""
     b = tl.program_id(0)
@@ -116,10 +117,10 @@ def _piece_kernel(
             mask=in_range[None, :] & d_ok[:, None],
             other=0.0,
         )  # [D, N]
-        if QK_LOW:
+        if QK_LOW:  # noqa: SIM108 (a branch on a constexpr, resolved when the kernel compiles)
             scores = tl.dot(q, keys_t, out_dtype=tl.float32)
         else:
-            scores = tl.dot(q, keys_t.to(tl.float32), input_precision="ieee")
+            scores = dot_f32(q, keys_t, ORDERED)
         scores = scores * scaling
         visible = (pos[None, :] <= query_pos[:, None]) & in_range[None, :]
         scores = tl.where(visible, scores, float("-inf"))  # [M, N]
@@ -133,7 +134,7 @@ def _piece_kernel(
             other=0.0,
         ).to(tl.float32)  # [N, D]
         l_i = l_i * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+        acc = acc * rescale[:, None] + dot_f32(weights, values, ORDERED)
         m_i = m_new
 
     part = (b * KV + h) * pieces_per_sequence + piece
@@ -252,6 +253,7 @@ def attend_pieces(
         PIECE_SIZE=piece,
         BLOCK_POS=block_n,
         QK_LOW=qk_low,
+        ORDERED=not q.is_cuda,
     )
     _fold_kernel[(batch, kv)](
         positions,

@@ -18,12 +18,14 @@ The rule: a row's result is summed in an order fixed by the weights' shape alone
 - **``rope_and_store``**: a layer's rotary embedding and its KV cache write in one launch, each row at its own
   position and slot, with transformers' arithmetic and roundings (bit for bit its apply_rotary_pos_emb).
 
-Other elementwise steps (SiLU x mul, residual adds) need no kernel of their own: an element's result does not depend
-on the others, so PyTorch's kernels run them over all rows at once.
+A residual add runs in the epilogue of the product before it (``residual``: the attention's output projection and
+the MLP's down projection), rounded as PyTorch rounds the add. SiLU x mul needs no kernel of its own: an element's
+result does not depend on the others, so PyTorch's kernels run it over all rows at once.
 
 Arithmetic: a bfloat16 or float16 model on a GPU takes the products on the tensor cores in
 that dtype with float32 accumulation (each product is exact in float32); elsewhere in float32 (IEEE, not TF32).
-Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernels on a CPU for the tests, in float32.
+Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernels on a CPU for the tests, in float32, each dot
+summed k after k (``dot_f32``: numpy's matmul, the interpreter's own, sums a row by its place in the tile).
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
+def dot_f32(a, b, ORDERED: tl.constexpr):
+    """``a @ b`` in float32 (IEEE): each output its row's products summed over k. ``ORDERED`` (Triton's interpreter)
+    sums them k after k, the same for every row: the interpreter's own dot is numpy's matmul, and a BLAS may sum a
+    row differently by its place in the tile (OpenBLAS on AVX-512 does), which would make a row's bits depend on the
+    rows beside it. A GPU's dot sums each output in an order fixed by the shapes alone."""
+    if ORDERED:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,
     w0_ptr,
@@ -58,6 +72,7 @@ def _linear_kernel(
     b0_ptr,
     b1_ptr,
     b2_ptr,
+    r_ptr,
     y_ptr,
     rows,
     n0,
@@ -66,8 +81,11 @@ def _linear_kernel(
     n_in,
     stride_xr,
     stride_yr,
+    stride_rr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     LOW: tl.constexpr,
+    ORDERED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,12 +125,20 @@ def _linear_kernel(
         if LOW:
             acc = tl.dot(a, b, acc, out_dtype=tl.float32)
         else:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            acc += dot_f32(a, b, ORDERED)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = round_to(acc, y_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:  # residual + the product, rounded once more: PyTorch's add of the two in the model's dtype
+        r = tl.load(
+            r_ptr + offs_m[:, None].to(tl.int64) * stride_rr + first_col + offs_n[None, :],
+            mask=m_ok[:, None] & n_ok[None, :],
+            other=0.0,
+        )
+        out = round_to(r.to(tl.float32) + out.to(tl.float32), y_ptr.dtype.element_ty)
     tl.store(
         y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + first_col + offs_n[None, :],
-        round_to(acc, y_ptr.dtype.element_ty),
+        out,
         mask=m_ok[:, None] & n_ok[None, :],
     )
 
@@ -122,10 +148,13 @@ def linear_group(
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor | None],
     blocks: tuple[int, int, int] = DEFAULT_BLOCKS,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x W_i^T (+ b_i)`` for one to three weights over all rows in one launch, side by side, in ``x``'s dtype: each
     weight's outputs are the bits ``linear`` gives it alone. ``blocks``: (M, N, K), powers of two >= 16.
-    # x: [R, in]; weights: [out_i, in] each -> [R, sum of out_i]"""
+    ``residual`` (the output's shape and dtype): added to the output in the same launch, with PyTorch's rounding of
+    ``residual + product``.
+    # x: [R, in]; weights: [out_i, in] each; residual: [R, sum of out_i] -> [R, sum of out_i]"""
     if not 1 <= len(weights) <= 3 or len(biases) != len(weights) or len({b is None for b in biases}) != 1:
         raise ValueError(f"linear: 1 to 3 weights, all with a bias or none, got {len(weights)} and {len(biases)}")
     n_in = x.shape[-1]
@@ -142,6 +171,8 @@ def linear_group(
     w = [*weights, *unused]
     b = [bias if bias is not None else weights[0] for bias in biases] + unused
     y = torch.empty(rows, sum(sizes), dtype=x.dtype, device=x.device)
+    if residual is not None and (residual.shape != y.shape or residual.dtype != y.dtype or residual.stride(1) != 1):
+        raise ValueError(f"linear: a residual {tuple(residual.shape)} must be the output's {tuple(y.shape)}, its dtype")
     low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(v.dtype == x.dtype for v in weights)
     block_m, block_n, block_k = blocks
     grid = (triton.cdiv(rows, block_m) * sum(triton.cdiv(n, block_n) for n in sizes),)
@@ -149,14 +180,18 @@ def linear_group(
         x,
         *w,
         *b,
+        residual if residual is not None else y,
         y,
         rows,
         *sizes,
         n_in,
         x.stride(0),
         y.stride(0),
+        residual.stride(0) if residual is not None else 0,
         HAS_BIAS=biases[0] is not None,
+        HAS_RESIDUAL=residual is not None,
         LOW=low,
+        ORDERED=not x.is_cuda,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -169,10 +204,11 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     blocks: tuple[int, int, int] = DEFAULT_BLOCKS,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x W^T (+ b)`` over all rows in one launch (``linear_group`` of one weight).
-    # x: [R, in]; weight: [out, in] -> [R, out]"""
-    return linear_group(x, [weight], [bias], blocks)
+    """``x W^T (+ b) (+ residual)`` over all rows in one launch (``linear_group`` of one weight).
+    # x: [R, in]; weight: [out, in]; residual: [R, out] -> [R, out]"""
+    return linear_group(x, [weight], [bias], blocks, residual)
 
 
 @triton.jit

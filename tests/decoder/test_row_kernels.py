@@ -74,7 +74,21 @@ def test_a_rows_norm_is_the_same_bits_alone_and_among_rows():
     assert torch.equal(rms_norm(x, weight, 1e-6)[29], rms_norm(row, weight, 1e-6)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_residual_added_in_the_products_launch_is_pytorchs_add_bit_for_bit(dtype):
+    """The epilogue's add: the product rounded to the model's dtype, plus the residual, rounded again, as PyTorch's
+    ``residual + linear(x)`` rounds it (rows over partial tiles, a bias)."""
+    rows, n_in, n_out = 37, 100, 33
+    x, w = randn(rows, n_in, seed=11).to(dtype), randn(n_out, n_in, seed=12, scale=n_in**-0.5).to(dtype)
+    b, residual = randn(n_out, seed=13).to(dtype), randn(rows, n_out, seed=14, scale=4.0).to(dtype)
+    fused = linear(x, w, b, BLOCKS, residual)
+    assert fused.dtype == dtype
+    assert torch.equal(fused, residual + linear(x, w, b, BLOCKS))
+
+
 def test_what_they_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="residual"):
+        linear(randn(3, 8, seed=1), randn(5, 8, seed=2), None, BLOCKS, randn(3, 4, seed=3))
     with pytest.raises(ValueError, match="linear"):
         linear(randn(3, 8, seed=1), randn(5, 9, seed=2))
     with pytest.raises(ValueError, match="rms_norm"):
