@@ -31,7 +31,6 @@ from controller.decision.learner import Learner
 from controller.decision.policy import PolicyStore, load_policy
 from controller.service import ControllerServicer
 from controller.serving.auth import TokenCheck, Tokens, exposure_warnings, is_loopback, server_credentials
-from controller.serving.decoding import RefuseUndecodable
 from controller.serving.grpc_server import GrpcServer, InFlight, ServerClosed
 from controller.serving.health_streams import BoundedHealth
 from controller.serving.host_share import HostShares
@@ -42,6 +41,7 @@ from controller.serving.report_process import ReportProcess, StoreSpec
 from controller.serving.request_wait import RequestWait, WaitLimits
 from controller.serving.systemd import Notifier, WatchdogPinger
 from controller.serving.table_publisher import DecisionPublisher
+from controller.serving.unparsable import RefuseUndecodable
 from controller.storage.journal import Journal
 from controller.storage.redis_conn import RedisHandle, connect, redact
 from controller.storage.store import TelemetryStore

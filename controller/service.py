@@ -17,11 +17,11 @@ from controller.decision.core import Controller
 from controller.decision.learner import ReportOutcome
 from controller.pacing import URGENT
 from controller.serving import validation
-from controller.serving.decoding import undecodable
 from controller.serving.report_budget import ReportBudget, peer_host
 from controller.serving.report_head import METHOD, ReceivedReport
 from controller.serving.report_process import Invalid, ReportProcess, report_steps
 from controller.serving.table_publisher import DecisionPublisher, TooManyWatchers
+from controller.serving.unparsable import undecodable
 from controller.serving.views import cost_model, segment_stats
 from controller.storage.journal import JournalFull
 from specd_api.checks import MAX_AGGREGATES, count

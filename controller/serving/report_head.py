@@ -10,7 +10,7 @@ protobuf walks past the rest without building it: 0.19 ms for the same 1 MiB. Th
 (``ReceivedReport.data``), as does the daemon when the report stays with it (``ReceivedReport.message``).
 
 Bytes the head does not parse (a field cut short, a segment or report id that is not UTF-8) are refused by
-``serving/decoding.py`` as any request is; bytes whose head parses but whose whole message does not (a drafter
+``serving/unparsable.py`` as any request is; bytes whose head parses but whose whole message does not (a drafter
 name that is not UTF-8) are refused where the whole message is parsed, with the same INVALID_ARGUMENT words.
 """
 

@@ -45,8 +45,8 @@ import redis
 from google.protobuf.message import DecodeError
 
 from controller.decision.prior import train_prior
-from controller.serving.decoding import undecodable
 from controller.serving.report_head import METHOD
+from controller.serving.unparsable import undecodable
 from controller.serving.validation import report as validated_report
 from controller.storage.redis_conn import RedisTls, client_for
 from controller.storage.store import StoreConfig, TelemetryStore

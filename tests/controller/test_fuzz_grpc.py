@@ -235,7 +235,7 @@ def unparsable(method: str) -> list[tuple[str, bytes]]:
 )
 def test_bytes_that_do_not_parse_are_invalid_argument(channel, method: str, request_bytes: bytes):
     """gRPC answers a request that does not parse with INTERNAL (UNKNOWN on grpc.aio) unless the server parses it
-    itself; serving/decoding.py does, and maps it to INVALID_ARGUMENT."""
+    itself; serving/unparsable.py does, and maps it to INVALID_ARGUMENT."""
     assert call(channel, method, request_bytes, record=False) == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from controller.serving.auth import TokenCheck, Tokens
-from controller.serving.decoding import RefuseUndecodable
 from controller.serving.grpc_server import InFlight, PerMethod, ThreadedStreams
+from controller.serving.unparsable import RefuseUndecodable
 
 DECIDE = "/specd.v1.Controller/Decide"
 WATCH = "/specd.v1.Controller/WatchDecisions"
