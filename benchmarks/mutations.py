@@ -1770,6 +1770,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the fused residual add loses the residual: a layer's output is its projection alone",
     ),
     Mutation(
+        "gated-without-silu",
+        "decoder/runners/row_kernels.py",
+        "    silu = round_to(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32)",
+        "    silu = gate",
+        ("tests/decoder/test_row_kernels.py",),
+        "the fused MLP input multiplies the gate by up without its SiLU",
+    ),
+    Mutation(
         "gguf-keys-in-halves",
         "specd/llama/gguf_export.py",
         'pairs_interleaved(read(f"{hf}.self_attn.k_proj.weight"), shape.kv_heads)',

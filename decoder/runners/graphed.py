@@ -430,7 +430,7 @@ def row_self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks
 
 def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
     """The Triton form of a layer's row-wise reductions (decoder/runners/row_kernels.py), over all rows at once: q, k
-    and v in one launch, gate and up in one, each residual add in its projection's launch."""
+    and v in one launch, gate and up with SiLU x mul in one, each residual add in its projection's launch."""
     from decoder.runners.row_kernels import linear, linear_group, rms_norm
 
     def linears(modules: Sequence[Any], x: torch.Tensor) -> list[torch.Tensor]:
@@ -442,4 +442,24 @@ def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
         linear=lambda module, x: linear(x, module.weight, module.bias, blocks),
         linears=linears,
         onto=lambda module, x, residual: linear(x, module.weight, module.bias, blocks, residual),
+        gated=triton_gated(blocks),
     )
+
+
+def triton_gated(blocks: tuple[int, int, int]) -> Callable[[Any, torch.Tensor, RowOps], torch.Tensor]:
+    """A LlamaMLP's ``act(gate(x)) * up(x)`` in one launch (``row_kernels.gated``) where its act is SiLU and its
+    projections carry no bias; else the two products in one launch and PyTorch's act and mul."""
+    from decoder.runners.row_kernels import gated
+
+    def run(mlp: Any, x: torch.Tensor, ops: RowOps) -> torch.Tensor:
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if (
+            getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+            and gate.bias is None
+            and up.bias is None
+        ):
+            return gated(x, gate.weight, up.weight, blocks)
+        first, second = ops.linears((gate, up), x)
+        return mlp.act_fn(first) * second
+
+    return run

@@ -69,6 +69,11 @@ def _module_onto(module: Any, x: torch.Tensor, residual: torch.Tensor) -> torch.
     return residual + module(x)
 
 
+def _gated(mlp: Any, x: torch.Tensor, ops: RowOps) -> torch.Tensor:
+    gate, up = ops.linears((mlp.gate_proj, mlp.up_proj), x)
+    return mlp.act_fn(gate) * up
+
+
 @dataclass(frozen=True)
 class RowOps:
     """How a layer's row-wise reductions run, given the model's module and its input rows: the module itself (the
@@ -79,6 +84,7 @@ class RowOps:
     linear: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an nn.Linear
     linears: Callable[[Sequence[Any], torch.Tensor], list[torch.Tensor]] = _modules  # nn.Linears reading the same rows
     onto: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] = _module_onto  # residual + an nn.Linear's output
+    gated: Callable[[Any, torch.Tensor, RowOps], torch.Tensor] = _gated  # a LlamaMLP's act(gate(x)) * up(x)
 
 
 MODULES = RowOps()
@@ -109,8 +115,7 @@ def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor, ops: Row
     included. # x: [n, hidden] -> [n, hidden]"""
     h = ops.onto(layer.self_attn.o_proj, attended, x)
     mlp = layer.mlp
-    gate, up = ops.linears((mlp.gate_proj, mlp.up_proj), ops.norm(layer.post_attention_layernorm, h))
-    return ops.onto(mlp.down_proj, mlp.act_fn(gate) * up, h)
+    return ops.onto(mlp.down_proj, ops.gated(mlp, ops.norm(layer.post_attention_layernorm, h), ops), h)
 
 
 def attend_one_by_one(

@@ -19,8 +19,9 @@ The rule: a row's result is summed in an order fixed by the weights' shape alone
   position and slot, with transformers' arithmetic and roundings (bit for bit its apply_rotary_pos_emb).
 
 A residual add runs in the epilogue of the product before it (``residual``: the attention's output projection and
-the MLP's down projection), rounded as PyTorch rounds the add. SiLU x mul needs no kernel of its own: an element's
-result does not depend on the others, so PyTorch's kernels run it over all rows at once.
+the MLP's down projection), rounded as PyTorch rounds the add; **``gated``** computes a Llama MLP's gate and up
+products for the same columns in one program and applies SiLU x mul in its epilogue, so neither product is written
+out.
 
 Arithmetic: a bfloat16 or float16 model on a GPU takes the products on the tensor cores in
 that dtype with float32 accumulation (each product is exact in float32); elsewhere in float32 (IEEE, not TF32).
@@ -212,6 +213,89 @@ def linear(
 
 
 @triton.jit
+def _gated_kernel(
+    x_ptr,
+    gate_ptr,
+    up_ptr,
+    y_ptr,
+    rows,
+    n_out,
+    n_in,
+    stride_xr,
+    stride_yr,
+    LOW: tl.constexpr,
+    ORDERED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One ``BLOCK_M`` x ``BLOCK_N`` tile of ``silu(x G^T) * (x U^T)``: both products of the tile's columns, each
+    summed as ``_linear_kernel`` sums it, then transformers' roundings: each product to the model's dtype, the SiLU
+    of the gate to it, their product to it."""
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(rows, BLOCK_M)
+    pid_m = pid % row_tiles
+    pid_n = pid // row_tiles
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < rows
+    n_ok = offs_n < n_out
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for first in range(0, n_in, BLOCK_K):
+        offs_k = first + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < n_in
+        a = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_xr + offs_k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [M, K]
+        w_at = offs_n[None, :].to(tl.int64) * n_in + offs_k[:, None]
+        w_ok = n_ok[None, :] & k_ok[:, None]
+        g = tl.load(gate_ptr + w_at, mask=w_ok, other=0.0)  # [K, N]
+        u = tl.load(up_ptr + w_at, mask=w_ok, other=0.0)
+        if LOW:
+            acc_g = tl.dot(a, g, acc_g, out_dtype=tl.float32)
+            acc_u = tl.dot(a, u, acc_u, out_dtype=tl.float32)
+        else:
+            acc_g += dot_f32(a, g, ORDERED)
+            acc_u += dot_f32(a, u, ORDERED)
+    dt = y_ptr.dtype.element_ty
+    gate = round_to(acc_g, dt).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32)
+    out = round_to(silu * round_to(acc_u, dt).to(tl.float32), dt)
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_yr + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :]
+    )
+
+
+def gated(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, blocks: tuple[int, int, int] = DEFAULT_BLOCKS
+) -> torch.Tensor:
+    """``silu(x G^T) * (x U^T)`` (a Llama MLP's input to its down projection) over all rows in one launch, in ``x``'s
+    dtype, with transformers' roundings; each output's products summed as ``linear`` sums them. The SiLU's
+    exponential is Triton's: the result may differ from PyTorch's by a unit in the last place, never with the rows.
+    # x: [R, in]; gate, up: [out, in] -> [R, out]"""
+    n_in = x.shape[-1]
+    if (
+        x.dim() != 2 or x.stride(1) != 1 or gate.shape != up.shape or gate.dim() != 2 or gate.shape[1] != n_in
+        or not (gate.is_contiguous() and up.is_contiguous())
+    ):  # fmt: skip
+        raise ValueError(f"gated: x {tuple(x.shape)}, gate {tuple(gate.shape)} and up {tuple(up.shape)} must be "
+                         "[R, in], [out, in] and [out, in], the weights contiguous")  # fmt: skip
+    rows, n_out = x.shape[0], int(gate.shape[0])
+    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate.dtype == up.dtype == x.dtype
+    block_m, block_n, block_k = blocks
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n_out, block_n),)
+    _gated_kernel[grid](
+        x, gate, up, y, rows, n_out, n_in, x.stride(0), y.stride(0),
+        LOW=low, ORDERED=not x.is_cuda, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr, rows, width, stride_xr, stride_yr, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -360,7 +444,7 @@ def rope_and_store(
 
 
 def self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks: tuple[int, int, int]) -> None:
-    """Compile and run both kernels at a model's hidden size on ``device`` and compare them with PyTorch's float32
+    """Compile and run the kernels at a model's hidden size on ``device`` and compare them with PyTorch's float32
     arithmetic: a ValueError (or the compiler's own error) where they cannot run or do not agree."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3 * blocks[0] + 1, hidden, generator=generator).to(device, dtype)
@@ -372,6 +456,12 @@ def self_check(hidden: int, dtype: torch.dtype, device: torch.device, blocks: tu
     off = float((linear(x, weight, bias, blocks).float() - want).abs().max())
     if not off <= tolerance * max(1.0, float(want.abs().max())):
         raise ValueError(f"the Triton matrix product is {off:.3g} off PyTorch's")
+    up = (torch.randn(weight.shape, generator=generator) / hidden**0.5).to(device, dtype)
+    silu = torch.nn.functional.silu(torch.nn.functional.linear(x.float(), weight.float()))
+    want = silu * torch.nn.functional.linear(x.float(), up.float())
+    off = float((gated(x, weight, up, blocks).float() - want).abs().max())
+    if not off <= tolerance * max(1.0, float(want.abs().max())):
+        raise ValueError(f"the Triton gated product is {off:.3g} off PyTorch's")
     variance = x.float().pow(2).mean(-1, keepdim=True)
     want = norm_weight.float() * (x.float() * torch.rsqrt(variance + 1e-6))
     off = float((rms_norm(x, norm_weight, 1e-6).float() - want).abs().max())

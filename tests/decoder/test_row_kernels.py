@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
 pytest.importorskip("triton", reason="Triton is not installed (the dev extras bring it: pip install -e '.[dev]')")
@@ -19,7 +20,7 @@ pytest.importorskip("triton", reason="Triton is not installed (the dev extras br
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 from decoder.runners import row_kernels  # noqa: E402
-from decoder.runners.row_kernels import linear, rms_norm  # noqa: E402
+from decoder.runners.row_kernels import gated, linear, rms_norm  # noqa: E402
 
 BLOCKS = (16, 32, 16)  # several column tiles and K steps at test sizes
 
@@ -86,7 +87,37 @@ def test_a_residual_added_in_the_products_launch_is_pytorchs_add_bit_for_bit(dty
     assert torch.equal(fused, residual + linear(x, w, b, BLOCKS))
 
 
+def test_gated_is_silu_of_the_gate_times_up_and_a_rows_bits_are_its_own():
+    """A Llama MLP's input to its down projection in one launch: SiLU(x G^T) * (x U^T) to float32 rounding (a
+    float64 reference), over partial tiles; and row r's bits the same alone and among 16 or 61 rows."""
+    rows, n_in, n_out = 37, 100, 33
+    x, g, u = randn(rows, n_in, seed=21), randn(n_out, n_in, seed=22, scale=0.1), randn(n_out, n_in, seed=23, scale=0.1)
+    want = F.silu(F.linear(x.double(), g.double())) * F.linear(x.double(), u.double())
+    torch.testing.assert_close(gated(x, g, u, BLOCKS).double(), want, rtol=0, atol=1e-5)
+    row = randn(1, n_in, seed=24)
+    alone = gated(row, g, u, BLOCKS)[0]
+    for count, at in ((16, 15), (61, 44)):
+        among = randn(count, n_in, seed=count)
+        among[at] = row[0]
+        assert torch.equal(gated(among, g, u, BLOCKS)[at], alone), (count, at)
+
+
+def test_gated_rounds_as_transformers_llama_mlp_does_in_bfloat16():
+    """Each product to bfloat16, the SiLU to bfloat16, their product to bfloat16: as PyTorch runs
+    ``act_fn(gate_proj(x)) * up_proj(x)``, to a unit in the last place (the exponentials differ)."""
+    x = randn(20, 64, seed=31).to(torch.bfloat16)
+    g, u = (randn(48, 64, seed=s, scale=0.2).to(torch.bfloat16) for s in (32, 33))
+    theirs = F.silu(F.linear(x.float(), g.float()).to(torch.bfloat16)) * F.linear(x.float(), u.float()).to(
+        torch.bfloat16
+    )
+    ours = gated(x, g, u, BLOCKS)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-7, atol=1e-6)
+
+
 def test_what_they_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="gated"):
+        gated(randn(3, 8, seed=1), randn(5, 8, seed=2), randn(4, 8, seed=3))
     with pytest.raises(ValueError, match="residual"):
         linear(randn(3, 8, seed=1), randn(5, 8, seed=2), None, BLOCKS, randn(3, 4, seed=3))
     with pytest.raises(ValueError, match="linear"):
