@@ -23,7 +23,9 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup llama-server
+# The llama.cpp server is built first where it can be (cached; tests/llama skip, saying why, where it cannot).
+unit: setup
+	-$(BIN)/specd llama-server-build
 	$(BIN)/pytest -q
 
 # llama.cpp's server, built from the llama-cpp-python source distribution (minutes the first time; cached under

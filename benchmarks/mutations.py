@@ -1770,6 +1770,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the fused residual add loses the residual: a layer's output is its projection alone",
     ),
     Mutation(
+        "named-plans-without-the-workers-threshold",
+        "decoder/worker/service.py",
+        "plan = runnable(request.plan, self.engine.drafters, self.cfg.speculation_max_batch)",
+        "plan = runnable(request.plan, self.engine.drafters, None)",
+        ("tests/worker/test_batching.py",),
+        "a request that names its drafter and K speculates in any batch: its plan never gets the worker's threshold",
+    ),
+    Mutation(
         "gated-without-silu",
         "decoder/runners/row_kernels.py",
         "    silu = round_to(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32)",

@@ -5,7 +5,8 @@ plan decided (the drafter, made from the plan with its stop threshold; the K cei
 request's own rounds so far, and each round answers with this round's K:
 
 1. above the batch threshold, 0 (DESIGN contract 6, applied as the batch grows and shrinks, every round): the
-   threshold is the plan's, the policy's; the worker's own setting only when the plan carries none;
+   threshold is the plan's (the policy's, or the worker's, given by ``specd_api.plan.runnable`` to a plan that carries
+   none); a plan without one has no batch rule;
 2. the plan's ``plain_rounds`` rounds from round PLAIN_ROUNDS_FROM on, 0: plain steps in the request's own context,
    the segment's reference;
 3. the ceiling: the plan's K (or a caller's own K for this round, ``Plan.k_schedule``), cut to the budget left;

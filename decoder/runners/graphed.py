@@ -441,7 +441,7 @@ def triton_row_ops(blocks: tuple[int, int, int]) -> RowOps:
         norm=lambda module, x: rms_norm(x, module.weight, module.variance_epsilon),
         linear=lambda module, x: linear(x, module.weight, module.bias, blocks),
         linears=linears,
-        onto=lambda module, x, residual: linear(x, module.weight, module.bias, blocks, residual),
+        onto=lambda module, x, residual, ops: linear(x, module.weight, module.bias, blocks, residual),
         gated=triton_gated(blocks),
     )
 

@@ -65,8 +65,8 @@ def _modules(modules: Sequence[Any], x: torch.Tensor) -> list[torch.Tensor]:
     return [module(x) for module in modules]
 
 
-def _module_onto(module: Any, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    return residual + module(x)
+def _onto(module: Any, x: torch.Tensor, residual: torch.Tensor, ops: RowOps) -> torch.Tensor:
+    return residual + ops.linear(module, x)
 
 
 def _gated(mlp: Any, x: torch.Tensor, ops: RowOps) -> torch.Tensor:
@@ -83,7 +83,7 @@ class RowOps:
     norm: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an RMSNorm module
     linear: Callable[[Any, torch.Tensor], torch.Tensor] = _module  # an nn.Linear
     linears: Callable[[Sequence[Any], torch.Tensor], list[torch.Tensor]] = _modules  # nn.Linears reading the same rows
-    onto: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] = _module_onto  # residual + an nn.Linear's output
+    onto: Callable[[Any, torch.Tensor, torch.Tensor, RowOps], torch.Tensor] = _onto  # residual + a Linear's output
     gated: Callable[[Any, torch.Tensor, RowOps], torch.Tensor] = _gated  # a LlamaMLP's act(gate(x)) * up(x)
 
 
@@ -113,9 +113,9 @@ def project_qkv(
 def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor, ops: RowOps = MODULES) -> torch.Tensor:
     """The attention's output projection and the MLP (transformers' LlamaMLP: down(act(gate(h)) * up(h))), residuals
     included. # x: [n, hidden] -> [n, hidden]"""
-    h = ops.onto(layer.self_attn.o_proj, attended, x)
+    h = ops.onto(layer.self_attn.o_proj, attended, x, ops)
     mlp = layer.mlp
-    return ops.onto(mlp.down_proj, ops.gated(mlp, ops.norm(layer.post_attention_layernorm, h), ops), h)
+    return ops.onto(mlp.down_proj, ops.gated(mlp, ops.norm(layer.post_attention_layernorm, h), ops), h, ops)
 
 
 def attend_one_by_one(

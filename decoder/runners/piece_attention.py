@@ -117,10 +117,10 @@ def _piece_kernel(
             mask=in_range[None, :] & d_ok[:, None],
             other=0.0,
         )  # [D, N]
-        if QK_LOW:  # noqa: SIM108 (a branch on a constexpr, resolved when the kernel compiles)
+        if QK_LOW:
             scores = tl.dot(q, keys_t, out_dtype=tl.float32)
         else:
-            scores = dot_f32(q, keys_t, ORDERED)
+            scores = dot_f32(q, keys_t, tl.zeros([BLOCK_M, BLOCK_POS], tl.float32), ORDERED)
         scores = scores * scaling
         visible = (pos[None, :] <= query_pos[:, None]) & in_range[None, :]
         scores = tl.where(visible, scores, float("-inf"))  # [M, N]
@@ -134,7 +134,7 @@ def _piece_kernel(
             other=0.0,
         ).to(tl.float32)  # [N, D]
         l_i = l_i * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + dot_f32(weights, values, ORDERED)
+        acc = acc * rescale[:, None] + dot_f32(weights, values, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), ORDERED)
         m_i = m_new
 
     part = (b * KV + h) * pieces_per_sequence + piece

@@ -53,15 +53,15 @@ def round_to(x, DT: tl.constexpr):
 
 
 @triton.jit
-def dot_f32(a, b, ORDERED: tl.constexpr):
-    """``a @ b`` in float32 (IEEE): each output its row's products summed over k. ``ORDERED`` (Triton's interpreter)
-    sums them k after k, the same for every row: the interpreter's own dot is numpy's matmul, and a BLAS may sum a
-    row differently by its place in the tile (OpenBLAS on AVX-512 does), which would make a row's bits depend on the
-    rows beside it. A GPU's dot sums each output in an order fixed by the shapes alone."""
+def dot_f32(a, b, acc, ORDERED: tl.constexpr):
+    """``acc + a @ b`` in float32 (IEEE): each output its row's products summed over k. ``ORDERED`` (Triton's
+    interpreter) sums them k after k, the same for every row: the interpreter's own dot is numpy's matmul, and a BLAS
+    may sum a row differently by its place in the tile (OpenBLAS on AVX-512 does): a row's bits would depend on
+    the rows beside it. A GPU's dot sums each output in an order fixed by the shapes alone."""
     if ORDERED:
-        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -123,10 +123,10 @@ def _linear_kernel(
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )  # [K, N]
-        if LOW:
+        if LOW:  # noqa: SIM108 (a branch on a constexpr, resolved when the kernel compiles)
             acc = tl.dot(a, b, acc, out_dtype=tl.float32)
         else:
-            acc += dot_f32(a, b, ORDERED)
+            acc = dot_f32(a, b, acc, ORDERED)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = round_to(acc, y_ptr.dtype.element_ty)
@@ -258,8 +258,8 @@ def _gated_kernel(
             acc_g = tl.dot(a, g, acc_g, out_dtype=tl.float32)
             acc_u = tl.dot(a, u, acc_u, out_dtype=tl.float32)
         else:
-            acc_g += dot_f32(a, g, ORDERED)
-            acc_u += dot_f32(a, u, ORDERED)
+            acc_g = dot_f32(a, g, acc_g, ORDERED)
+            acc_u = dot_f32(a, u, acc_u, ORDERED)
     dt = y_ptr.dtype.element_ty
     gate = round_to(acc_g, dt).to(tl.float32)
     silu = round_to(gate / (1.0 + tl.exp(-gate)), dt).to(tl.float32)

@@ -5,13 +5,16 @@ builds nothing. A rebuilt machine (or another CPU) builds again.
 
     python -m specd.llama.build [--jobs N] [--force]     # prints the binary's path
 
-The cache: ``$SPECD_CACHE`` or ``~/.cache/specd``, under ``llama-server/<sdist version>/``. The build needs cmake and
-a C++ compiler; the binary is linked statically against llama.cpp's own libraries.
+The cache: ``$SPECD_CACHE`` or ``~/.cache/specd``, under ``llama-server/<sdist version>/<CPU key>/``: the key is a
+hash of the CPU's instruction-set flags, since a native build may not run on another CPU. ``$SPECD_LLAMA_SERVER``
+names a binary to use instead (never built over). The build needs cmake and a C++ compiler; the binary is linked
+statically against llama.cpp's own libraries.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -40,14 +43,35 @@ class BuildFailed(SpecdError):
     pass
 
 
+# The instruction sets a native ggml build may use: a binary built where one of them is present may not run without it.
+ISA_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+    "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve",
+)  # fmt: skip
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("SPECD_CACHE") or Path.home() / ".cache" / "specd")
 
 
+def cpu_key() -> str:
+    """8 hex digits naming this CPU's instruction sets (from /proc/cpuinfo; "generic" where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "generic"
+    flags = set().union(*(line.split(":", 1)[1].split() for line in text.splitlines()
+                          if line.startswith(("flags", "Features")) and ":" in line))  # fmt: skip
+    present = ",".join(flag for flag in ISA_FLAGS if flag in flags)
+    return hashlib.sha256(present.encode()).hexdigest()[:8]
+
+
 def binary_path(version: str = VERSION) -> Path:
-    """Where the built server is (or will be): ``$SPECD_LLAMA_SERVER`` when set, else the cache's."""
+    """Where the server is (or will be built): ``$SPECD_LLAMA_SERVER`` when set, else the cache's for this CPU."""
     given = os.environ.get("SPECD_LLAMA_SERVER")
-    return Path(given) if given else cache_root() / "llama-server" / version / "bin" / "llama-server"
+    if given:
+        return Path(given)
+    return cache_root() / "llama-server" / version / cpu_key() / "bin" / "llama-server"
 
 
 def built(version: str = VERSION) -> Path | None:
@@ -82,7 +106,10 @@ def _fetch_source(work: Path, log: Path, version: str) -> Path:
         raise BuildFailed(f"pip download {SDIST}=={version} gave no source archive in {download}")
     with tarfile.open(archives[0]) as archive:
         members = [m for m in archive.getmembers() if "/vendor/llama.cpp/" in m.name]
-        archive.extractall(work / "src", members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later: no links or paths out of the folder
+            archive.extractall(work / "src", members=members, filter="data")
+        else:
+            archive.extractall(work / "src", members=[m for m in members if m.isfile() or m.isdir()])
     found = sorted((work / "src").glob("*/vendor/llama.cpp"))
     if not found:
         raise BuildFailed(f"{archives[0].name} holds no vendor/llama.cpp")
@@ -91,11 +118,25 @@ def _fetch_source(work: Path, log: Path, version: str) -> Path:
 
 def build(version: str = VERSION, jobs: int | None = None, force: bool = False) -> Path:
     """The server binary: the cached one, or built now (minutes). Raises BuildFailed with the log's end."""
+    if os.environ.get("SPECD_LLAMA_SERVER"):
+        given = built(version)
+        if given is None:
+            raise BuildFailed(f"SPECD_LLAMA_SERVER names {binary_path(version)}, which does not run (--version)")
+        return given
     if not force and (ready := built(version)) is not None:
         return ready
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise BuildFailed(f"building llama-server needs {tool!r} on PATH")
+    try:
+        return _build(version, jobs)
+    except OSError as e:
+        raise BuildFailed(
+            f"{e.strerror or e} ({e.filename or cache_root()}): set SPECD_CACHE to a writable folder"
+        ) from None
+
+
+def _build(version: str, jobs: int | None) -> Path:
     target = binary_path(version)
     target.parent.mkdir(parents=True, exist_ok=True)
     log = target.parent.parent / "build.log"
@@ -110,7 +151,9 @@ def build(version: str = VERSION, jobs: int | None = None, force: bool = False) 
         produced = build_dir / "bin" / "llama-server"
         if not produced.is_file():
             raise BuildFailed(f"the build finished without {produced}")
-        shutil.copy2(produced, target)
+        partial = target.with_name(target.name + ".partial")
+        shutil.copy2(produced, partial)
+        os.replace(partial, target)  # whole or not at all: a build cut short leaves no binary that half runs
     if built(version) is None:
         raise BuildFailed(f"{target} was built but does not run (`{target} --version`)")
     return target

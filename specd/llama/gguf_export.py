@@ -40,6 +40,7 @@ class Shape:
     context: int
     rms_eps: float
     rope_theta: float
+    tied: bool  # the output projection is the embedding (tie_word_embeddings)
 
     @classmethod
     def of(cls, config: dict[str, Any], source: Path) -> Shape:
@@ -63,6 +64,7 @@ class Shape:
             context=int(config.get("max_position_embeddings") or 2048),
             rms_eps=float(config.get("rms_norm_eps") or 1e-6),
             rope_theta=float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0),
+            tied=bool(config.get("tie_word_embeddings", False)),
         )
 
 
@@ -72,7 +74,8 @@ class Vocabulary:
     types: list[int]
     merges: list[str]
     bos: int | None
-    eos: int | None
+    eos: int
+    adds_bos: bool  # the tokenizer puts bos before every text (its post-processor's template)
 
 
 def pairs_interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -83,7 +86,7 @@ def pairs_interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, d // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def vocabulary(folder: Path, vocab_size: int) -> Vocabulary:
+def vocabulary(folder: Path, vocab_size: int, config: dict[str, Any]) -> Vocabulary:
     """The byte-level BPE of ``folder/tokenizer.json``, every id below ``vocab_size`` named (ids the tokenizer does not
     use become unused control tokens, as llama.cpp expects a full table)."""
     path = folder / "tokenizer.json"
@@ -105,24 +108,45 @@ def vocabulary(folder: Path, vocab_size: int) -> Vocabulary:
     tokens = [by_id.get(i, (f"[PAD{i}]", CONTROL))[0] for i in range(vocab_size)]
     types = [by_id.get(i, ("", CONTROL))[1] for i in range(vocab_size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    special = _special_ids(folder, spec)
-    return Vocabulary(tokens, types, merges, special.get("bos_token"), special.get("eos_token"))
+    special = _special_ids(folder, spec, config)
+    if special.get("eos_token") is None:
+        raise UsageError(f"{folder}: no end-of-text token (eos_token in tokenizer_config.json, eos_token_id in "
+                         "config.json): llama.cpp would stop at an ordinary token")  # fmt: skip
+    adds_bos = _template_adds(spec.get("post_processor") or {})
+    bos = special.get("bos_token") if adds_bos is None else adds_bos
+    return Vocabulary(tokens, types, merges, bos, special["eos_token"], adds_bos is not None)
 
 
-def _special_ids(folder: Path, spec: dict[str, Any]) -> dict[str, int]:
-    """bos/eos ids: the tokenizer config names them by content; the added tokens give their ids."""
-    ids = {a["content"]: int(a["id"]) for a in spec.get("added_tokens") or []}
+def _special_ids(folder: Path, spec: dict[str, Any], config: dict[str, Any]) -> dict[str, int]:
+    """bos/eos ids: the tokenizer config names them by content (found among the added tokens or the vocabulary),
+    else the model config gives their ids."""
+    ids = {**spec["model"]["vocab"], **{a["content"]: int(a["id"]) for a in spec.get("added_tokens") or []}}
     try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
-        config = {}
+        tokenizer_config = {}
     found = {}
     for name in ("bos_token", "eos_token"):
-        content = config.get(name)
+        content = tokenizer_config.get(name)
         content = content.get("content") if isinstance(content, dict) else content
+        given = config.get(f"{name}_id")
         if isinstance(content, str) and content in ids:
-            found[name] = ids[content]
+            found[name] = int(ids[content])
+        elif isinstance(given, int):
+            found[name] = given
     return found
+
+
+def _template_adds(post_processor: dict[str, Any]) -> int | None:
+    """The id a TemplateProcessing post-processor puts before a single text, or None (it adds nothing there)."""
+    if post_processor.get("type") != "TemplateProcessing":
+        return None
+    single = post_processor.get("single") or []
+    first = single[0].get("SpecialToken") if single and isinstance(single[0], dict) else None
+    if not first:
+        return None
+    ids = (post_processor.get("special_tokens") or {}).get(first["id"], {}).get("ids") or []
+    return int(ids[0]) if ids else None
 
 
 def tensors(folder: Path, shape: Shape) -> Iterator[tuple[str, np.ndarray]]:
@@ -153,8 +177,7 @@ def tensors(folder: Path, shape: Shape) -> Iterator[tuple[str, np.ndarray]]:
         yield f"{blk}.ffn_up.weight", read(f"{hf}.mlp.up_proj.weight")
         yield f"{blk}.ffn_down.weight", read(f"{hf}.mlp.down_proj.weight")
     yield "output_norm.weight", read("model.norm.weight")
-    tied = "lm_head.weight" not in where
-    yield "output.weight", read("model.embed_tokens.weight" if tied else "lm_head.weight")
+    yield "output.weight", read("model.embed_tokens.weight" if shape.tied else "lm_head.weight")
 
 
 def export(folder: Path, out: Path, name: str | None = None) -> Path:
@@ -167,7 +190,7 @@ def export(folder: Path, out: Path, name: str | None = None) -> Path:
     except (OSError, ValueError) as e:
         raise UsageError(f"{config_path}: cannot read the model's config ({e})") from None
     shape = Shape.of(config, config_path)
-    vocab = vocabulary(folder, shape.vocab_size)
+    vocab = vocabulary(folder, shape.vocab_size, config)
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(out), ARCHITECTURE)
     writer.add_name(name or folder.name)
@@ -191,9 +214,8 @@ def export(folder: Path, out: Path, name: str | None = None) -> Path:
     writer.add_token_merges(vocab.merges)
     if vocab.bos is not None:
         writer.add_bos_token_id(vocab.bos)
-    if vocab.eos is not None:
-        writer.add_eos_token_id(vocab.eos)
-    writer.add_add_bos_token(False)  # transformers' byte-level post-processor adds no token
+    writer.add_eos_token_id(vocab.eos)
+    writer.add_add_bos_token(vocab.adds_bos)  # as transformers' tokenizer does (a byte-level post-processor: no)
     writer.add_add_eos_token(False)
     for tensor_name, data in tensors(folder, shape):
         writer.add_tensor(tensor_name, data)

@@ -55,3 +55,37 @@ def test_the_command_reports_a_missing_model_in_one_line(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.count("\n") == 1 and "config.json" in done.stderr, done.stderr
+
+
+def gguf_value(path, key: str):
+    import gguf
+
+    field = gguf.GGUFReader(path).fields.get(key)
+    return None if field is None else field.parts[field.data[0]][0]
+
+
+def test_the_end_of_text_token_comes_from_the_model_config_without_a_tokenizer_config(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(REFERENCE / "draft", folder)
+    (folder / "tokenizer_config.json").unlink()
+    out = export(folder, tmp_path / "out.gguf")
+    assert gguf_value(out, "tokenizer.ggml.eos_token_id") == 0
+    assert not gguf_value(out, "tokenizer.ggml.add_bos_token")
+    config = json.loads((folder / "config.json").read_text())
+    del config["eos_token_id"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="end-of-text"):
+        export(folder, tmp_path / "out.gguf")
+
+
+def test_an_untied_model_without_its_output_projection_is_refused(tmp_path):
+    """The shipped draft ties its output projection to the embedding (no lm_head weight): said untied, it is
+    refused by name, not exported with the embedding in its place."""
+    folder = tmp_path / "model"
+    shutil.copytree(REFERENCE / "draft", folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"]
+    export(folder, tmp_path / "tied.gguf")
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(UsageError, match="lm_head"):
+        export(folder, tmp_path / "out.gguf")

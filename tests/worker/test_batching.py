@@ -91,18 +91,20 @@ def test_batched_greedy_equals_one_at_a_time(request, worker_name: str, drafter:
         assert outcome(body)[:2] == (reference.tokenizer.decode(ids, skip_special_tokens=True), len(ids)), prompt
 
 
-def test_above_speculation_max_batch_the_output_is_the_same(narrow_worker: Worker):
+@pytest.mark.parametrize("named", [{}, {"speculation": {"drafter": "draft", "k": 3}}], ids=["local", "named"])
+def test_above_speculation_max_batch_the_output_is_the_same(narrow_worker: Worker, named: dict[str, Any]):
     """A long request starts alone (decided: draft), five shorter ones join it (the batch of six decodes
-    without speculation), leave, and the long one speculates again on its own."""
+    without speculation), leave, and the long one speculates again on its own. The same for requests that name
+    their own drafter and K: their plans carry no threshold, and the worker's applies to them."""
     lead, followers = ("The quick brown fox", 200), list(zip(PROMPTS[1:6], MAX_TOKENS[1:6], strict=True))
     worker = narrow_worker
     start = worker.metrics()
-    single = [worker.complete(p, max_tokens=n, temperature=0) for p, n in [lead, *followers]]
+    single = [worker.complete(p, max_tokens=n, temperature=0, **named) for p, n in [lead, *followers]]
     before = worker.metrics()
 
-    leading = InFlight(worker, lead)
+    leading = InFlight(worker, lead, named)
     worker.wait_for(lambda: worker.health()["batch_size"] == 1, "the long request decoding")
-    joined = [InFlight(worker, follower) for follower in followers]
+    joined = [InFlight(worker, follower, named) for follower in followers]
     batched = [r.join() for r in (leading, *joined)]
     after = worker.metrics()
 
@@ -122,11 +124,13 @@ def test_above_speculation_max_batch_the_output_is_the_same(narrow_worker: Worke
 class InFlight:
     """A greedy completion sent from a thread."""
 
-    def __init__(self, worker: Worker, request: tuple[str, int]) -> None:
+    def __init__(self, worker: Worker, request: tuple[str, int], extra: dict[str, Any] | None = None) -> None:
         self.body: dict[str, Any] | None = None
         prompt, max_tokens = request
         self.thread = threading.Thread(
-            target=lambda: setattr(self, "body", worker.complete(prompt, max_tokens=max_tokens, temperature=0))
+            target=lambda: setattr(
+                self, "body", worker.complete(prompt, max_tokens=max_tokens, temperature=0, **(extra or {}))
+            )
         )
         self.thread.start()
 
