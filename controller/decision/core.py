@@ -68,6 +68,7 @@ class Controller:
         self._cache_lock = threading.Lock()
         self._max_remembered = max_remembered
         self._rng = threading.local()
+        self._seed: int | None = None  # None: each thread's draws seeded from the OS
         self._estimates: dict[tuple[object, ...], dict[str, DrafterEstimate]] = {}
         self._posteriors: dict[tuple[object, ...], DrafterEstimate] = {}  # _posteriors_of's
         self._inputs: dict[tuple[object, ...], tuple[tuple[str, float, float, float], ...]] = {}
@@ -75,9 +76,16 @@ class Controller:
         self._drift_announced: LruMemory[bool] = LruMemory(max_remembered)  # alarms already put on a Decide span
 
     def rng(self) -> random.Random:
+        """This thread's source of the decisions' random draws (Thompson sampling, probes)."""
         if not hasattr(self._rng, "value"):
-            self._rng.value = random.Random()
+            self._rng.value = random.Random(self._seed)
         return self._rng.value
+
+    def reseed(self, seed: int) -> None:
+        """From now on each thread draws from its own ``random.Random(seed)``: the same requests in the same order
+        on one thread (Decide's, the event loop) get the same decisions. For simulations and tests that replay."""
+        self._seed = seed
+        self._rng = threading.local()
 
     def estimates(
         self, settings: Settings, request: Request, costs: BucketCosts, remember: bool = True
