@@ -65,6 +65,16 @@ def dot_f32(a, b, acc, ORDERED: tl.constexpr):
 
 
 @triton.jit
+def _rows_chunk(x_ptr, offs_m, offs_k, m_ok, k_ok, stride_xr):
+    """The rows ``offs_m`` of ``x``, columns ``offs_k`` (0 outside ``m_ok`` x ``k_ok``). # -> [M, K]"""
+    return tl.load(
+        x_ptr + offs_m[:, None].to(tl.int64) * stride_xr + offs_k[None, :],
+        mask=m_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,
     w0_ptr,
@@ -113,11 +123,7 @@ def _linear_kernel(
     for first in range(0, n_in, BLOCK_K):
         offs_k = first + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n_in
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xr + offs_k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )  # [M, K]
+        a = _rows_chunk(x_ptr, offs_m, offs_k, m_ok, k_ok, stride_xr)  # [M, K]
         b = tl.load(
             w_ptr + offs_n[None, :].to(tl.int64) * n_in + offs_k[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
@@ -245,11 +251,7 @@ def _gated_kernel(
     for first in range(0, n_in, BLOCK_K):
         offs_k = first + tl.arange(0, BLOCK_K)
         k_ok = offs_k < n_in
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xr + offs_k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )  # [M, K]
+        a = _rows_chunk(x_ptr, offs_m, offs_k, m_ok, k_ok, stride_xr)  # [M, K]
         w_at = offs_n[None, :].to(tl.int64) * n_in + offs_k[:, None]
         w_ok = n_ok[None, :] & k_ok[:, None]
         g = tl.load(gate_ptr + w_at, mask=w_ok, other=0.0)  # [K, N]

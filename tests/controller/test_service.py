@@ -296,7 +296,7 @@ INVALID = [
         report(draft_aggregate(rounds_by_drafted=[0, 0, 10], verify_seconds_by_drafted=[0, 0, 0.3])),
         "verify_seconds_by_drafted",
     ),
-    # served rounds come with their per-n table: totals alone no longer stand for "every round drafted the mean"
+    # served rounds come with their per-n table (rounds_by_drafted): a served aggregate without one is refused
     invalid(
         "by-drafted-missing",
         "ReportRounds",
