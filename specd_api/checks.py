@@ -116,6 +116,9 @@ def check_aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = Non
     finite("self_repetition", a.self_repetition, high=1.0)
     finite("expected_speedup", a.expected_speedup, high=MAX_EXPECTED_SPEEDUP)
     lists = repeated(a)
+    if a.totals_only:
+        _check_totals_only(a, lists, k, rounds)
+        return lists
     _check_positions(lists, k, rounds, drafted, accepted)
     counterfactual = a.counterfactual
     if counterfactual and a.start_up_timings:
@@ -237,6 +240,24 @@ def _name_broken_timing(by_rounds: list[int], by_seconds: list[float], rounds: i
                high=MAX_VERIFY_SECONDS_PER_ROUND * max(r, 1))  # fmt: skip
         if s and not r:
             raise ValueError(f"verify_seconds_by_drafted[{n}]: seconds without rounds")
+
+
+def _check_totals_only(a: pb.RoundsAggregate, lists: Repeated, k: int, rounds: int) -> None:
+    """An engine's request totals: served speculative rounds, no detail, the request's tokens and seconds."""
+    if a.drafter == "none":
+        raise ValueError("totals_only: a plain request reports the full form (every round drafted 0)")
+    if a.counterfactual or a.start_up_timings:
+        raise ValueError("totals_only: request totals are served traffic, neither counterfactual nor start-up timings")
+    if any(lists):
+        raise ValueError("totals_only: no per-position or per-n lists (the totals are all an engine reports)")
+    if a.draft_seconds or a.verify_seconds:
+        raise ValueError("totals_only: no split timings; the request's seconds go in request_seconds")
+    count("tokens_emitted", a.tokens_emitted, rounds * (k + 1), low=rounds)
+    # the request's tokens and seconds are required; its expected_speedup may be 0 (a caller's own plan: not known)
+    count("request_tokens_emitted", a.request_tokens_emitted, MAX_ROUNDS * (MAX_K + 1), low=max(a.tokens_emitted, 1))
+    finite("request_seconds", a.request_seconds, high=MAX_REQUEST_SECONDS)
+    if not a.request_seconds > 0:
+        raise ValueError("request_seconds: a request that emitted tokens took time")
 
 
 def _check_request_totals(a: pb.RoundsAggregate) -> None:

@@ -8,7 +8,7 @@ from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
 from specd_client.client import ControllerClient
 from specd_client.config import ClientConfig, ClientStats
-from specd_client.reports import rounds_to_aggregates, self_repetition
+from specd_client.reports import RequestTotals, rounds_to_aggregates, self_repetition
 
 __all__ = [
     "ClientConfig",
@@ -16,6 +16,7 @@ __all__ = [
     "ControllerClient",
     "Plan",
     "RequestFeatures",
+    "RequestTotals",
     "RoundRecord",
     "Scored",
     "rounds_to_aggregates",

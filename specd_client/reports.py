@@ -192,3 +192,52 @@ def self_repetition(prompt_ids: Sequence[int], n: int = SELF_REPETITION_N) -> fl
         repeated += gram in seen
         seen.add(gram)
     return repeated / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RequestTotals:
+    """One request as an engine that counts only totals reports it (llama.cpp's server: ``timings.predicted_n``,
+    ``predicted_ms``, ``draft_n``, ``draft_n_accepted``): ``tokens`` generated, the first (from the prompt's pass)
+    included; ``seconds`` of decoding after that first token; ``drafted`` and ``accepted`` over the request, at
+    ceiling ``k``; ``expected_speedup`` what the plan promised."""
+
+    segment: str
+    drafter: str
+    k: int
+    tokens: int
+    seconds: float
+    drafted: int = 0
+    accepted: int = 0
+    batch_size: int = 1
+    temperature: float = 0.0
+    prompt_tokens: int = 0
+    self_repetition: float = 0.0
+    expected_speedup: float = 0.0
+
+    def to_proto(self) -> pb.RoundsAggregate | None:
+        """The aggregate the controller learns from (``totals_only`` for a speculating request; a plain one is
+        reported whole, every step a round that drafted 0); None when no decode step ran or took no time.
+
+        The steps after the first token emitted ``tokens - 1``: each emitted its accepted drafts and one token of
+        the target's, so they were ``tokens - 1 - accepted``, and at least as many as it takes to draft ``drafted``
+        at ``k`` a step (an engine that counts drafts the request's end cut off)."""
+        emitted = self.tokens - 1
+        if emitted <= 0 or not (math.isfinite(self.seconds) and self.seconds > 0):
+            return None
+        common: dict[str, Any] = {"segment": self.segment, "batch_size": self.batch_size,
+                                  "temperature": self.temperature, "prompt_tokens": self.prompt_tokens,
+                                  "self_repetition": self.self_repetition}  # fmt: skip
+        if self.drafter == "none" or self.k < 1:
+            return pb.RoundsAggregate(
+                drafter="none", k=0, rounds=emitted, tokens_emitted=emitted, verify_seconds=self.seconds,
+                rounds_by_drafted=[emitted], verify_seconds_by_drafted=[self.seconds], **common,
+            )  # fmt: skip
+        drafted = max(self.drafted, 0)
+        accepted = min(max(self.accepted, 0), drafted)
+        steps = max(emitted - accepted, -(-drafted // self.k), 1)
+        tokens = min(max(emitted, steps), steps * (self.k + 1))
+        return pb.RoundsAggregate(
+            drafter=self.drafter, k=self.k, rounds=steps, num_drafted=drafted, num_accepted=accepted,
+            tokens_emitted=tokens, expected_speedup=self.expected_speedup, request_tokens_emitted=tokens,
+            request_seconds=self.seconds, totals_only=True, **common,
+        )  # fmt: skip

@@ -271,6 +271,7 @@ class Aggregate:
     start_up_timings: bool = False  # measured by the worker before serving: costs only, in no segment
     request_tokens_emitted: int = 0  # the whole request's, on its calibration carrier (0: not sent, its own rounds)
     request_seconds: float = 0.0
+    totals_only: bool = False  # an engine's request totals: positions inferred (decision/totals.py), no costs
 
     @property
     def mode(self) -> Mode:
@@ -340,7 +341,7 @@ class Aggregate:
     def cost_fields(self) -> dict[str, float]:
         """Increments for the global cost hash: drafting time per drafted token and verification time per n, both
         in the batch bucket the rounds ran in and under their sampling mode."""
-        if self.counterfactual or not self.rounds:
+        if self.counterfactual or self.totals_only or not self.rounds:
             return {}
         bucket, mode = batch_bucket(self.batch_size), self.mode
         fields: dict[str, float] = {}

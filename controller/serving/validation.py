@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from controller.decision.counts import Aggregate
 from controller.decision.decide import Request
+from controller.decision.totals import positions_from_totals
 from controller.pacing import Pacer
 from specd_api.checks import (
     MAX_AGGREGATES,
@@ -93,6 +94,10 @@ AS_SENT = tuple(f.name for f in fields(Aggregate) if f.name not in READ_HERE)
 
 def aggregate(a: pb.RoundsAggregate, valid_segments: set[str] | None = None) -> Aggregate:
     lists = check_aggregate(a, valid_segments)
+    if a.totals_only:
+        proposed, verified, accepted = positions_from_totals(a.rounds, a.k, a.num_drafted, a.num_accepted)
+        lists = lists._replace(proposed_per_position=proposed, verified_per_position=verified,
+                               accepted_per_position=accepted)  # fmt: skip
     return Aggregate(
         segment=a.segment if a.start_up_timings else learning_segment(a.segment, a.temperature),
         proposed_per_position=tuple(lists.proposed_per_position),

@@ -119,7 +119,7 @@ def cost_increments(aggregates: Iterable[Aggregate], pace: Callable[[], None] = 
     observations: Counter[str] = Counter()  # he| fields: one observation per aggregate
     for a in aggregates:
         pace()
-        if a.counterfactual or not a.rounds:
+        if a.counterfactual or a.totals_only or not a.rounds:
             continue
         bucket, mode = batch_bucket(a.batch_size), a.mode
         if a.drafter != "none" and a.num_drafted:

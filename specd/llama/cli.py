@@ -1,6 +1,7 @@
-"""`specd export-gguf` (a model folder, or the shipped reference pair, as GGUF files llama.cpp loads) and
-`specd llama-server-build` (llama.cpp's server built from source, cached: ``specd.llama.build``). Light on purpose:
-numpy, safetensors and gguf are imported only when a command runs."""
+"""`specd export-gguf` (a model folder, or the shipped reference pair, as GGUF files llama.cpp loads),
+`specd llama-server-build` (llama.cpp's server built from source, cached: ``specd.llama.build``) and
+`specd llama-adapter` (llama.cpp's servers behind an OpenAI API the controller steers: ``specd.llama.adapter``).
+Light on purpose: numpy, safetensors, gguf and the adapter are imported only when a command runs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def add_parsers(commands: Any) -> None:
     b.add_argument("--jobs", type=int, default=None, metavar="N", help="parallel compile jobs (default: cores)")
     b.add_argument("--force", action="store_true", help="build even when the cache holds the binary")
     b.set_defaults(handler=build_server)
+    a = commands.add_parser(
+        "llama-adapter", help="serve llama.cpp's servers behind an OpenAI API the controller steers"
+    )
+    a.add_argument("--config", type=Path, required=True, metavar="PATH", help="the adapter's YAML (configs/)")
+    a.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="the servers' logs (default: a temp dir)")
+    a.set_defaults(handler=llama_adapter)
 
 
 def export_gguf(args: argparse.Namespace) -> int:
@@ -44,4 +51,12 @@ def build_server(args: argparse.Namespace) -> int:
     from specd.llama.build import build
 
     print(build(jobs=args.jobs, force=args.force))
+    return 0
+
+
+def llama_adapter(args: argparse.Namespace) -> int:
+    from specd.llama.adapter_config import load_adapter_config
+    from specd.llama.adapter_run import serve
+
+    serve(load_adapter_config(args.config), args.log_dir)
     return 0

@@ -90,7 +90,7 @@ class Decision(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., k: _Optional[int] = ..., reason: _Optional[str] = ..., policy_version: _Optional[str] = ..., exploration: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., stale: _Optional[bool] = ..., segment: _Optional[str] = ..., stop_threshold: _Optional[float] = ..., acceptance: _Optional[_Iterable[float]] = ..., proposal: _Optional[_Iterable[float]] = ..., prior_strength: _Optional[float] = ..., cost_ratio: _Optional[float] = ..., verify_cost: _Optional[_Iterable[float]] = ..., probe_rounds: _Optional[int] = ..., calibration: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., counterfactual_ks: _Optional[_Mapping[str, int]] = ..., plain_rounds: _Optional[int] = ...) -> None: ...
 
 class RoundsAggregate(_message.Message):
-    __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual", "expected_speedup", "start_up_timings", "request_tokens_emitted", "request_seconds")
+    __slots__ = ("segment", "drafter", "k", "rounds", "num_drafted", "num_accepted", "verified_per_position", "accepted_per_position", "tokens_emitted", "draft_seconds", "verify_seconds", "batch_size", "temperature", "prompt_tokens", "self_repetition", "proposed_per_position", "rounds_by_drafted", "verify_seconds_by_drafted", "counterfactual", "expected_speedup", "start_up_timings", "request_tokens_emitted", "request_seconds", "totals_only")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class RoundsAggregate(_message.Message):
     START_UP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TOKENS_EMITTED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     segment: str
     drafter: str
     k: int
@@ -137,7 +138,8 @@ class RoundsAggregate(_message.Message):
     start_up_timings: bool
     request_tokens_emitted: int
     request_seconds: float
-    def __init__(self, segment: _Optional[str] = ..., drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verified_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_emitted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., temperature: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., self_repetition: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., rounds_by_drafted: _Optional[_Iterable[int]] = ..., verify_seconds_by_drafted: _Optional[_Iterable[float]] = ..., counterfactual: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., start_up_timings: _Optional[bool] = ..., request_tokens_emitted: _Optional[int] = ..., request_seconds: _Optional[float] = ...) -> None: ...
+    totals_only: bool
+    def __init__(self, segment: _Optional[str] = ..., drafter: _Optional[str] = ..., k: _Optional[int] = ..., rounds: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., verified_per_position: _Optional[_Iterable[int]] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., tokens_emitted: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., batch_size: _Optional[int] = ..., temperature: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., self_repetition: _Optional[float] = ..., proposed_per_position: _Optional[_Iterable[int]] = ..., rounds_by_drafted: _Optional[_Iterable[int]] = ..., verify_seconds_by_drafted: _Optional[_Iterable[float]] = ..., counterfactual: _Optional[bool] = ..., expected_speedup: _Optional[float] = ..., start_up_timings: _Optional[bool] = ..., request_tokens_emitted: _Optional[int] = ..., request_seconds: _Optional[float] = ..., totals_only: _Optional[bool] = ...) -> None: ...
 
 class ReportRoundsRequest(_message.Message):
     __slots__ = ("report_id", "worker_id", "aggregates")

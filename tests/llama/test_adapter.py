@@ -1,0 +1,198 @@
+"""The llama.cpp adapter end to end: a controller daemon (loopback gRPC, the embedded Redis), the adapter serving its
+HTTP API on a socket, and a llama-server per endpoint on the shipped pair. Greedy output through the adapter is what
+the chosen endpoint gives when called directly, request by request, streamed or not; the controller's acceptance per
+segment is llama-server's own count; a controller that does not answer fails no request; a bad configuration is
+refused naming its field."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from decoder.worker.config import ControllerLink
+from specd.llama.adapter import make_app
+from specd.llama.adapter_config import AdapterConfig, EndpointConfig, ServerLaunch, load_adapter_config
+from specd.llama.adapter_run import adapter
+from specd.llama.endpoints import Setting, route, setting
+from specd_api.errors import SpecdError
+from specd_api.v1 import controller_pb2 as pb
+from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.daemons import DEFAULT_POLICY, RPC_TIMEOUT, connected, running_daemon
+from workloads import load_workload
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
+
+ENDPOINTS = ("none", "draft:4", "prompt_lookup:8")
+FLOAT32_CACHE = ("-ctk", "f32", "-ctv", "f32")
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a thread; its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def adapter_config(gguf_pair: dict[str, Path], binary: Path, address: str | None, **link: Any) -> AdapterConfig:
+    return AdapterConfig(
+        controller=ControllerLink(address=address, decide_deadline_ms=500.0, report_interval_seconds=0.1, **link),
+        server=ServerLaunch(binary=binary, model=gguf_pair["target"], draft_model=gguf_pair["draft"],
+                            args=FLOAT32_CACHE),
+        endpoints=tuple(EndpointConfig(name=n) for n in ENDPOINTS),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(embedded_redis_url, tmp_path_factory, server_binary, gguf_pair) -> Iterator[tuple[str, Any, dict]]:
+    folder = tmp_path_factory.mktemp("adapter")
+    with running_daemon(embedded_redis_url, folder, DEFAULT_POLICY.read_text()) as daemon, connected(daemon) as ch:
+        config = adapter_config(gguf_pair, server_binary, daemon.address)
+        with adapter(config, folder / "logs") as running_adapter, serving(make_app(running_adapter)) as url:
+            yield url, pb_grpc.ControllerStub(ch), running_adapter.urls
+
+
+def prompts() -> list[tuple[str, str]]:
+    out = []
+    for workload in ("code", "extractive", "structured", "prose"):
+        out += [(workload, r.prompt) for r in load_workload(WORKLOADS / f"{workload}.jsonl")[:3]]
+    return out
+
+
+def direct(url: str, ids: list[int], tokens: int) -> str:
+    body = {"prompt": ids, "n_predict": tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stream": False,
+            "return_tokens": True}  # fmt: skip
+    answer = httpx.post(f"{url}/completion", json=body, timeout=120)
+    answer.raise_for_status()
+    return str(answer.json()["content"])
+
+
+def tokenize(url: str, text: str) -> list[int]:
+    answer = httpx.post(f"{url}/tokenize", json={"content": text, "add_special": True}, timeout=30)
+    return [int(t) for t in answer.json()["tokens"]]
+
+
+def test_greedy_output_is_the_chosen_endpoints_and_acceptance_is_llama_servers_count(stack) -> None:
+    url, stub, urls = stack
+    run = uuid.uuid4().hex[:6]
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # segment -> drafted, accepted, steps at draft:4
+    sources: set[str] = set()
+    # every endpoint by the caller's own choice first (what a benchmark does), then the controller's plans
+    passes: list[dict[str, Any] | None] = [{"drafter": s.drafter, "k": s.k} for s in urls] + [None, None]
+    for i, choice in enumerate(passes):
+        for workload, prompt in prompts():
+            segment = f"{workload}-{run}"
+            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "segment": segment}
+            if choice is not None:
+                body["speculation"] = choice
+            stream = i == len(passes) - 1
+            if stream:
+                text, block = streamed(url, body)
+            else:
+                answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+                text, block = answer["choices"][0]["text"], answer["specd"]
+            chosen = setting(block["endpoint"])
+            assert chosen == route(block["drafter"], block["k"], tuple(urls)), block
+            ids = tokenize(urls[Setting("none", 0)], prompt)
+            assert text == direct(urls[chosen], ids, 24), (segment, chosen, stream)
+            sources.add(block["source"])
+            if chosen.drafter == "draft":
+                counts[segment][0] += block["drafted"]
+                counts[segment][1] += block["accepted"]
+                counts[segment][2] += block["tokens"] - 1 - block["accepted"]  # a step: its accepted and one more
+    assert sources >= {"request"} and sources & {"controller", "table"}, sources
+    time.sleep(1.0)  # the client's reports (every 0.1 s) and the controller's refresh
+    for segment, (drafted, accepted, steps) in counts.items():
+        stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=segment), timeout=RPC_TIMEOUT)
+        draft = next(d for d in stats.drafters if d.drafter == "draft")
+        by_k = next(b for b in draft.by_k if b.k == 4)
+        assert by_k.proposed == pytest.approx(drafted, rel=0.02) and by_k.accepted == pytest.approx(accepted, rel=0.02)
+        assert by_k.alpha == pytest.approx(accepted / drafted, abs=0.05)
+        assert by_k.rounds == pytest.approx(steps, rel=0.02)
+        assert draft.realised_requests >= 3  # what the plan realised, from the requests' totals
+    assert len(counts) == 4, dict(counts)
+
+
+def streamed(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    text, block = "", {}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            text += chunk["choices"][0]["text"]
+            block = chunk.get("specd", block)
+    return text, block
+
+
+def test_a_controller_that_does_not_answer_fails_no_request(tmp_path, server_binary, gguf_pair) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    config = adapter_config(gguf_pair, server_binary, dead)
+    with adapter(config, tmp_path) as running_adapter, serving(make_app(running_adapter)) as url:
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 8,
+                                                            "temperature": 0}, timeout=60)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        block = answer.json()["specd"]
+        assert block["endpoint"] == "none" and block["source"] == "local_default"
+        assert running_adapter.client is not None and sum(running_adapter.client.stats().fallbacks.values()) >= 1
+
+
+def test_a_bad_request_is_a_400_naming_the_field(stack) -> None:
+    url, _, _ = stack
+    for body, field in (({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "n": 2}, "n"),
+                        ({"prompt": "x", "segment": "bad segment!"}, "segment")):  # fmt: skip
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == field
+
+
+def test_a_bad_configuration_is_refused_naming_file_and_field(tmp_path) -> None:
+    path = tmp_path / "adapter.yaml"
+    for text, field in (
+        ("endpoints: [{name: 'draft:4', url: 'http://127.0.0.1:1'}]", "one must be 'none'"),
+        ("endpoints: [{name: none, url: 'http://x'}, {name: 'draft:zero', url: 'http://y'}]", "endpoint name"),
+        ("endpoints: [{name: none}]", "server section"),
+        ("server: {model: t.gguf}\nendpoints: [{name: none}, {name: 'draft:2'}]", "draft_model"),
+        ("endpoints: [{name: none, url: 'ftp://x'}]", "http"),
+    ):
+        path.write_text(text)
+        with pytest.raises(SpecdError) as refused:
+            load_adapter_config(path)
+        assert str(path) in str(refused.value) and field in str(refused.value), str(refused.value)
+
+
+def test_routing_takes_the_largest_endpoint_k_within_the_plans() -> None:
+    settings = tuple(setting(n) for n in ("none", "draft:2", "draft:4", "draft:8", "prompt_lookup:8"))
+    assert route("draft", 5, settings) == Setting("draft", 4)
+    assert route("draft", 8, settings) == Setting("draft", 8)
+    assert route("draft", 1, settings) == Setting("draft", 2)  # below every endpoint: the smallest
+    assert route("prompt_lookup", 3, settings) == Setting("prompt_lookup", 8)
+    assert route("suffix", 4, settings) == Setting("none", 0)  # no endpoint for it
+    assert route("draft", 0, settings) == Setting("none", 0)
