@@ -1842,6 +1842,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the request's temperature not forwarded: the engine samples at its own default, not greedily",
     ),
     Mutation(
+        "adapter-scores-no-prompt-lookup",
+        "specd/llama/adapter.py",
+        'if k <= 0 or s.drafter == "prompt_lookup" or not generated:',
+        "if True:",
+        ("tests/llama/test_adapter.py",),
+        "prompt lookup never scored over the adapter's requests: the controller learns its acceptance only by probing",
+    ),
+    Mutation(
         "totals-steps-without-the-accepted",
         "specd_client/reports.py",
         "steps = max(emitted - accepted, -(-drafted // self.k), 1)",

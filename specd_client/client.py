@@ -32,7 +32,7 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from specd_client.buffer import PendingReport, ReportBuffer
 from specd_client.config import ClientConfig, ClientStats
 from specd_client.fallback import DecisionMemory, fallback_cause
-from specd_client.reports import RequestTotals, rounds_to_aggregates
+from specd_client.reports import RequestTotals, counterfactual_aggregates, rounds_to_aggregates
 from specd_client.table_watcher import QUIET_WAIT_SECONDS, TableWatcher
 
 log = logging.getLogger("specd.controller.client")
@@ -296,19 +296,23 @@ class ControllerClient:
             return
         self._enqueue(aggregates)
 
-    def report_totals(self, totals: RequestTotals) -> None:
-        """Enqueue one request's totals, from an engine that counts no more (``RequestTotals``). Never blocks on the
-        network, never raises: totals the controller would refuse are logged, counted and left out."""
+    def report_totals(self, totals: RequestTotals, scored: Sequence[Scored] = ()) -> None:
+        """Enqueue one request's totals, from an engine that counts no more (``RequestTotals``), and the one-hot
+        drafters ``scored`` over its output. Never blocks on the network, never raises: what the controller would
+        refuse is logged, counted and left out."""
         try:
             aggregate = totals.to_proto()
-            if aggregate is not None:
-                check_aggregate(aggregate)
+            aggregates = [aggregate] if aggregate is not None else []
+            aggregates += counterfactual_aggregates(totals.segment, scored, totals.temperature, totals.prompt_tokens,
+                                                    totals.self_repetition)  # fmt: skip
+            for a in aggregates:
+                check_aggregate(a)
         except Exception as e:
             with self._lock:
                 self._reports_invalid += 1
             log.warning("totals for segment %r left out: %s", totals.segment[:128], e)
             return
-        self._enqueue([aggregate] if aggregate is not None else [])
+        self._enqueue(aggregates)
 
     def _enqueue(self, aggregates: list[pb.RoundsAggregate]) -> None:
         if not aggregates:

@@ -121,7 +121,14 @@ def rounds_to_aggregates(
         )
         for key, g in groups.items()
     ]
-    counterfactual = [
+    return served + counterfactual_aggregates(segment, scored, temperature, prompt_tokens, self_repetition)
+
+
+def counterfactual_aggregates(
+    segment: str, scored: Sequence[Scored], temperature: float, prompt_tokens: int, self_repetition: float
+) -> list[pb.RoundsAggregate]:
+    """One counterfactual RoundsAggregate per score with rounds: its per-position counts, no timings."""
+    return [
         pb.RoundsAggregate(
             segment=segment,
             drafter=t.drafter,
@@ -136,7 +143,6 @@ def rounds_to_aggregates(
         for t in scored
         if t.tally.rounds
     ]
-    return served + counterfactual
 
 
 def _calibration_carrier(groups: dict[tuple[str, int, int], _Group]) -> tuple[str, int, int] | None:

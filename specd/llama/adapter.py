@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from decoder.counterfactual import replay_lookup
+from decoder.drafters.prompt_lookup import PromptLookupConfig
+from decoder.request_stop import StopConditions
 from decoder.worker.openai_api import (
     CompletionRequest,
     SpeculationChoice,
@@ -46,6 +51,7 @@ from specd_client import ControllerClient, RequestTotals, self_repetition
 
 log = logging.getLogger("specd.llama.adapter")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+QUIET_SECONDS = 2.0  # prompt lookup's replay waits at most this long for no request to be in flight
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,32 @@ class Routed:
     setting: Setting
     url: str
     features: RequestFeatures
+    prompt_ids: tuple[int, ...]
     caller_choice: SpeculationChoice | None = None  # the request named its own drafter and K
+
+
+class InFlight:
+    """The requests in the adapter now; ``wait_idle`` is the client library's ``quiet``: its reports are sent, and its
+    pushed tables read, once no request is in flight (or after the wait's bound), not beside a decode."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._changed = threading.Condition()
+
+    def enter(self) -> int:
+        """One more request; the count with it."""
+        with self._changed:
+            self._count += 1
+            return self._count
+
+    def leave(self) -> None:
+        with self._changed:
+            self._count -= 1
+            self._changed.notify_all()
+
+    def wait_idle(self, seconds: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._count == 0, timeout=seconds)
 
 
 class EngineError(Exception):
@@ -67,15 +98,23 @@ class Adapter:
     """The adapter's state: the endpoints' URLs by setting, one HTTP client, the controller client (None: no
     controller; every request plain unless the local default says otherwise), and the requests in flight."""
 
-    def __init__(self, config: AdapterConfig, urls: dict[Setting, str], client: ControllerClient | None) -> None:
+    def __init__(
+        self, config: AdapterConfig, urls: dict[Setting, str], client: ControllerClient | None,
+        tokenizer: Callable[[str], list[int]] | None = None, in_flight: InFlight | None = None,
+    ) -> None:  # fmt: skip
+        """``tokenizer``: the served model's, in this process (None: the plain server's /tokenize); ``in_flight``:
+        the counter the client library waits on (``InFlight.wait_idle``)."""
         self.config = config
+        self.in_flight = in_flight or InFlight()
+        self.tokenizer = tokenizer
         self.urls = urls
         self.settings = tuple(urls)
         self.drafters = offered(self.settings)
         self.client = client
-        self.http = httpx.AsyncClient(timeout=config.request_timeout_seconds)
-        self._in_flight = 0
-        self._lock = threading.Lock()
+        # no Nagle: a request's headers and body go out at once, not 40 ms apart behind a delayed ACK
+        transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self.http = httpx.AsyncClient(timeout=config.request_timeout_seconds, transport=transport)
+        self._reporter = ThreadPoolExecutor(1, thread_name_prefix="specd-adapter-scoring")
 
     @property
     def plain_url(self) -> str:
@@ -83,13 +122,20 @@ class Adapter:
 
     async def close(self) -> None:
         await self.http.aclose()
+        self._reporter.shutdown(wait=True)
 
     # --- one request ------------------------------------------------------------------------------
 
     async def tokenize(self, prompt: str | list[str] | list[int]) -> list[int]:
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        text = prompt_text(prompt)
+        if text is None:
             return [int(t) for t in prompt]
-        text = prompt[0] if isinstance(prompt, list) else prompt
+        if self.tokenizer is not None:
+            return self.tokenizer(text)
+        return await self.server_tokens(text)
+
+    async def server_tokens(self, text: str) -> list[int]:
+        """``text`` as the plain server tokenizes a prompt (its special tokens added)."""
         answer = await self._post(self.plain_url, "/tokenize", {"content": text, "add_special": True})
         return [int(t) for t in answer["tokens"]]
 
@@ -102,9 +148,7 @@ class Adapter:
         return classify_prompt(text, repetition)
 
     async def decide(self, body: CompletionRequest, ids: list[int], segment: str) -> Routed:
-        with self._lock:
-            self._in_flight += 1
-            batch = self._in_flight
+        batch = self.in_flight.enter()
         features = RequestFeatures(
             segment=segment, batch_size=batch, drafters=self.drafters, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k, prompt_tokens=len(ids),
@@ -121,26 +165,39 @@ class Adapter:
         threshold = plan.max_batch_size if plan.max_batch_size is not None else self.config.speculation_max_batch
         drafter, k = (plan.drafter, plan.k) if speculation_allowed(batch, threshold) else ("none", 0)
         chosen = route(drafter, k, self.settings)
-        return Routed(plan, chosen, self.urls[chosen], features, body.speculation)
+        return Routed(plan, chosen, self.urls[chosen], features, tuple(ids), body.speculation)
 
-    def done(self, routed: Routed, answer: dict[str, Any]) -> None:
-        """The request left the adapter: its totals reported (when a controller is configured)."""
-        with self._lock:
-            self._in_flight -= 1
+    def done(self, routed: Routed, answer: dict[str, Any], generated: Sequence[int] = ()) -> None:
+        """The request left the adapter: its totals reported (when a controller is configured), with prompt lookup
+        scored over its output ``generated`` where the plan asks for it and prompt lookup did not serve it; the
+        scoring (about 0.5 ms) runs on the reporter's thread once no request is in flight."""
+        self.in_flight.leave()
         timings = answer.get("timings") or {}
         chosen = routed.caller_choice
-        if self.client is None or not timings or (chosen is not None and not chosen.report):
+        client = self.client
+        if client is None or not timings or (chosen is not None and not chosen.report):
             return
         f, s = routed.features, routed.setting
-        self.client.report_totals(
-            RequestTotals(
-                segment=f.segment, drafter=s.drafter, k=s.k, tokens=int(timings.get("predicted_n", 0)),
-                seconds=float(timings.get("predicted_ms", 0.0)) / 1000.0, drafted=int(timings.get("draft_n", 0)),
-                accepted=int(timings.get("draft_n_accepted", 0)), batch_size=f.batch_size,
-                temperature=f.temperature, prompt_tokens=f.prompt_tokens, self_repetition=f.self_repetition,
-                expected_speedup=routed.plan.model_speedup if chosen is None else 0.0,
-            )
+        totals = RequestTotals(
+            segment=f.segment, drafter=s.drafter, k=s.k, tokens=int(timings.get("predicted_n", 0)),
+            seconds=float(timings.get("predicted_ms", 0.0)) / 1000.0, drafted=int(timings.get("draft_n", 0)),
+            accepted=int(timings.get("draft_n_accepted", 0)), batch_size=f.batch_size, temperature=f.temperature,
+            prompt_tokens=f.prompt_tokens, self_repetition=f.self_repetition,
+            expected_speedup=routed.plan.model_speedup if chosen is None else 0.0,
         )  # fmt: skip
+        k = dict(routed.plan.counterfactual_ks).get("prompt_lookup", 0)
+        if k <= 0 or s.drafter == "prompt_lookup" or not generated:
+            client.report_totals(totals)
+            return
+        budget = int(timings.get("predicted_n", 0)) or len(generated)
+
+        def score_and_report() -> None:
+            self.in_flight.wait_idle(QUIET_SECONDS)
+            rules = StopConditions(max_new_tokens=max(budget, 1))
+            scored = replay_lookup(routed.prompt_ids, generated, PromptLookupConfig(), k, rules, None)
+            client.report_totals(totals, scored)
+
+        self._reporter.submit(score_and_report)
 
     def engine_body(self, body: CompletionRequest, ids: list[int], stream: bool) -> dict[str, Any]:
         """llama-server's /completion body: the ids and the sampling fields as the request gave them."""
@@ -169,12 +226,13 @@ class Adapter:
         except BaseException:
             self.done(routed, {})
             raise
-        self.done(routed, answer)
+        self.done(routed, answer, [int(t) for t in answer.get("tokens") or ()])
         return answer
 
     async def stream(self, routed: Routed, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """llama-server's stream, chunk by chunk (the last carries ``stop`` and ``timings``)."""
         last: dict[str, Any] = {}
+        generated: list[int] = []
         try:
             async with self.http.stream("POST", routed.url + "/completion", json=payload) as answer:
                 if answer.status_code != 200:
@@ -183,13 +241,22 @@ class Adapter:
                     if not line.startswith("data: "):
                         continue
                     chunk = json.loads(line[6:])
+                    generated += [int(t) for t in chunk.get("tokens") or ()]
                     if chunk.get("stop"):
                         last = chunk
                     yield chunk
         except httpx.HTTPError as e:
             raise EngineError(f"{routed.url}/completion: {type(e).__name__}: {e}") from None
         finally:
-            self.done(routed, last)
+            self.done(routed, last, generated)
+
+
+def prompt_text(prompt: str | list[str] | list[int]) -> str | None:
+    """A completion request's prompt as text; None when it was sent as token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    first = prompt[0] if prompt else ""
+    return first if isinstance(first, str) else None
 
 
 def speculation_block(routed: Routed, answer: dict[str, Any]) -> dict[str, Any]:
@@ -246,8 +313,7 @@ def make_app(adapter: Adapter) -> FastAPI:
         except ValueError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error", "segment"), status_code=400)
         ids = await adapter.tokenize(body.prompt)
-        text = body.prompt if isinstance(body.prompt, str) else body.prompt[0] if body.prompt else ""
-        segment = adapter.segment(body, header, text if isinstance(text, str) else "", self_repetition(ids))
+        segment = adapter.segment(body, header, prompt_text(body.prompt) or "", self_repetition(ids))
         routed = await adapter.decide(body, ids, segment)
         request_id = new_id("cmpl")
         if not body.stream:

@@ -59,6 +59,11 @@ class AdapterConfig(Strict):
     speculation_max_batch: int = Field(8, ge=1, description="without a controller, no speculation above this many "
                                                             "requests in flight")  # fmt: skip
     request_timeout_seconds: float = Field(600.0, gt=0)
+    tokenizer: Path | None = Field(
+        None, description="a Hugging Face model folder whose tokenizer is the served model's (the folder specd "
+        "export-gguf read): prompts are tokenized here, checked against the server's at start; null: the plain "
+        "server's /tokenize, one more call a request",
+    )  # fmt: skip
     server: ServerLaunch | None = None
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
 
@@ -95,15 +100,16 @@ class AdapterConfig(Strict):
 
     def resolve(self, base: Path) -> AdapterConfig:
         """Relative model paths against ``base`` (the config file's folder)."""
+        tokenizer = base / self.tokenizer.expanduser() if self.tokenizer is not None else None
         if self.server is None:
-            return self
+            return self.model_copy(update={"tokenizer": tokenizer})
         s = self.server
         paths = {"model": base / s.model.expanduser()}
         if s.draft_model is not None:
             paths["draft_model"] = base / s.draft_model.expanduser()
         if s.binary is not None:
             paths["binary"] = base / s.binary.expanduser()
-        return self.model_copy(update={"server": s.model_copy(update=paths)})
+        return self.model_copy(update={"server": s.model_copy(update=paths), "tokenizer": tokenizer})
 
 
 def load_adapter_config(path: str | Path) -> AdapterConfig:

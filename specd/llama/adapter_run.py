@@ -4,18 +4,23 @@ SIGTERM, then everything stopped."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from fastapi import FastAPI
+
 from decoder.worker.config import split_address
-from specd.llama.adapter import Adapter, make_app
+from specd.llama.adapter import Adapter, InFlight, make_app
 from specd.llama.adapter_config import AdapterConfig
 from specd.llama.endpoints import Setting, offered
-from specd.llama.server import running
+from specd.llama.server import ServerFailed, running
 from specd_client import ClientConfig, ControllerClient
 
 log = logging.getLogger("specd.llama.adapter")
@@ -50,7 +55,9 @@ def _cached_binary() -> Path:
 
 
 @contextmanager
-def controller_client(config: AdapterConfig, drafters: tuple[str, ...]) -> Iterator[ControllerClient | None]:
+def controller_client(
+    config: AdapterConfig, drafters: tuple[str, ...], in_flight: InFlight
+) -> Iterator[ControllerClient | None]:
     link = config.controller
     if link.address is None:
         yield None
@@ -62,7 +69,8 @@ def controller_client(config: AdapterConfig, drafters: tuple[str, ...]) -> Itera
             default_k=link.default_k, fallback_max_batch_size=config.speculation_max_batch,
             report_interval_s=link.report_interval_seconds, max_buffered_aggregates=link.max_buffered_aggregates,
             credentials=link.credentials(), watch_decisions=drafters if link.watch_decisions else (),
-        )
+        ),
+        quiet=in_flight.wait_idle,
     )  # fmt: skip
     client.start()
     try:
@@ -71,11 +79,44 @@ def controller_client(config: AdapterConfig, drafters: tuple[str, ...]) -> Itera
         client.close()
 
 
+TOKENIZER_PROBE = "def f(x):\n    return {'a': [1, 2.5]}  # Ünïcode, spaces   and\ttabs"
+
+
 @contextmanager
 def adapter(config: AdapterConfig, log_dir: Path) -> Iterator[Adapter]:
-    """The adapter with its endpoints up and its controller client started."""
-    with endpoints(config, log_dir) as urls, controller_client(config, offered(tuple(urls))) as client:
-        yield Adapter(config, urls, client)
+    """The adapter with its endpoints up and its controller client started; with ``config.tokenizer``, that
+    tokenizer checked against the plain server's on a probe text (ServerFailed when they differ)."""
+    in_flight = InFlight()
+    with endpoints(config, log_dir) as urls, controller_client(config, offered(tuple(urls)), in_flight) as client:
+        tokenizer = local_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+        made = Adapter(config, urls, client, tokenizer, in_flight)
+        if tokenizer is not None:
+            served_ids = asyncio.run(_server_tokens(config, urls))
+            if tokenizer(TOKENIZER_PROBE) != served_ids:
+                raise ServerFailed(
+                    f"tokenizer {config.tokenizer}: it tokenizes a probe text unlike the server "
+                    f"({tokenizer(TOKENIZER_PROBE)[:8]} vs {served_ids[:8]}): not the served model's"
+                )
+        yield made
+
+
+async def _server_tokens(config: AdapterConfig, urls: dict[Setting, str]) -> list[int]:
+    probe = Adapter(config, urls, None)
+    try:
+        return await probe.server_tokens(TOKENIZER_PROBE)
+    finally:
+        await probe.close()
+
+
+def local_tokenizer(folder: Path) -> Callable[[str], list[int]]:
+    """The folder's tokenizer (transformers' fast one) as a function of a text: its ids, special tokens added."""
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise ServerFailed(f"tokenizer {folder}: {e}") from None
+    return lambda text: [int(t) for t in loaded(text, add_special_tokens=True)["input_ids"]]
 
 
 def serve(config: AdapterConfig, log_dir: Path | None = None) -> None:
@@ -85,3 +126,25 @@ def serve(config: AdapterConfig, log_dir: Path | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="specd-llama-") as scratch, adapter(config, log_dir or Path(scratch)) as a:
         log.info("llama.cpp adapter on http://%s:%d, endpoints %s", host, port, ", ".join(s.name for s in a.settings))
         uvicorn.run(make_app(a), host=host, port=port, log_level="warning")
+
+
+@contextmanager
+def served(app: FastAPI, start_seconds: float = 20.0) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port, in a thread of this process, for as long as the block
+    lasts (tests and benchmarks); its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_seconds
+    while not server.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from decoder.worker.config import ControllerLink
 from specd.llama.adapter import make_app
 from specd.llama.adapter_config import AdapterConfig, EndpointConfig, ServerLaunch, load_adapter_config
-from specd.llama.adapter_run import adapter
+from specd.llama.adapter_run import adapter, served
 from specd.llama.endpoints import Setting, route, setting
 from specd_api.errors import SpecdError
 from specd_api.v1 import controller_pb2 as pb
@@ -36,26 +33,6 @@ WORKLOADS = Path(__file__).resolve().parents[2] / "workloads"
 
 ENDPOINTS = ("none", "draft:4", "prompt_lookup:8")
 FLOAT32_CACHE = ("-ctk", "f32", "-ctv", "f32")
-
-
-@contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """``app`` served by uvicorn on a free loopback port in a thread; its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def adapter_config(gguf_pair: dict[str, Path], binary: Path, address: str | None, **link: Any) -> AdapterConfig:
@@ -72,7 +49,7 @@ def stack(embedded_redis_url, tmp_path_factory, server_binary, gguf_pair) -> Ite
     folder = tmp_path_factory.mktemp("adapter")
     with running_daemon(embedded_redis_url, folder, DEFAULT_POLICY.read_text()) as daemon, connected(daemon) as ch:
         config = adapter_config(gguf_pair, server_binary, daemon.address)
-        with adapter(config, folder / "logs") as running_adapter, serving(make_app(running_adapter)) as url:
+        with adapter(config, folder / "logs") as running_adapter, served(make_app(running_adapter)) as url:
             yield url, pb_grpc.ControllerStub(ch), running_adapter.urls
 
 
@@ -135,6 +112,13 @@ def test_greedy_output_is_the_chosen_endpoints_and_acceptance_is_llama_servers_c
         assert by_k.rounds == pytest.approx(steps, rel=0.02)
         assert draft.realised_requests >= 3  # what the plan realised, from the requests' totals
     assert len(counts) == 4, dict(counts)
+    # prompt lookup, scored over the output of the controller's requests that did not run it
+    scored = 0.0
+    for workload in ("code", "extractive", "structured", "prose"):
+        stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=f"{workload}-{run}"), timeout=RPC_TIMEOUT)
+        lookup = [d for d in stats.drafters if d.drafter == "prompt_lookup"]
+        scored += sum(p.offered for d in lookup for p in d.counterfactual_positions)
+    assert scored > 0
 
 
 def streamed(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -155,7 +139,7 @@ def test_a_controller_that_does_not_answer_fails_no_request(tmp_path, server_bin
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     config = adapter_config(gguf_pair, server_binary, dead)
-    with adapter(config, tmp_path) as running_adapter, serving(make_app(running_adapter)) as url:
+    with adapter(config, tmp_path) as running_adapter, served(make_app(running_adapter)) as url:
         answer = httpx.post(f"{url}/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 8,
                                                             "temperature": 0}, timeout=60)  # fmt: skip
         assert answer.status_code == 200, answer.text
