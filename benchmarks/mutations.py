@@ -1850,6 +1850,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "prompt lookup never scored over the adapter's requests: the controller learns its acceptance only by probing",
     ),
     Mutation(
+        "adapter-serves-under-uvicorns-signals",
+        "specd/llama/adapter_run.py",
+        "LifecycleServer(server_config, lifecycle).run()",
+        "uvicorn.Server(server_config).run()",
+        ("tests/llama/test_adapter.py",),
+        "uvicorn's own handlers re-raise SIGTERM after its shutdown: the adapter dies before it stops its servers",
+    ),
+    Mutation(
         "totals-steps-without-the-accepted",
         "specd_client/reports.py",
         "steps = max(emitted - accepted, -(-drafted // self.k), 1)",

@@ -21,6 +21,7 @@ from specd.llama.adapter import Adapter, InFlight, make_app
 from specd.llama.adapter_config import AdapterConfig
 from specd.llama.endpoints import Setting, offered
 from specd.llama.server import ServerFailed, running
+from specd_api.lifecycle import Lifecycle
 from specd_client import ClientConfig, ControllerClient
 
 log = logging.getLogger("specd.llama.adapter")
@@ -120,12 +121,22 @@ def local_tokenizer(folder: Path) -> Callable[[str], list[int]]:
 
 
 def serve(config: AdapterConfig, log_dir: Path | None = None) -> None:
+    """Serve until SIGINT or SIGTERM (the lifecycle's handlers, not uvicorn's, which would re-raise the signal and
+    leave the servers this adapter owns running); then the servers are stopped and the reports flushed."""
     import uvicorn
 
+    from decoder.worker.process import LifecycleServer
+
     host, port = split_address(config.listen)
-    with tempfile.TemporaryDirectory(prefix="specd-llama-") as scratch, adapter(config, log_dir or Path(scratch)) as a:
+    lifecycle = Lifecycle()
+    with (
+        lifecycle.signals(),
+        tempfile.TemporaryDirectory(prefix="specd-llama-") as scratch,
+        adapter(config, log_dir or Path(scratch)) as a,
+    ):
         log.info("llama.cpp adapter on http://%s:%d, endpoints %s", host, port, ", ".join(s.name for s in a.settings))
-        uvicorn.run(make_app(a), host=host, port=port, log_level="warning")
+        server_config = uvicorn.Config(make_app(a), host=host, port=port, log_level="warning")
+        LifecycleServer(server_config, lifecycle).run()
 
 
 @contextmanager

@@ -32,6 +32,7 @@ def add_parsers(commands: Any) -> None:
     )
     a.add_argument("--config", type=Path, required=True, metavar="PATH", help="the adapter's YAML (configs/)")
     a.add_argument("--log-dir", type=Path, default=None, metavar="DIR", help="the servers' logs (default: a temp dir)")
+    a.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     a.set_defaults(handler=llama_adapter)
 
 
@@ -55,8 +56,12 @@ def build_server(args: argparse.Namespace) -> int:
 
 
 def llama_adapter(args: argparse.Namespace) -> int:
+    import logging
+
     from specd.llama.adapter_config import load_adapter_config
     from specd.llama.adapter_run import serve
 
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request forwarded, at INFO
     serve(load_adapter_config(args.config), args.log_dir)
     return 0

@@ -180,3 +180,42 @@ def test_routing_takes_the_largest_endpoint_k_within_the_plans() -> None:
     assert route("prompt_lookup", 3, settings) == Setting("prompt_lookup", 8)
     assert route("suffix", 4, settings) == Setting("none", 0)  # no endpoint for it
     assert route("draft", 0, settings) == Setting("none", 0)
+
+
+def test_sigterm_stops_the_adapter_and_the_servers_it_started(tmp_path, server_binary, gguf_pair) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    port_holder = socket.socket()
+    port_holder.bind(("127.0.0.1", 0))
+    port = port_holder.getsockname()[1]
+    port_holder.close()
+    config = tmp_path / "adapter.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:{port}\ncontroller: {{address: null}}\n"
+        f"server: {{binary: {server_binary}, model: {gguf_pair['target']}}}\nendpoints: [{{name: none}}]\n"
+    )
+    log = tmp_path / "adapter.log"
+    with log.open("w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "specd", "llama-adapter", "--config", str(config), "--log-dir",
+                                  str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert child.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        served = [line.split()[-3] for line in log.read_text().splitlines() if "endpoint none:" in line]
+        assert served, log.read_text()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == 0, log.read_text()[-2000:]
+        with pytest.raises(httpx.HTTPError):  # the llama-server the adapter started is gone with it
+            httpx.get(f"{served[0]}/health", timeout=2)
+    finally:
+        if child.poll() is None:
+            child.kill()
