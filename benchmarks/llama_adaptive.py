@@ -219,6 +219,15 @@ def measure(per_workload: int, tokens: int, passes: int, redis_url: str, settle:
                 settled.append((pair["adapter"], pair["direct"]))
         time.sleep(2.5)  # the last reports and a refresh
         alpha_gap = 0.0
+        held: dict[str, dict[str, dict[str, float]]] = {}  # workload -> drafter -> what the controller holds
+        for workload in WORKLOADS:
+            stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=f"{workload}-{run}"), timeout=10)
+            held[workload] = {
+                d.drafter: {"realised": round(d.realised_speedup, 3), "requests": round(d.realised_requests, 1),
+                            "model": round(d.model_speedup, 3), "expected": round(d.expected_speedup, 3),
+                            "lower": round(d.lower_bound, 3), "calibration": round(d.calibration, 3)}
+                for d in stats.drafters
+            }  # fmt: skip
         for key, (drafted, accepted) in counts.items():
             segment, endpoint = key.split("@")
             stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=segment), timeout=10)
@@ -229,6 +238,7 @@ def measure(per_workload: int, tokens: int, passes: int, redis_url: str, settle:
     channel.close()
     result = summarise(prompts, seconds, texts, routed, alpha_gap, passes)
     result["aa_settled_adapter_over_direct"] = geometric_ratio(settled)
+    result["learned"] = held
     return result
 
 
@@ -292,6 +302,8 @@ def main() -> None:
     print(f"adaptive output equal to plain on {result['adaptive_same_as_plain']}/{result['prompts']} prompts; "
           f"controller alpha vs llama-server's counts: max gap {result['alpha_max_gap']:.4f}")  # fmt: skip
     print(f"adaptive's endpoints per workload: {json.dumps(result['routed'])}")
+    for workload, drafters in result["learned"].items():
+        print(f"controller, {workload}: {json.dumps(drafters)}")
     print(json.dumps({"adaptive_vs_best_single": vs["ratio"], "adaptive_vs_plain": result["adaptive_vs_plain"]["ratio"],
                       "aa_overhead": aa["ratio"] - 1.0, "aa_settled_overhead": quiet["ratio"] - 1.0}))  # fmt: skip
     if args.json is not None:

@@ -22,21 +22,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# name -> llama-server arguments beyond the target model (the draft model's path is filled in)
-ENDPOINTS: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "draft:2": ("--spec-type", "draft-simple", "-md", "{draft}", "--spec-draft-n-max", "2"),
-    "draft:4": ("--spec-type", "draft-simple", "-md", "{draft}", "--spec-draft-n-max", "4"),
-    "draft:8": ("--spec-type", "draft-simple", "-md", "{draft}", "--spec-draft-n-max", "8"),
-    "prompt_lookup:8": (
-        "--spec-type",
-        "ngram-simple",
-        "--spec-ngram-simple-size-n",
-        "3",
-        "--spec-ngram-simple-size-m",
-        "8",
-    ),
-}
+ENDPOINTS = ("none", "draft:2", "draft:4", "draft:8", "prompt_lookup:8")  # specd.llama.endpoints names them
 FLOAT32_CACHE = ("-ctk", "f32", "-ctv", "f32")
 
 
@@ -60,6 +46,7 @@ def measure(per_workload: int, tokens: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from specd.llama.build import built
+    from specd.llama.endpoints import setting
     from specd.llama.gguf_export import export
     from specd.llama.server import running
     from workloads import load_all
@@ -81,11 +68,11 @@ def measure(per_workload: int, tokens: int) -> dict[str, Any]:
                 running(
                     binary,
                     target,
-                    (*FLOAT32_CACHE, *(a.format(draft=draft) for a in args)),
+                    (*FLOAT32_CACHE, *setting(name).server_args(draft)),
                     log=folder / f"{name.replace(':', '-')}.log",
                 )
             )
-            for name, args in ENDPOINTS.items()
+            for name in ENDPOINTS
         }
         for name in ENDPOINTS:  # one warm-up request each
             complete(urls[name], prompts[0][1], 8)

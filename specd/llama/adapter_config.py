@@ -64,6 +64,8 @@ class AdapterConfig(Strict):
         "export-gguf read): prompts are tokenized here, checked against the server's at start; null: the plain "
         "server's /tokenize, one more call a request",
     )  # fmt: skip
+    calibrate: bool = Field(True, description="time llama-server's passes at start and report them to the controller "
+                                              "as its costs (specd/llama/calibration.py)")  # fmt: skip
     server: ServerLaunch | None = None
     endpoints: tuple[EndpointConfig, ...] = Field(min_length=1)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 from fastapi import FastAPI
 
 from decoder.worker.config import split_address
@@ -91,6 +92,8 @@ def adapter(config: AdapterConfig, log_dir: Path) -> Iterator[Adapter]:
     with endpoints(config, log_dir) as urls, controller_client(config, offered(tuple(urls)), in_flight) as client:
         tokenizer = local_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         made = Adapter(config, urls, client, tokenizer, in_flight)
+        if client is not None and config.calibrate:
+            report_calibration(config, urls, client, log_dir)
         if tokenizer is not None:
             served_ids = asyncio.run(_server_tokens(config, urls))
             if tokenizer(TOKENIZER_PROBE) != served_ids:
@@ -99,6 +102,33 @@ def adapter(config: AdapterConfig, log_dir: Path) -> Iterator[Adapter]:
                     f"({tokenizer(TOKENIZER_PROBE)[:8]} vs {served_ids[:8]}): not the served model's"
                 )
         yield made
+
+
+def report_calibration(
+    config: AdapterConfig, urls: dict[Setting, str], client: ControllerClient, log_dir: Path
+) -> None:
+    """The engine's costs, timed now (``specd.llama.calibration``), as the controller's first timings: costs only, in
+    no segment. A calibration that fails is logged and skipped: the adapter serves without it."""
+    from decoder.calibration import CALIBRATION_SEGMENT
+    from specd.llama import calibration
+
+    plain = urls[Setting("none", 0)]
+    server = config.server
+    draft = None
+    if server is not None and server.draft_model is not None and any(s.drafter == "draft" for s in urls):
+        binary = server.binary or _cached_binary()
+        draft = (binary, server.draft_model, (*server.args, "-t", str(server.threads)))
+    try:
+        prefix = calibration.probe_prefix(plain)
+        max_k = max((s.k for s in urls), default=0)
+        lookup = any(s.drafter == "prompt_lookup" for s in urls)
+        sequences = calibration.measure(plain, prefix, max_k, lookup, draft, log_dir)
+    except (OSError, httpx.HTTPError, ServerFailed, ValueError, KeyError) as e:
+        log.warning("calibration skipped (%s): the controller prices K with the policy's costs until traffic", e)
+        return
+    for rounds in sequences:  # each sequence its own report: one observation of the controller's medians
+        client.report(segment=CALIBRATION_SEGMENT, rounds=rounds, temperature=0.0, prompt_tokens=len(prefix),
+                      self_repetition=0.0, start_up_timings=True)  # fmt: skip
 
 
 async def _server_tokens(config: AdapterConfig, urls: dict[Setting, str]) -> list[int]:

@@ -219,3 +219,36 @@ def test_sigterm_stops_the_adapter_and_the_servers_it_started(tmp_path, server_b
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_the_adapters_start_up_calibration_gives_the_controller_llama_cpps_costs(stack) -> None:
+    _, stub, _ = stack
+    def greedy_costs() -> pb.BucketCosts | None:
+        costs = stub.GetCosts(pb.GetCostsRequest(), timeout=RPC_TIMEOUT)
+        return next((b for b in costs.buckets if b.batch_bucket == 1 and b.mode == "greedy" and b.measured), None)
+
+    deadline = time.monotonic() + 10
+    while (greedy := greedy_costs()) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert greedy is not None and greedy.step_seconds > 0
+    assert len(greedy.verify_rounds) >= 9, (list(greedy.verify_rounds), list(greedy.verify_cost))
+    assert all(greedy.verify_rounds[n] > 0 for n in range(9)), list(greedy.verify_rounds)  # plain, and 1..8 drafts
+    # a pass over more tokens costs more: v(1) above a plain step, v(8) above v(1)
+    assert 1.03 < greedy.verify_cost[1] < greedy.verify_cost[8], (list(greedy.verify_cost), list(greedy.verify_rounds))
+    assert 0 < greedy.cost_ratio["draft"] < 1 and greedy.cost_ratio["prompt_lookup"] == 0.0
+
+
+def test_a_pass_of_n_plus_one_new_tokens_is_a_round_that_verifies_n_drafts() -> None:
+    from specd.llama.calibration import SEQUENCES, calibration_sequences
+
+    verify = {w: [w / 1000.0] * SEQUENCES for w in range(1, 6)}  # a pass of w tokens: w ms
+    sequences = calibration_sequences(verify, [0.0003] * SEQUENCES, max_k=4, lookup=True)
+    assert len(sequences) == SEQUENCES
+    rounds = [r for s in sequences for r in s]
+    by = {(r.drafter, r.num_drafted): r.verify_seconds for r in rounds}
+    assert by[("none", 0)] == 0.001  # a plain step: one new token
+    assert all(by[("prompt_lookup", n)] == (n + 1) / 1000.0 for n in range(1, 5))
+    assert by[("draft", 1)] == 0.002 and all(r.draft_seconds == 0.0003 for r in rounds if r.drafter == "draft")
+    assert sorted({r.k for r in rounds if r.drafter == "prompt_lookup"}) == [1, 2, 3, 4]
+    assert calibration_sequences(verify, [], max_k=4, lookup=False)[0][0].drafter == "none"
+    assert not any(r.drafter != "none" for s in calibration_sequences(verify, [], 4, False) for r in s)
