@@ -223,6 +223,7 @@ def test_sigterm_stops_the_adapter_and_the_servers_it_started(tmp_path, server_b
 
 def test_the_adapters_start_up_calibration_gives_the_controller_llama_cpps_costs(stack) -> None:
     _, stub, _ = stack
+
     def greedy_costs() -> pb.BucketCosts | None:
         costs = stub.GetCosts(pb.GetCostsRequest(), timeout=RPC_TIMEOUT)
         return next((b for b in costs.buckets if b.batch_bucket == 1 and b.mode == "greedy" and b.measured), None)
