@@ -44,7 +44,7 @@ from decoder.worker.openai_api import (
 from decoder.worker.segments import classify_prompt
 from specd.llama.adapter_config import AdapterConfig
 from specd.llama.endpoints import Setting, offered, route
-from specd_api.plan import Plan, local_plan, requested, speculation_allowed
+from specd_api.plan import Plan, local_plan, requested, runnable, speculation_allowed
 from specd_api.request_features import RequestFeatures
 from specd_api.segments import validate_segment
 from specd_client import ControllerClient, RequestTotals, self_repetition
@@ -147,12 +147,12 @@ class Adapter:
             return self.config.segment
         return classify_prompt(text, repetition)
 
-    async def decide(self, body: CompletionRequest, ids: list[int], segment: str) -> Routed:
+    async def decide(self, body: CompletionRequest, ids: list[int], segment: str, repetition: float) -> Routed:
         batch = self.in_flight.enter()
         features = RequestFeatures(
             segment=segment, batch_size=batch, drafters=self.drafters, temperature=body.temperature,
             top_p=body.top_p, top_k=body.top_k, prompt_tokens=len(ids),
-            max_new_tokens=body.max_tokens or DEFAULT_MAX_TOKENS, self_repetition=self_repetition(ids),
+            max_new_tokens=body.max_tokens or DEFAULT_MAX_TOKENS, self_repetition=repetition,
         )  # fmt: skip
         if body.speculation is not None:
             plan = requested(body.speculation.drafter, body.speculation.k)
@@ -162,7 +162,8 @@ class Adapter:
             link = self.config.controller
             plan = local_plan(link.default_drafter, link.default_k, self.drafters, batch,
                               self.config.speculation_max_batch, None)  # fmt: skip
-        threshold = plan.max_batch_size if plan.max_batch_size is not None else self.config.speculation_max_batch
+        plan = runnable(plan, self.drafters, self.config.speculation_max_batch)  # the batch threshold, resolved once
+        threshold = plan.max_batch_size or self.config.speculation_max_batch  # set by runnable
         drafter, k = (plan.drafter, plan.k) if speculation_allowed(batch, threshold) else ("none", 0)
         chosen = route(drafter, k, self.settings)
         return Routed(plan, chosen, self.urls[chosen], features, tuple(ids), body.speculation)
@@ -313,8 +314,9 @@ def make_app(adapter: Adapter) -> FastAPI:
         except ValueError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error", "segment"), status_code=400)
         ids = await adapter.tokenize(body.prompt)
-        segment = adapter.segment(body, header, prompt_text(body.prompt) or "", self_repetition(ids))
-        routed = await adapter.decide(body, ids, segment)
+        repetition = self_repetition(ids)
+        segment = adapter.segment(body, header, prompt_text(body.prompt) or "", repetition)
+        routed = await adapter.decide(body, ids, segment, repetition)
         request_id = new_id("cmpl")
         if not body.stream:
             answer = await adapter.complete(routed, adapter.engine_body(body, ids, stream=False))
