@@ -145,7 +145,7 @@ def measure(per_workload: int, tokens: int, passes: int, redis_url: str, settle:
     texts: dict[str, dict[int, str]] = defaultdict(dict)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # adaptive's segment@endpoint -> drafted, accepted
     routed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    # both arms' client without Nagle: a small request's body does not wait 40 ms for a delayed ACK
+    # one client for both arms, without Nagle: a request's head and body leave at once
     nodelay = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     http = httpx.Client(timeout=300, transport=nodelay)
     controller_up = answers(lambda: stub.GetPolicy(pb.GetPolicyRequest(), timeout=1))

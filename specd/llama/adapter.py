@@ -111,7 +111,7 @@ class Adapter:
         self.settings = tuple(urls)
         self.drafters = offered(self.settings)
         self.client = client
-        # no Nagle: a request's headers and body go out at once, not 40 ms apart behind a delayed ACK
+        # no Nagle: a request's head and body leave at once, whatever the acknowledgements
         transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
         self.http = httpx.AsyncClient(timeout=config.request_timeout_seconds, transport=transport)
         self._reporter = ThreadPoolExecutor(1, thread_name_prefix="specd-adapter-scoring")
