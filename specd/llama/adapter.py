@@ -1,7 +1,8 @@
 """The engine adapter: an OpenAI-compatible ``/v1/completions`` in front of llama.cpp's servers, one per speculation
 setting (``specd.llama.endpoints``), steered per request by the controller.
 
-For each request it tokenizes the prompt (the plain server's ``/tokenize``), names its segment (the request's
+For each request it tokenizes the prompt (in process with the served model's tokenizer, else the plain server's
+``/tokenize``), names its segment (the request's
 ``segment`` field or ``X-Specd-Segment`` header, else the configured one or the worker's prompt classifier), asks the
 controller through the client library (its deadline, pushed tables and fail-open fallbacks: a controller that does
 not answer never fails a request) unless the request names its own ``speculation`` (drafter and K, as the worker's
@@ -56,11 +57,11 @@ QUIET_SECONDS = 2.0  # prompt lookup's replay waits at most this long for no req
 
 @dataclass(frozen=True)
 class Routed:
-    """What a request runs under: its plan, the endpoint it went to, and the features it was decided on."""
+    """What a request runs under: its plan, the endpoint it went to (``Adapter.urls`` holds its URL), and the
+    features it was decided on."""
 
     plan: Plan
     setting: Setting
-    url: str
     features: RequestFeatures
     prompt_ids: tuple[int, ...]
     caller_choice: SpeculationChoice | None = None  # the request named its own drafter and K
@@ -166,7 +167,7 @@ class Adapter:
         threshold = plan.max_batch_size or self.config.speculation_max_batch  # set by runnable
         drafter, k = (plan.drafter, plan.k) if speculation_allowed(batch, threshold) else ("none", 0)
         chosen = route(drafter, k, self.settings)
-        return Routed(plan, chosen, self.urls[chosen], features, tuple(ids), body.speculation)
+        return Routed(plan, chosen, features, tuple(ids), body.speculation)
 
     def done(self, routed: Routed, answer: dict[str, Any], generated: Sequence[int] = ()) -> None:
         """The request left the adapter: its totals reported (when a controller is configured), with prompt lookup
@@ -223,7 +224,7 @@ class Adapter:
 
     async def complete(self, routed: Routed, payload: dict[str, Any]) -> dict[str, Any]:
         try:
-            answer = await self._post(routed.url, "/completion", payload)
+            answer = await self._post(self.urls[routed.setting], "/completion", payload)
         except BaseException:
             self.done(routed, {})
             raise
@@ -232,12 +233,13 @@ class Adapter:
 
     async def stream(self, routed: Routed, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """llama-server's stream, chunk by chunk (the last carries ``stop`` and ``timings``)."""
+        url = self.urls[routed.setting]
         last: dict[str, Any] = {}
         generated: list[int] = []
         try:
-            async with self.http.stream("POST", routed.url + "/completion", json=payload) as answer:
+            async with self.http.stream("POST", url + "/completion", json=payload) as answer:
                 if answer.status_code != 200:
-                    raise EngineError(f"{routed.url}/completion answered {answer.status_code}")
+                    raise EngineError(f"{url}/completion answered {answer.status_code}")
                 async for line in answer.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -247,7 +249,7 @@ class Adapter:
                         last = chunk
                     yield chunk
         except httpx.HTTPError as e:
-            raise EngineError(f"{routed.url}/completion: {type(e).__name__}: {e}") from None
+            raise EngineError(f"{url}/completion: {type(e).__name__}: {e}") from None
         finally:
             self.done(routed, last, generated)
 

@@ -4,7 +4,6 @@ SIGTERM, then everything stopped."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import tempfile
@@ -21,7 +20,7 @@ from decoder.worker.config import split_address
 from specd.llama.adapter import Adapter, InFlight, make_app
 from specd.llama.adapter_config import AdapterConfig
 from specd.llama.endpoints import Setting, offered
-from specd.llama.server import ServerFailed, running
+from specd.llama.server import ServerFailed, running, tokens
 from specd_api.lifecycle import Lifecycle
 from specd_client import ClientConfig, ControllerClient
 
@@ -95,11 +94,11 @@ def adapter(config: AdapterConfig, log_dir: Path) -> Iterator[Adapter]:
         if client is not None and config.calibrate:
             report_calibration(config, urls, client, log_dir)
         if tokenizer is not None:
-            served_ids = asyncio.run(_server_tokens(config, urls))
-            if tokenizer(TOKENIZER_PROBE) != served_ids:
+            ours, served_ids = tokenizer(TOKENIZER_PROBE), tokens(urls[Setting("none", 0)], TOKENIZER_PROBE)
+            if ours != served_ids:
                 raise ServerFailed(
                     f"tokenizer {config.tokenizer}: it tokenizes a probe text unlike the server "
-                    f"({tokenizer(TOKENIZER_PROBE)[:8]} vs {served_ids[:8]}): not the served model's"
+                    f"({ours[:8]} vs {served_ids[:8]}): not the served model's"
                 )
         yield made
 
@@ -129,14 +128,6 @@ def report_calibration(
     for rounds in sequences:  # each sequence its own report: one observation of the controller's medians
         client.report(segment=CALIBRATION_SEGMENT, rounds=rounds, temperature=0.0, prompt_tokens=len(prefix),
                       self_repetition=0.0, start_up_timings=True)  # fmt: skip
-
-
-async def _server_tokens(config: AdapterConfig, urls: dict[Setting, str]) -> list[int]:
-    probe = Adapter(config, urls, None)
-    try:
-        return await probe.server_tokens(TOKENIZER_PROBE)
-    finally:
-        await probe.close()
 
 
 def local_tokenizer(folder: Path) -> Callable[[str], list[int]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from specd.llama.server import running
+from specd.llama.server import running, tokens
 from specd_api.rounds import RoundRecord
 
 log = logging.getLogger("specd.llama.adapter")
@@ -38,9 +38,7 @@ PROBE_TEXT = (
 
 def probe_prefix(url: str) -> list[int]:
     """PROBE_TEXT as the server tokenizes it: the cached prefix every timed pass follows."""
-    answer = httpx.post(f"{url}/tokenize", json={"content": PROBE_TEXT, "add_special": True}, timeout=30)
-    answer.raise_for_status()
-    return [int(t) for t in answer.json()["tokens"]]
+    return tokens(url, PROBE_TEXT)
 
 
 def timed_passes(url: str, prefix: Sequence[int], widths: Sequence[int], samples: int) -> dict[int, list[float]]:

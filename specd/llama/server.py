@@ -27,6 +27,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tokens(url: str, text: str) -> list[int]:
+    """``text`` as the server at ``url`` tokenizes a prompt (its special tokens added: ``/tokenize``)."""
+    import httpx
+
+    answer = httpx.post(f"{url}/tokenize", json={"content": text, "add_special": True}, timeout=30)
+    answer.raise_for_status()
+    return [int(t) for t in answer.json()["tokens"]]
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1.0) as answer:

@@ -23,6 +23,7 @@ from specd.llama.adapter import make_app
 from specd.llama.adapter_config import AdapterConfig, EndpointConfig, ServerLaunch, load_adapter_config
 from specd.llama.adapter_run import adapter, served
 from specd.llama.endpoints import Setting, route, setting
+from specd.llama.server import tokens
 from specd_api.errors import SpecdError
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
@@ -68,11 +69,6 @@ def direct(url: str, ids: list[int], tokens: int) -> str:
     return str(answer.json()["content"])
 
 
-def tokenize(url: str, text: str) -> list[int]:
-    answer = httpx.post(f"{url}/tokenize", json={"content": text, "add_special": True}, timeout=30)
-    return [int(t) for t in answer.json()["tokens"]]
-
-
 def test_greedy_output_is_the_chosen_endpoints_and_acceptance_is_llama_servers_count(stack) -> None:
     url, stub, urls = stack
     run = uuid.uuid4().hex[:6]
@@ -94,7 +90,7 @@ def test_greedy_output_is_the_chosen_endpoints_and_acceptance_is_llama_servers_c
                 text, block = answer["choices"][0]["text"], answer["specd"]
             chosen = setting(block["endpoint"])
             assert chosen == route(block["drafter"], block["k"], tuple(urls)), block
-            ids = tokenize(urls[Setting("none", 0)], prompt)
+            ids = tokens(urls[Setting("none", 0)], prompt)
             assert text == direct(urls[chosen], ids, 24), (segment, chosen, stream)
             sources.add(block["source"])
             if chosen.drafter == "draft":
