@@ -31,9 +31,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from decoder.counterfactual import replay_lookup
-from decoder.drafters.prompt_lookup import PromptLookupConfig
-from decoder.request_stop import StopConditions
 from decoder.worker.openai_api import (
     CompletionRequest,
     SpeculationChoice,
@@ -45,6 +42,7 @@ from decoder.worker.openai_api import (
 from decoder.worker.segments import classify_prompt
 from specd.llama.adapter_config import AdapterConfig
 from specd.llama.endpoints import Setting, offered, route
+from specd.llama.ngram_simple import scored as lookup_scored
 from specd_api.plan import Plan, local_plan, requested, runnable, speculation_allowed
 from specd_api.request_features import RequestFeatures
 from specd_api.segments import validate_segment
@@ -171,7 +169,8 @@ class Adapter:
 
     def done(self, routed: Routed, answer: dict[str, Any], generated: Sequence[int] = ()) -> None:
         """The request left the adapter: its totals reported (when a controller is configured), with prompt lookup
-        scored over its output ``generated`` where the plan asks for it and prompt lookup did not serve it; the
+        scored over its output ``generated`` where the plan asks for it and prompt lookup did not serve it (by
+        llama-server's own rule, ``ngram_simple.scored``); the
         scoring (about 0.5 ms) runs on the reporter's thread once no request is in flight."""
         self.in_flight.leave()
         timings = answer.get("timings") or {}
@@ -191,13 +190,11 @@ class Adapter:
         if k <= 0 or s.drafter == "prompt_lookup" or not generated:
             client.report_totals(totals)
             return
-        budget = int(timings.get("predicted_n", 0)) or len(generated)
+        budget = routed.features.max_new_tokens  # the server's: its rounds near the end draft within it
 
         def score_and_report() -> None:
             self.in_flight.wait_idle(QUIET_SECONDS)
-            rules = StopConditions(max_new_tokens=max(budget, 1))
-            scored = replay_lookup(routed.prompt_ids, generated, PromptLookupConfig(), k, rules, None)
-            client.report_totals(totals, scored)
+            client.report_totals(totals, lookup_scored(routed.prompt_ids, generated, k, budget))
 
         self._reporter.submit(score_and_report)
 

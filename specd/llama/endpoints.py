@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from specd.llama.ngram_simple import NGRAM_SIZE
+
 _NAME = re.compile(r"(none)|(draft|prompt_lookup):([1-9][0-9]?)")
-NGRAM_SIZE = 3  # prompt lookup matches the last 3 tokens (the project's prompt lookup does the same)
 
 
 @dataclass(frozen=True)

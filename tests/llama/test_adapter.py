@@ -23,6 +23,7 @@ from specd.llama.adapter import make_app
 from specd.llama.adapter_config import AdapterConfig, EndpointConfig, ServerLaunch, load_adapter_config
 from specd.llama.adapter_run import adapter, served
 from specd.llama.endpoints import Setting, route, setting
+from specd.llama.ngram_simple import scored as lookup_scored
 from specd.llama.server import tokens
 from specd_api.errors import SpecdError
 from specd_api.v1 import controller_pb2 as pb
@@ -115,6 +116,24 @@ def test_greedy_output_is_the_chosen_endpoints_and_acceptance_is_llama_servers_c
         lookup = [d for d in stats.drafters if d.drafter == "prompt_lookup"]
         scored += sum(p.offered for d in lookup for p in d.counterfactual_positions)
     assert scored > 0
+
+
+def test_prompt_lookup_replayed_by_llamas_rule_drafts_and_accepts_what_llama_server_did(stack) -> None:
+    """The adapter scores prompt lookup over other endpoints' output by llama.cpp's ngram-simple rule: replayed over
+    the prompt lookup endpoint's own output, it drafts and accepts exactly what the server counted, request by
+    request."""
+    _, _, urls = stack
+    drafted = 0
+    for _, prompt in prompts():
+        ids = tokens(urls[Setting("none", 0)], prompt)
+        body = {"prompt": ids, "n_predict": 48, "temperature": 0.0, "top_k": 0, "stream": False, "return_tokens": True}
+        answer = httpx.post(f"{urls[Setting('prompt_lookup', 8)]}/completion", json=body, timeout=120).json()
+        generated, timings = answer["tokens"], answer["timings"]
+        scored = lookup_scored(ids, generated, 8, 48)
+        replayed = (sum(s.tally.num_drafted for s in scored), sum(s.tally.num_accepted for s in scored))
+        assert replayed == (timings.get("draft_n", 0), timings.get("draft_n_accepted", 0)), prompt[:60]
+        drafted += replayed[0]
+    assert drafted > 0
 
 
 def streamed(url: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
