@@ -20,7 +20,10 @@ the figures are given over all passes and over the last (the controller has then
 requests). Greedy outputs are compared with the plain endpoint's, and the controller's acceptance per segment with
 llama-server's counts.
 
-    python benchmarks/llama_adaptive.py [--per-workload 4] [--tokens 48] [--passes 3] [--json PATH]
+    python benchmarks/llama_adaptive.py [--per-workload 4] [--tokens 48] [--passes 3] [--policy PATH] [--json PATH]
+
+``--policy`` is the controller's policy (the shipped ``policies/default.yaml`` unless given); the A/A rule is added
+to its segment rules.
 """
 
 from __future__ import annotations
@@ -88,7 +91,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(per_workload: int, tokens: int, passes: int, redis_url: str, settle: float) -> dict[str, Any]:
+def measure(
+    per_workload: int, tokens: int, passes: int, redis_url: str, settle: float, policy_path: Path
+) -> dict[str, Any]:
     """The controller and the adapter in their own processes, as deployed (a process sharing the adapter's
     interpreter would cost it the GIL): ``specd controller`` and ``specd llama-adapter``."""
     import grpc
@@ -105,7 +110,7 @@ def measure(per_workload: int, tokens: int, passes: int, redis_url: str, settle:
     folder = Path(tempfile.mkdtemp(prefix="specd-llama-adaptive-"))
     pair = {n: export(ROOT / "models" / "reference" / n, folder / f"{n}.gguf") for n in ("target", "draft")}
     policy = folder / "policy.yaml"
-    policy.write_text((ROOT / "policies" / "default.yaml").read_text() + AA_RULE)
+    policy.write_text(policy_path.read_text() + AA_RULE)
     controller_address, adapter_port = f"127.0.0.1:{free_port()}", free_port()
     controller = yaml.safe_load((ROOT / "configs" / "controller.yaml").read_text())
     controller.update(listen=controller_address, redis_url=redis_url, policy_path=str(policy),
@@ -288,9 +293,11 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--aa-settle", type=float, default=0.6, metavar="S",
                         help="the settled A/A pairs: seconds of quiet before each request (0: none)")  # fmt: skip
+    parser.add_argument("--policy", type=Path, default=ROOT / "policies" / "default.yaml", metavar="PATH",
+                        help="the controller's policy, its segment rules last (the A/A rule is added)")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="PATH")
     args = parser.parse_args()
-    result = measure(args.per_workload, args.tokens, args.passes, args.redis_url, args.aa_settle)
+    result = measure(args.per_workload, args.tokens, args.passes, args.redis_url, args.aa_settle, args.policy)
     for frame in ("all_passes", "last_pass"):
         print(f"\nadaptive's speedup over each endpoint alone ({frame.replace('_', ' ')}): rival seconds / adaptive "
               "seconds, geometric mean [90% bootstrap]")  # fmt: skip
