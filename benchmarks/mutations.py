@@ -1826,6 +1826,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a plan's K routed to its drafter's smallest endpoint, not the largest within the plan's K",
     ),
     Mutation(
+        "tokenizing-in-one-lane",
+        "decoder/worker/tokenizing.py",
+        "lane = self.small if chars <= SMALL_PROMPT_CHARS else self.large",
+        "lane = self.large",
+        ("tests/worker/test_tokenizing.py", "tests/worker/test_limits.py"),
+        "small prompts queued behind large ones: one client's large prompts stall every request",
+    ),
+    Mutation(
+        "tokenizing-hosts-in-arrival-order",
+        "decoder/worker/tokenizing.py",
+        "host = min(self.waiting, key=lambda h: self.served.get(h, -1))",
+        "host = next(iter(self.waiting))",
+        ("tests/worker/test_tokenizing.py", "tests/worker/test_limits.py"),
+        "a flooding host's queued prompts served before another host's that arrived later",
+    ),
+    Mutation(
         "ngram-simple-searches-from-the-patterns-own-start",
         "specd/llama/ngram_simple.py",
         "for j in range(length - n - 1, 0, -1):",

@@ -7,7 +7,6 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +34,7 @@ from decoder.worker.openai_api import (
 )
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from decoder.worker.service import Event, QueueFull, RequestSpec, ShuttingDown, Speculation, WorkerService
+from decoder.worker.tokenizing import Tokenizing
 from specd_api.errors import SpecdError
 from specd_api.host_counts import client_host
 from specd_api.segments import SEGMENT_PATTERN
@@ -55,12 +55,14 @@ def build_app(service: WorkerService) -> FastAPI:
     cfg = service.cfg
     limits = cfg.limits
     service.metrics.bound_segments(cfg.metrics.max_segments, reserved=(cfg.default_segment, *CLASSIFIER_SEGMENTS))
-    # Tokenizing runs here, off the event loop (a 5 MB prompt takes seconds). One thread: tokenizations queue
-    # rather than run side by side, so a burst of large prompts costs one prompt's memory at a time.
-    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
+    # Tokenizing runs off the event loop (a 5 MB prompt takes seconds), in two lanes of one thread each, shared
+    # fairly among client hosts (decoder/worker/tokenizing.py): a burst of large prompts costs one prompt's memory
+    # at a time and holds up neither small prompts nor other hosts' prompts.
+    tokenizing = Tokenizing()
 
-    async def off_loop(work: Callable[[], list[int]]) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, work)
+    async def off_loop(request: Request, chars: int, work: Callable[[], list[int]]) -> list[int]:
+        host = client_host(request.client.host) if request.client is not None else ""
+        return await tokenizing.run(chars, host, work)
 
     app = FastAPI(title="specd worker", docs_url=None, redoc_url=None)
     app.add_middleware(
@@ -132,14 +134,15 @@ def build_app(service: WorkerService) -> FastAPI:
                 return None, bounded([int(t) for t in body.prompt], "prompt")
             text = body.prompt if isinstance(body.prompt, str) else str(body.prompt[0])
             check_chars(len(text), "prompt")
-            return text, bounded(await off_loop(lambda: service.encode(text)), "prompt")
+            return text, bounded(await off_loop(request, len(text), lambda: service.encode(text)), "prompt")
 
         return await serve(service, body, request, prompt, completion_shapes)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
         async def prompt() -> tuple[str | None, list[int]]:
-            check_chars(sum(len(m.text()) for m in body.messages), "messages")
+            chars = sum(len(m.text()) for m in body.messages)
+            check_chars(chars, "messages")
             text = ""
 
             def render_and_encode() -> list[int]:
@@ -147,7 +150,7 @@ def build_app(service: WorkerService) -> FastAPI:
                 text = render_chat(body.messages, service.tokenizer)  # a chat template can be slow too
                 return service.encode(text)
 
-            ids = bounded(await off_loop(render_and_encode), "messages")
+            ids = bounded(await off_loop(request, chars, render_and_encode), "messages")
             return text, ids
 
         return await serve(service, body, request, prompt, chat_shapes)

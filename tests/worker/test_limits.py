@@ -185,6 +185,50 @@ def test_health_answers_while_a_large_prompt_is_tokenized(worker: Worker):
     )
 
 
+def _timed_posts(worker: Worker, sends: list[tuple[float, str, str]]) -> dict[str, tuple[int, float]]:
+    """Each (delay, source address, prompt) sent after its delay from its own loopback address, concurrently: the
+    status and seconds of each, by its index."""
+    results: dict[str, tuple[int, float]] = {}
+
+    def send(index: int, delay: float, source: str, prompt: str) -> None:
+        time.sleep(delay)
+        transport = httpx.HTTPTransport(local_address=source)
+        with httpx.Client(base_url=worker.url, timeout=120, transport=transport) as client:
+            started = time.perf_counter()
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            results[str(index)] = (response.status_code, time.perf_counter() - started)
+
+    threads = [threading.Thread(target=send, args=(i, *s)) for i, s in enumerate(sends)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+FLOOD = ("The quick brown fox jumps over the lazy dog. " * 60_000)[: MAX_CHARS - 100_000]
+
+
+def test_one_hosts_large_prompts_hold_up_neither_small_prompts_nor_other_hosts(worker: Worker):
+    """Three 2.4 MB prompts from one host (each tokenized for a second or more, then refused for its token count)
+    are in the tokenizer when a small prompt from the same host and a 20,000-character one from another host
+    arrive. The small one waits for no large one; the other host's waits for at most the one running, not the
+    flood's queue (one tokenizing thread in arrival order served both after all three)."""
+    other = "Pack my box with five dozen liquor jugs. " * 500  # 20,500 characters: the large lane, but quick
+    sends = [(0.0, "127.0.0.1", FLOOD), (0.05, "127.0.0.1", FLOOD), (0.1, "127.0.0.1", FLOOD),
+             (0.6, "127.0.0.1", "hello"), (0.6, "127.0.0.2", other)]  # fmt: skip
+    results = _timed_posts(worker, sends)
+    flood = [results[str(i)][1] for i in range(3)]
+    assert [results[str(i)][0] for i in range(3)] == [400, 400, 400]
+    one = min(flood) - 0.1  # at least one tokenization: the first's own time, less its delay
+    assert one > 1.0, f"the flood's prompts took {flood}: too little to tell anything"
+    small_status, small = results["3"]
+    assert small_status == 200 and small < one / 2, f"the small prompt took {small:.2f} s beside {flood}"
+    other_status, other_seconds = results["4"]
+    assert other_status == 400  # 20,500 characters: more tokens than this worker's 300
+    assert other_seconds < 1.7 * one, f"the other host's prompt took {other_seconds:.2f} s beside {flood}"
+
+
 # -- metrics ------------------------------------------------------------------------------------------------
 
 
