@@ -16,9 +16,9 @@ from opentelemetry import propagate
 from starlette.exceptions import HTTPException
 
 from decoder.sampling import SamplingParams
-from decoder.worker.auth import ApiKeyCheck
+from decoder.worker.auth import TENANT_STATE, ApiKeyCheck
 from decoder.worker.client_segments import SegmentRefused
-from decoder.worker.config import ClientSpeculation
+from decoder.worker.config import ClientSpeculation, TenantKey
 from decoder.worker.limits import BodyLimit, clip, quote
 from decoder.worker.openai_api import (
     ChatRequest,
@@ -43,7 +43,7 @@ SEGMENT_HEADER = "x-specd-segment"
 RETRY_AFTER_SECONDS = 1
 
 
-_ERROR_KINDS = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_ERROR_KINDS = {403: "permission_error", 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
@@ -69,10 +69,10 @@ def build_app(service: WorkerService) -> FastAPI:
         BodyLimit, max_bytes=limits.max_request_bytes,
         error=lambda message: error(413, message, "invalid_request_error"),
     )  # fmt: skip
-    if cfg.auth.api_key is not None:  # added last, so it runs first: no key, no body read
+    if cfg.auth.credentials():  # added last, so it runs first: no key, no body read
         open_paths = [path for path, access in (("/health", cfg.auth.health), ("/metrics", cfg.auth.metrics))
                       if access == "open"]  # fmt: skip
-        app.add_middleware(ApiKeyCheck, key=cfg.auth.api_key.reveal(), open_paths=open_paths)
+        app.add_middleware(ApiKeyCheck, keys=cfg.auth.credentials(), open_paths=open_paths)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -196,9 +196,30 @@ chat_shapes = Shapes(chat_body, _chat_chunk, "chatcmpl")
 class BadRequest(ValueError):
     """A request the worker refuses (400), naming the field at fault."""
 
+    status, kind = 400, "invalid_request_error"
+
     def __init__(self, param: str, reason: str) -> None:
         super().__init__(f"{param}: {reason}")
         self.param = param
+
+
+class Forbidden(BadRequest):
+    """A field the request's key may not set (403)."""
+
+    status, kind = 403, "permission_error"
+
+
+def tenant_segment(request: Request, named: str | None) -> tuple[str | None, str]:
+    """The segment a request names, checked against its key (``auth.tenants``), and the prefix of the segment the
+    worker infers for it where it names none ('' for the operator's key, or without keys). Forbidden: a tenant's key
+    naming a segment outside its globs."""
+    tenant: TenantKey | None = getattr(request.state, TENANT_STATE, None)
+    if tenant is None:
+        return named, ""
+    if named is not None and not tenant.allows(named):
+        raise Forbidden("segment", f"{quote(named)} is not a segment this key may name "
+                                   f"(auth.tenants[{tenant.name}].segments)")  # fmt: skip
+    return named, f"{tenant.name}/"
 
 
 def request_spec(service: WorkerService, body: Any, request: Request, text: str | None, ids: list[int]) -> RequestSpec:
@@ -213,6 +234,7 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     segment = body.segment or request.headers.get(SEGMENT_HEADER)
     if segment is not None and not re.fullmatch(SEGMENT_PATTERN, segment):  # the header obeys the body's rule
         raise BadRequest("segment", f"{quote(segment)} (X-Specd-Segment header) should match {SEGMENT_PATTERN}")
+    segment, inferred_prefix = tenant_segment(request, segment)
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     check_speculation(body.speculation, cfg.client_speculation)
     if segment is not None:  # last: a request refused for another field takes no place
@@ -228,6 +250,7 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
         params=params,
         stop_strings=body.stop_strings(),
         segment=segment,
+        inferred_prefix=inferred_prefix,
         trace_context=propagate.extract(dict(request.headers)),
         stream=bool(body.stream),
         share_outputs=body.share_outputs,
@@ -265,7 +288,7 @@ async def serve(
         text, ids = await prompt()
         spec = request_spec(service, body, request, text, ids)
     except BadRequest as e:
-        return error(400, str(e), "invalid_request_error", e.param)
+        return error(e.status, str(e), e.kind, e.param)
     except (ValueError, SpecdError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         return error(400, message, "invalid_request_error")

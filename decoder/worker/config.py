@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.errors import UsageError
 from specd_api.security import ClientTls, ControllerCredentials, Secret
@@ -70,13 +71,58 @@ class ControllerLink(Strict):
 Access = Literal["open", "protected"]
 
 
+class TenantKey(Strict):
+    """A tenant's API key and the segments it may name. Its requests that name none are learned under
+    ``<name>/<inferred segment>``, so no other key's traffic reaches them."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,48}$", description="the prefix of its inferred segments")
+    key: Secret
+    segments: list[str] = Field(
+        min_length=1, max_length=64, description="globs of the segment names its requests may name"
+    )
+
+    @field_validator("segments")
+    @classmethod
+    def _globs(cls, globs: list[str]) -> list[str]:
+        for glob in globs:
+            if not 1 <= len(glob) <= 128:
+                raise ValueError(f"a segment glob is 1 to 128 characters, got {len(glob)}")
+        return globs
+
+    def allows(self, segment: str) -> bool:
+        return any(fnmatch.fnmatchcase(segment, glob) for glob in self.segments)
+
+
 class ApiAuth(Strict):
-    """An API key for the HTTP API, OpenAI style (``Authorization: Bearer <key>``); none: every route is open.
-    With a key, every route needs it but /health and /metrics, which are each ``open`` or ``protected``."""
+    """API keys for the HTTP API, OpenAI style (``Authorization: Bearer <key>``); none: every route is open.
+    With a key, every route needs one but /health and /metrics, which are each ``open`` or ``protected``.
+
+    ``api_key`` is the operator's: its requests may name any segment, as every request may without keys (one
+    tenant). Each of ``tenants`` is bound to the segments it may name (a request naming another is refused, 403),
+    and its requests that name none are learned under its own prefix."""
 
     api_key: Secret | None = Field(None, description="a file or an environment variable holding the key")
+    tenants: list[TenantKey] = Field(default_factory=list, max_length=1024)
     health: Access = Field("open", description="/health: open by default, for load balancers and probes")
     metrics: Access = Field("protected", description="/metrics: Prometheus sends the key with `authorization:`")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ApiAuth:
+        names = [t.name for t in self.tenants]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"tenants: the name {name!r} is given twice")
+        keys = [t.key.reveal() for t in self.tenants] + ([self.api_key.reveal()] if self.api_key else [])
+        if len(set(keys)) != len(keys):
+            raise ValueError("tenants: two credentials hold the same key (each key names one tenant)")
+        return self
+
+    def credentials(self) -> dict[str, TenantKey | None]:
+        """Each key, with the tenant it names (None: the operator's ``api_key``)."""
+        out: dict[str, TenantKey | None] = {t.key.reveal(): t for t in self.tenants}
+        if self.api_key is not None:
+            out[self.api_key.reveal()] = None
+        return out
 
 
 class WorkerTelemetry(TelemetryConfig):
@@ -253,6 +299,15 @@ class WorkerConfig(Strict):
     fault_injection: FaultInjection = Field(
         default_factory=lambda: FaultInjection(), description="stalls injected on purpose (benchmarks); default off"
     )
+
+    @model_validator(mode="after")
+    def _tenant_segments_fit(self) -> WorkerConfig:
+        longest = max((self.default_segment, *CLASSIFIER_SEGMENTS), key=len)
+        for tenant in self.auth.tenants:
+            if len(tenant.name) + 1 + len(longest) > 128:
+                raise ValueError(f"auth.tenants[{tenant.name}]: its inferred segments ({tenant.name}/{longest}) "
+                                 "would pass the 128 characters of a segment name")  # fmt: skip
+        return self
 
     def resolve(self, base: Path) -> WorkerConfig:
         """Relative paths against ``base`` (the config file's folder)."""

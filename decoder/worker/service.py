@@ -67,6 +67,7 @@ class RequestSpec:
     params: SamplingParams
     stop_strings: tuple[str, ...]
     segment: str | None  # as named by the caller (body or header); None: infer
+    inferred_prefix: str = ""  # put before an inferred segment: a tenant's own ("<tenant>/", auth.tenants)
     trace_context: Context | None = None
     speculation: Speculation | None = None  # the caller chose the drafter and K: no controller asked
     stream: bool = True  # text as it is decoded; False: the whole text once done (nothing decoded per step)
@@ -563,7 +564,7 @@ class WorkerService:
     def _segment_of(self, spec: RequestSpec) -> tuple[float, str]:
         """The prompt's self-repetition, and its segment: the caller's, else inferred."""
         repetition = self_repetition(spec.prompt_ids)
-        return repetition, spec.segment or self._infer_segment(spec, repetition)
+        return repetition, spec.segment or spec.inferred_prefix + self._infer_segment(spec, repetition)
 
     def _infer_segment(self, spec: RequestSpec, repetition: float) -> str:
         if self.cfg.segment_classifier == "none":
