@@ -1826,6 +1826,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a plan's K routed to its drafter's smallest endpoint, not the largest within the plan's K",
     ),
     Mutation(
+        "parameters-not-served-ignored",
+        "decoder/worker/openai_api.py",
+        'raise ValueError(f"this worker does not implement {name}: leave it out")',
+        "return value",
+        ("tests/worker/test_api.py",),
+        "logit_bias, penalties, best_of ... answered 200 and ignored: the client gets something else, silently",
+    ),
+    Mutation(
+        "max-completion-tokens-ignored",
+        "decoder/worker/openai_api.py",
+        "self.max_tokens = self.max_completion_tokens",
+        "pass",
+        ("tests/worker/test_api.py",),
+        "a chat's max_completion_tokens ignored: the default length comes back",
+    ),
+    Mutation(
         "tenant-may-name-any-segment",
         "decoder/worker/config.py",
         "return any(fnmatch.fnmatchcase(segment, glob) for glob in self.segments)",

@@ -1,10 +1,15 @@
 """The OpenAI-compatible request bodies (/v1/completions, /v1/chat/completions) and response shapes.
 
-Unknown fields are ignored, as OpenAI's own server tolerates client-library extras; fields we cannot
-honour (n > 1, logprobs, echo, best_of) are refused with a 400 naming the field. ``segment`` is specd's
-extension: the traffic segment the controller judges the request by (also the X-Specd-Segment header); so are
-``speculation``: the caller's own drafter and K for the request (``SpeculationChoice``), and ``share_outputs``: false
-keeps the request's output out of the suffix cache other requests propose from.
+Every OpenAI parameter that changes the output is either done exactly (speculation included) or refused with a 400
+naming the field when set to anything but its no-op value (``NOT_SERVED``: n > 1, logprobs, echo, best_of,
+logit_bias, penalties, suffix, response_format, tools, stop_token_ids, ...): a client that asked for a banned token
+or a format never silently gets something else. ``max_completion_tokens`` is ``max_tokens`` by its newer name.
+Other unknown fields (``user``, ``metadata``, client-library extras) change nothing and are ignored.
+
+``segment`` is specd's extension: the traffic segment the controller judges the request by (also the
+X-Specd-Segment header); so are ``speculation``: the caller's own drafter and K for the request
+(``SpeculationChoice``), and ``share_outputs``: false keeps the request's output out of the suffix cache other
+requests propose from.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specd_api.segments import SEGMENT_PATTERN
 
@@ -59,6 +64,44 @@ class SpeculationChoice(BaseModel):
         return k
 
 
+# parameter -> the values that ask for nothing (what OpenAI does without it): any other value is refused
+NOT_SERVED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "ignore_eos": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "suffix": (None, "")}
+NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+
+def not_served(name: str, value: Any, table: dict[str, tuple[Any, ...]]) -> Any:
+    """``value`` if it asks for nothing ``name`` does; else ValueError (the request asked for what is not done)."""
+    if any((value == allowed and type(value) is not bool) or value is allowed for allowed in table[name]):
+        return value
+    raise ValueError(f"this worker does not implement {name}: leave it out")
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -78,6 +121,26 @@ class _Common(BaseModel):
     # false: this request's output is never added to the worker's suffix cache, so no other request's suffix
     # decoding can propose from it (docs/RELIABILITY.md, "Suffix decoding and data isolation")
     share_outputs: bool = True
+    logit_bias: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    bad_words: Any = None
+    ignore_eos: Any = None
+    top_logprobs: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator(*NOT_SERVED)
+    @classmethod
+    def _not_served(cls, value: Any, info: Any) -> Any:
+        return not_served(info.field_name, value, NOT_SERVED)
 
     @field_validator("model", "stop")
     @classmethod
@@ -94,7 +157,7 @@ class _Common(BaseModel):
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: Any) -> Any:
-        if value not in (None, False, 0):
+        if value is not None and value is not False:  # logprobs 0 asks for the chosen token's own logprob
             raise ValueError("logprobs are not supported")
         return value
 
@@ -117,6 +180,13 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator(*NOT_SERVED_COMPLETION)
+    @classmethod
+    def _not_served_here(cls, value: Any, info: Any) -> Any:
+        return not_served(info.field_name, value, NOT_SERVED_COMPLETION)
 
     @field_validator("prompt")
     @classmethod
@@ -165,6 +235,34 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # max_tokens by its newer name
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    @field_validator(*NOT_SERVED_CHAT)
+    @classmethod
+    def _not_served_here(cls, value: Any, info: Any) -> Any:
+        return not_served(info.field_name, value, NOT_SERVED_CHAT)
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_length(cls, value: int | None, info: Any) -> int | None:
+        given = info.data.get("max_tokens")
+        if value is not None and given is not None and given != value:
+            raise ValueError(f"{value} differs from max_tokens ({given}); send one of the two")
+        return value
+
+    @model_validator(mode="after")
+    def _newer_name(self) -> ChatRequest:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 def render_chat(messages: list[ChatMessage], tokenizer: Any) -> str:

@@ -342,6 +342,21 @@ def test_a_request_may_name_every_drafter_there_is():
          "an unknown role"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs",
          "logprobs are not served"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 0}, "logprobs", "0 asks for the chosen token's logprob"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, "logit_bias", "a banned token"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "a penalty"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": -1}, "presence_penalty", "a penalty"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "several candidates"),
+        ("/v1/completions", {"prompt": "x", "best_of": True}, "best_of", "true is not 1"),
+        ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix", "insertion"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [3]}, "stop_token_ids", "stops by id"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 4}, "min_tokens", "a floor on the length"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_object"}}, "response_format", "a format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                  "max_completion_tokens": 3}, "max_completion_tokens", "two lengths that differ"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_400_naming_the_field(draft_worker: Worker, path: str, body: dict, param: str, why: str):
@@ -353,6 +368,31 @@ def test_bad_input_is_a_400_naming_the_field(draft_worker: Worker, path: str, bo
         assert error["param"] == param, (why, error)
         assert error["message"].startswith(param.split(".")[0]), (why, error["message"])
     assert draft_worker.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x", "logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0.0,
+                             "best_of": 1, "suffix": None, "logprobs": None, "stop_token_ids": [], "ignore_eos": False,
+                             "user": "someone"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"},
+                                  "tool_choice": "none", "tools": [], "logprobs": False, "max_tokens": 3,
+                                  "max_completion_tokens": 3}),
+    ],
+)  # fmt: skip
+def test_the_no_op_values_of_parameters_not_served_are_taken(draft_worker: Worker, path: str, body: dict) -> None:
+    response = draft_worker.post(path, {"max_tokens": 3, **body, "temperature": 0})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+def test_max_completion_tokens_bounds_a_chat(draft_worker: Worker) -> None:
+    body = {"messages": [{"role": "user", "content": "Count: one two three"}], "max_completion_tokens": 3,
+            "temperature": 0}  # fmt: skip
+    response = draft_worker.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
 
 
 @pytest.mark.parametrize(
