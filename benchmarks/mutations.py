@@ -1826,6 +1826,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a plan's K routed to its drafter's smallest endpoint, not the largest within the plan's K",
     ),
     Mutation(
+        "suffix-cache-evicts-the-oldest-of-any-segment",
+        "decoder/drafters/suffix_cache.py",
+        "largest = max(self._by_segment, key=self.segment_bytes)",
+        "largest = next(iter(self._outputs.values())).segment",
+        ("tests/decoder/test_suffix.py",),
+        "past the cache's bound the oldest output goes whoever's: two flooding segments push every other out",
+    ),
+    Mutation(
         "parameters-not-served-ignored",
         "decoder/worker/openai_api.py",
         'raise ValueError(f"this worker does not implement {name}: leave it out")',

@@ -6,7 +6,9 @@ outputs' tokens (kept so an output can be taken out again); the bound holds afte
 
 * a segment holds at most ``max_segment_share`` of the bytes: past it, its own oldest outputs go first, so one busy
   segment cannot push every other segment's outputs out;
-* the cache holds at most ``cache_bytes``: past it, the oldest outputs of any segment go (least recently added);
+* the cache holds at most ``cache_bytes``: past it, the oldest output of the segment holding the most bytes goes,
+  so segments that flood the cache lose their own outputs, and a segment holding less than any other keeps its own
+  (two segments at their share no longer push a third out);
 * an output longer than a segment's share could ever hold is cut to what it can hold.
 
 Thread safety: ``add`` runs where requests finish (the worker's event loop), ``continuation`` on the decode thread.
@@ -112,7 +114,7 @@ class SuffixCache:
             return list(self._outputs.values())
 
     def add(self, segment: str, tokens: Sequence[int]) -> None:
-        """Remember ``tokens``, an output served to ``segment``, evicting the oldest outputs past the bounds."""
+        """Remember ``tokens``, an output served to ``segment``, evicting outputs past the bounds."""
         kept = array("i", tokens[: self.max_output_tokens])
         if not kept:
             return
@@ -121,7 +123,8 @@ class SuffixCache:
             while self.segment_bytes(segment) > self.segment_cap:
                 self._evict(self._by_segment[segment][0])
             while self._bytes > self.config.cache_bytes:
-                self._evict(next(iter(self._outputs)))
+                largest = max(self._by_segment, key=self.segment_bytes)
+                self._evict(self._by_segment[largest][0])
 
     def continuation(self, segment: str, text: Sequence[int], k: int) -> Continuation:
         """What ``segment``'s outputs most often continued the longest match of ``text``'s suffix with."""

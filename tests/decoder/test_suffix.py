@@ -235,17 +235,22 @@ def test_a_segment_cannot_take_more_than_its_share():
     assert cache.continuation("quiet", [1, 2], 2).tokens == (3, 4)
 
 
-def test_the_global_cap_evicts_the_oldest_outputs_of_any_segment():
-    cache = small_cache(share=0.4)
+def test_the_global_cap_evicts_from_the_segment_holding_the_most():
+    """Two segments flooding up to their share (60 % each) overfill the cache; a third, quiet one keeps its outputs:
+    past the cap the largest segment loses its oldest output, not whichever segment's output is oldest."""
+    cache = small_cache(share=0.6)
     rng = random.Random(4)
-    order = []
-    for i in range(120):  # three segments, each under its share, together past the cap
-        segment = "abc"[i % 3]
-        cache.add(segment, [rng.randrange(50_000) for _ in range(40)])
-        order.append(segment)
+    quiet = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
+    for output in quiet:
+        cache.add("quiet", output)
+    quiet_bytes = cache.segment_bytes("quiet")
+    for i in range(240):
+        cache.add("ab"[i % 2], [rng.randrange(50_000) for _ in range(40)])
         assert cache.bytes <= cache.config.cache_bytes
-    segments = [o.segment for o in cache.outputs()]
-    assert segments == order[len(order) - len(segments) :], "eviction past the cap must go oldest first"
+    assert cache.segment_bytes("quiet") == quiet_bytes, "the flood evicted a quiet segment's outputs"
+    assert cache.continuation("quiet", [1, 2], 2).tokens == (3, 4)
+    held = {s: cache.segment_bytes(s) for s in "ab"}
+    assert abs(held["a"] - held["b"]) < 0.1 * cache.config.cache_bytes, held  # the flood shares what is left
 
 
 def test_an_output_longer_than_a_share_holds_is_cut_and_an_emptied_segment_frees_its_trie():
