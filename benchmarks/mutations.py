@@ -1834,6 +1834,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "past the cache's bound the oldest output goes whoever's: two flooding segments push every other out",
     ),
     Mutation(
+        "seeded-requests-speculate",
+        "decoder/worker/service.py",
+        "elif spec.params.seed is not None and not spec.params.is_greedy:",
+        "elif spec.params.seed is not None and spec.params.is_greedy:",
+        ("tests/worker/test_api.py",),
+        "a seeded sampled request speculates: its text moves with the plan and the load",
+    ),
+    Mutation(
         "parameters-not-served-ignored",
         "decoder/worker/openai_api.py",
         'raise ValueError(f"this worker does not implement {name}: leave it out")',

@@ -38,7 +38,8 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A private RNG for one request, so seeded requests are reproducible whatever else runs."""
+    """A private RNG for one request. A seeded sampled request is reproducible whatever else runs because it also
+    decodes without speculation unless it names its own (``specd_api.plan.seeded``)."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)

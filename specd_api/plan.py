@@ -30,6 +30,7 @@ Fallback = Literal["timeout", "unavailable", "error"]
 BATCH_RULE_REASON = "batch_size_above_threshold"
 LOCAL_DEFAULT_REASON = "local_default"
 REQUEST_REASON = "request_override"
+SEEDED_REASON = "seeded_sampling"  # a seeded sampled request decodes without speculation (``seeded``)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,13 @@ def requested(drafter: str, k: int, k_schedule: Sequence[int] = (), max_batch_si
         drafter, k, REQUEST_REASON, origin=Origin("request"), k_schedule=tuple(k_schedule),
         max_batch_size=max_batch_size,
     )  # fmt: skip
+
+
+def seeded() -> Plan:
+    """The plan of a seeded sampled request that names no speculation: none. Rejection sampling draws from the
+    request's generator as its drafter, each round's K and each step's batch rule (other requests' load) decide, so
+    the same seed gives the same text only where none of those can vary: target-only decoding, one draw per token."""
+    return Plan("none", 0, SEEDED_REASON, origin=Origin("request"))
 
 
 def off(reason: str, policy_version: str = "", segment: str = "", expected_speedup: float = 1.0) -> Plan:

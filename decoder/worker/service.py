@@ -39,7 +39,7 @@ from decoder.worker.metrics import WorkerMetrics
 from decoder.worker.scheduler import Job, JobOutcome, QueueFull, Scheduler, ShuttingDown, StepObservation
 from decoder.worker.segments import CLASSIFIER_SEGMENTS, WINDOW_CHARS, classify_prompt
 from decoder.worker.text_stream import TextStream
-from specd_api.plan import Plan, local_plan, requested, runnable
+from specd_api.plan import Plan, local_plan, requested, runnable, seeded
 from specd_api.request_features import RequestFeatures
 from specd_api.spans import plan_attributes
 from specd_api.sparse_log import SparseLog
@@ -384,6 +384,8 @@ class WorkerService:
         started = time.perf_counter()
         if spec.speculation is not None:
             plan = requested(spec.speculation.drafter, spec.speculation.k)
+        elif spec.params.seed is not None and not spec.params.is_greedy:
+            plan = seeded()  # reproducible whatever else runs
         elif self.client is None:
             link = self.cfg.controller
             plan = local_plan(

@@ -532,3 +532,26 @@ def test_concurrent_streams_interleave_and_each_is_whole(draft_worker: Worker):
     for t in threads:
         t.join(60)
     assert got == expected
+
+
+def test_a_seeded_sampled_request_is_reproducible_whatever_else_runs(draft_worker: Worker) -> None:
+    """The worker's own plan is the draft model at K 3; a seeded sampled request runs target-only instead, so its
+    text is the one target-only decoding gives for the seed, alone or beside other requests."""
+    body = {"prompt": "Once upon a time there was", "max_tokens": 24, "temperature": 1.0, "seed": 1234}
+    alone = draft_worker.post("/v1/completions", {**body, "speculation": {"drafter": "none", "k": 0}}).json()
+    results: dict[int, dict] = {}
+
+    def send(index: int, payload: dict) -> None:
+        results[index] = draft_worker.post("/v1/completions", payload).json()
+
+    loads = [{**body, "seed": None, "prompt": f"Request {i}:"} for i in range(3)]
+    payloads = [body, *loads, body, body]
+    threads = [threading.Thread(target=send, args=(i, p)) for i, p in enumerate(payloads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seeded = [results[i] for i, p in enumerate(payloads) if p["seed"] is not None]
+    assert [r["choices"][0]["text"] for r in seeded] == [alone["choices"][0]["text"]] * 3
+    assert all(r["specd"]["decision_reason"] == "seeded_sampling" and r["specd"]["drafter"] == "none" for r in seeded)
+    assert all(results[i]["specd"]["decision_reason"] != "seeded_sampling" for i in (1, 2, 3))
