@@ -16,6 +16,7 @@ from typing import Literal, cast
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from controller.decision.rule_globs import dead_rules
 from specd_api.checks import MAX_BATCH_SIZE, MAX_INT32
 from specd_api.config_base import Strict
 from specd_api.lru import LruMemory
@@ -172,6 +173,17 @@ class PolicyDocument(PolicyModel):
             except ValueError as e:
                 raise ValueError(f"segments[{i}] (match {rule.match!r}): {e}") from None
         return self
+
+    @field_validator("segments")
+    @classmethod
+    def _no_dead_rules(cls, rules: list[SegmentRule]) -> list[SegmentRule]:
+        """A rule that can never apply is refused (``rule_globs``): it is a rule its writer expects to hold."""
+        dead = dead_rules([rule.match for rule in rules])
+        if dead:
+            i, why = next(iter(dead.items()))
+            more = f" ({len(dead) - 1} more such rules)" if len(dead) > 1 else ""
+            raise ValueError(f"segments[{i}] (match {rules[i].match!r}) can never apply: {why}{more}")
+        return rules
 
 
 def apply_override(base: Settings, override: SettingsOverride) -> Settings:

@@ -17,12 +17,12 @@ defaults:
   drafters:
     draft: {k_max: 6}
 segments:
+  - match: "tenant-*-eu"
+    force: none
   - match: "tenant-*"
     max_batch_size: 4
   - match: "tenant-gold"
     max_batch_size: 16
-  - match: "tenant-*-eu"
-    force: none
   - match: "code"
     drafters:
       draft: {k_min: 2}
@@ -34,10 +34,10 @@ segments:
     [
         ("tenant-gold", 16, None, "an exact name beats the globs listed before it"),
         ("tenant-blue", 4, None, "first matching glob"),
-        ("tenant-blue-eu", 4, None, "first matching glob wins even when a later one matches too"),
+        ("tenant-blue-eu", 8, "none", "first matching glob wins even when a later one matches too"),
         ("other", 8, None, "no rule: the defaults"),
         ("tenant-gold#sampled", 16, None, "a segment's sampled requests follow its own rules, exact names included"),
-        ("tenant-blue-eu#sampled", 4, None, "and its globs, matched against the segment's name"),
+        ("tenant-blue-eu#sampled", 8, "none", "and its globs, matched against the segment's name"),
     ],
 )
 def test_rule_resolution(segment, batch, force, why):
