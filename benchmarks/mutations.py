@@ -1900,8 +1900,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "key-check-forgets-the-tenant",
         "decoder/worker/auth.py",
-        "scope.setdefault(\"state\", {})[TENANT_STATE] = matched[0]",
-        "scope.setdefault(\"state\", {})[TENANT_STATE] = None",
+        'scope.setdefault("state", {})[TENANT_STATE] = matched[0]',
+        'scope.setdefault("state", {})[TENANT_STATE] = None',
         ("tests/worker/test_tenants.py",),
         "every key treated as the operator's: a tenant's key names any segment",
     ),
