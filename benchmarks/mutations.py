@@ -1866,6 +1866,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a repeated exact match passes policy check, and never applies",
     ),
     Mutation(
+        "client-segments-no-room-for-new-hosts",
+        "decoder/worker/client_segments.py",
+        "kept = int(bounds.max_names * bounds.new_host_share) if mine else 0  # for addresses holding none",
+        "kept = 0",
+        ("tests/worker/test_client_segments.py",),
+        "four addresses at their share take every client-segment place: a new tenant is served unnamed",
+    ),
+    Mutation(
         "parameters-not-served-ignored",
         "decoder/worker/openai_api.py",
         'raise ValueError(f"this worker does not implement {name}: leave it out")',

@@ -11,13 +11,15 @@ no place):
 - ``allowed: false``, or a name no glob of ``names`` matches: the request is refused (400, param ``segment``);
 - a name this worker holds (taken from a client and named again within ``window_seconds``): admitted;
 - another name: taken while this worker holds fewer than ``max_names`` client-named segments, and the client address
-  that names it brought fewer than ``max_names_per_host`` of them; else the request is served under the segment the
-  worker would infer, as if it had named none (a segment only chooses how to speculate: the output is the same), and
-  counted. A name no request names for ``window_seconds`` gives its place back.
+  that names it brought fewer than ``max_names_per_host`` of them, and, if that address holds any, more than
+  ``new_host_share`` of ``max_names`` places are free (kept for addresses that hold none); else the request is served
+  under the segment the worker would infer, as if it had named none (a segment only chooses how to speculate: the
+  output is the same), and counted. A name no request names for ``window_seconds`` gives its place back.
 
 A worker so holds at most ``max_names`` of the controller's places, however long a client keeps naming new ones or
 keeps its names alive, and one address at most ``max_names_per_host`` of them: a flood from one client leaves the
-others' new names room. Deployments size ``max_names`` x workers within the controller's ``max_segments``, and
+others' new names room, and a few addresses at their share still leave ``new_host_share`` of the places (a quarter)
+to addresses that hold none. Deployments size ``max_names`` x workers within the controller's ``max_segments``, and
 ``window_seconds`` to its window. The globs are compiled into one pattern when the worker starts, so a name costs one
 match whatever their number.
 """
@@ -79,9 +81,10 @@ class SegmentAdmission:
                 self._held[name] = (now, held[1])
                 self._held.move_to_end(name)
                 return name
-            if bounds.max_names and (
-                len(self._held) >= bounds.max_names or self._by_host.of(host) >= bounds.max_names_per_host
-            ):
+            mine = self._by_host.of(host)
+            free = bounds.max_names - len(self._held)
+            kept = int(bounds.max_names * bounds.new_host_share) if mine else 0  # for addresses holding none
+            if bounds.max_names and (free <= kept or mine >= bounds.max_names_per_host):
                 self.ignored += 1
                 return None
             self._held[name] = (now, host)

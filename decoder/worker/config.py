@@ -226,6 +226,10 @@ class ClientSegments(Strict):
         25, ge=1, le=100_000, description="of them, brought by one client address (raise it for a proxy in front, "
         "which carries every client's requests)",
     )  # fmt: skip
+    new_host_share: float = Field(
+        0.25, ge=0.0, lt=1.0, description="this share of max_names is kept for addresses that hold no name yet: an "
+        "address holding names takes a new place only while more than that many are free",
+    )  # fmt: skip
     window_seconds: float = Field(
         3600.0, gt=0, le=30 * 86_400, description="a name no request names for this long gives its place back (the "
         "controller's learning window: window_buckets x bucket_seconds)",

@@ -29,7 +29,7 @@ def test_a_flood_of_made_up_segments_leaves_the_controllers_cap_to_the_others(st
     field take none; the cap is not reached, so a segment reported by another worker afterwards is learned under its
     own name, not as _overflow."""
     controller = stack.start_controller(max_segments=12)
-    worker = stack.start_worker(controller.address, client_segments={"max_names": 4})
+    worker = stack.start_worker(controller.address, client_segments={"max_names": 4, "new_host_share": 0.0})
     with httpx.Client(base_url=worker.url, timeout=60) as client:
         for i in range(6):  # refused for their K (past client_speculation.max_k): they must take no place
             speculation = {"drafter": "draft", "k": 9}

@@ -46,7 +46,7 @@ def test_names_kept_alive_never_take_more_than_max_names():
     and added the hour's budget every hour (1,200 live names on one worker after 12 hours, past the controller's
     cap of 1,000). The places a worker holds are bounded, however long the client keeps at it."""
     clock = Clock()
-    gate = admission(clock, max_names=100, max_names_per_host=100, window_seconds=WINDOW)
+    gate = admission(clock, max_names=100, max_names_per_host=100, new_host_share=0.0, window_seconds=WINDOW)
     mine: list[str] = []
     for hour in range(12):
         for half in range(2):
@@ -68,6 +68,16 @@ def test_one_address_takes_its_share_and_leaves_the_others_room():
     assert gate.held() == {"10.0.0.9": 4, "10.0.0.1": 2}
 
 
+def test_a_few_addresses_at_their_share_leave_room_for_new_ones():
+    """Four addresses at 25 names each took all 100 places; a new tenant was then served under an inferred segment.
+    An address holding names takes a new place only while more than a quarter of the places are free."""
+    clock = Clock()
+    gate = admission(clock, max_names=100, max_names_per_host=25, window_seconds=WINDOW)
+    taken = [sum(gate.admit(f"flood-{h}-{i}", f"10.0.0.{h}") is not None for i in range(50)) for h in range(1, 5)]
+    assert taken == [25, 25, 25, 1], "the fourth address, holding none, takes one kept place; then it holds one"
+    assert [gate.admit(f"tenant-{i}", f"10.1.0.{i}") for i in range(3)] == ["tenant-0", "tenant-1", "tenant-2"]
+
+
 def test_names_and_the_switch_refuse_with_the_setting_named():
     clock = Clock()
     gate = admission(clock, names=["tenant-*", "batch"])
@@ -86,7 +96,7 @@ def test_without_a_bound_the_names_remembered_are_still_bounded():
 
 
 def test_admission_from_many_threads_keeps_the_bound():
-    gate = admission(Clock(), max_names=50, max_names_per_host=50)
+    gate = admission(Clock(), max_names=50, max_names_per_host=50, new_host_share=0.0)
 
     def name_many(worker: int) -> None:
         for i in range(200):
