@@ -1874,6 +1874,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "four addresses at their share take every client-segment place: a new tenant is served unnamed",
     ),
     Mutation(
+        "report-budget-by-aggregates-alone",
+        "controller/serving/report_budget.py",
+        "cost = len(segments) + SEGMENT_COST * max(len(set(segments)) - 1, 0)",
+        "cost = len(segments)",
+        ("tests/controller/test_report_budget.py",),
+        "a report spread over 980 segments charged as one over 16: 5x the controller's CPU for the same budget",
+    ),
+    Mutation(
         "parameters-not-served-ignored",
         "decoder/worker/openai_api.py",
         'raise ValueError(f"this worker does not implement {name}: leave it out")',

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from controller.serving.host_share import DEFAULT_CALLS_PER_HOST
-from controller.serving.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, ReportBudget
+from controller.serving.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, SEGMENT_COST, ReportBudget
 from controller.storage.redis_conn import RedisTls, uses_tls
 from controller.storage.store import StoreConfig
 from specd_api.checks import MAX_AGGREGATES
@@ -49,9 +49,10 @@ class LearningConfig(Strict):
         "RESOURCE_EXHAUSTED before any work (the worker retries it). 0: no budget",
     )  # fmt: skip
     report_aggregates_burst_per_peer: int = Field(
-        2 * MAX_AGGREGATES, ge=MAX_AGGREGATES,
-        description="the most aggregates a client host may report at once (its bucket's size): at least one report "
-        "at the size bound, so that one always passes when the bucket is full",
+        MAX_AGGREGATES * (1 + SEGMENT_COST), ge=MAX_AGGREGATES,
+        description="the most report work a client host may send at once (its bucket's size, in aggregates; a "
+        "segment past a report's first counts SEGMENT_COST more): by default a report at the size bound over as "
+        "many segments; a report never costs more than the bucket, so one always passes a full bucket",
     )  # fmt: skip
     report_budget_hold_seconds: float = Field(
         1.0, ge=0, le=MAX_HOLD_SECONDS, allow_inf_nan=False,

@@ -126,7 +126,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if isinstance(request, pb.ReportRoundsRequest):
             request = ReceivedReport.of(request)
         with self._span("ReportRounds", context) as span:
-            self._charge_budget(len(request.head.aggregates), span, context)
+            self._charge_budget([a.segment for a in request.head.aggregates], span, context)
             stored = self._in_report_process(request, span, context)
             if stored is not None:
                 report_id, outcome = stored
@@ -182,21 +182,23 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"telemetry not stored, retry later: {e}")
             raise AssertionError("abort returned") from None  # it raises
 
-    def _charge_budget(self, cost: int, span: trace.Span, context: grpc.ServicerContext) -> None:
-        """Spend the report's ``cost`` (its aggregates) from its client host's budget, or refuse it with
-        RESOURCE_EXHAUSTED before any of its work (serving/report_budget.py). A report past the size bound is not
-        charged: validation refuses it with INVALID_ARGUMENT."""
-        if self.budget is None or cost > MAX_AGGREGATES:
+    def _charge_budget(self, segments: list[str], span: trace.Span, context: grpc.ServicerContext) -> None:
+        """Spend the report's cost (its aggregates, by ``segments``, and the segments they touch) from its client
+        host's budget, or refuse it with RESOURCE_EXHAUSTED before any of its work (serving/report_budget.py). A
+        report past the size bound is not charged: validation refuses it with INVALID_ARGUMENT."""
+        if self.budget is None or len(segments) > MAX_AGGREGATES:
             return
+        cost = self.budget.cost_of(segments)
         over = self.budget.charge(peer_host(context.peer()), cost)
         if over is None:
             return
         self._over_budget.inc()
-        self._aggregates_over_budget.inc(cost)
+        self._aggregates_over_budget.inc(len(segments))
         message = (
             f"report budget spent: client host {over.peer} may report {self.budget.rate:g} aggregates a second "
-            f"(bursts of {self.budget.burst:g}); this report's {cost} fit in {over.retry_after_seconds:.2f} s: retry "
-            "it then (nothing of it was stored)"
+            f"(bursts of {self.budget.burst:g}); this report's {cost} ({len(segments)} aggregates over "
+            f"{len(set(segments))} segments) fit in {over.retry_after_seconds:.2f} s: retry it then (nothing of it "
+            "was stored)"
         )
         if over.log:
             log.warning("%s (logged at most once a minute per client host)", message)

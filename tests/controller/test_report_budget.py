@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from controller.config import LearningConfig
 from controller.server import ControllerDaemon
-from controller.serving.report_budget import SHARED_PEER, ReportBudget, peer_host
+from controller.serving.report_budget import SEGMENT_COST, SHARED_PEER, ReportBudget, peer_host
 from specd_api.checks import MAX_AGGREGATES
 from specd_api.rounds import RoundRecord
 from specd_api.v1 import controller_pb2 as pb
@@ -89,6 +89,16 @@ def test_a_full_bucket_passes_its_burst_then_refuses_without_spending():
     clock.now += 0.1
     assert budget.charge("a", 50) is None  # exactly when it said
     assert budget.charge("a", 1) is not None
+
+
+def test_a_report_costs_its_aggregates_and_the_segments_they_touch_at_most_the_bucket():
+    budget = ReportBudget(rate=100.0, burst=5000)
+    assert budget.cost_of(["a"] * 1000) == 1000
+    assert budget.cost_of(["a", "b"] * 500) == 1000 + SEGMENT_COST
+    spread = [f"s{i % 980}" for i in range(1000)]
+    assert budget.cost_of(spread) == 1000 + SEGMENT_COST * 979
+    assert ReportBudget(rate=100.0, burst=1000).cost_of(spread) == 1000  # never more than a full bucket holds
+    assert budget.cost_of([]) == 0
 
 
 def test_a_bucket_refills_at_the_rate_up_to_the_burst():
@@ -268,6 +278,19 @@ def retry_after(error: grpc.RpcError) -> float:
     found = re.search(r"fit in ([0-9.]+) s", error.details())
     assert found, error.details()
     return float(found.group(1))
+
+
+def test_a_report_spread_over_segments_spends_more_of_the_budget(daemon, v4):
+    """200 aggregates over 200 segments cost 200 + 4 x 199 = 996 of the 1,000 a full bucket holds: a report of 50
+    right after is refused. Charged by aggregates alone, 800 were left."""
+    time.sleep(BURST / RATE)  # a full bucket
+    spread = pb.ReportRoundsRequest(report_id=f"r-{uuid.uuid4().hex}", worker_id="budget-test",
+                                    aggregates=[aggregate(f"spread-{i}") for i in range(200)])  # fmt: skip
+    v4.ReportRounds(spread, timeout=RPC_TIMEOUT)
+    with pytest.raises(grpc.RpcError) as caught:
+        v4.ReportRounds(report(FILLER, 50), timeout=RPC_TIMEOUT)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "50 aggregates over 1 segments" in caught.value.details()
 
 
 def test_a_report_over_budget_is_refused_stores_nothing_and_counts_once_when_retried(daemon, v4, v6):
