@@ -64,7 +64,8 @@ class SpeculationChoice(BaseModel):
         return k
 
 
-# parameter -> the values that ask for nothing (what OpenAI does without it): any other value is refused
+# parameter -> the values that ask for nothing (what OpenAI does without it): any other value is refused. The
+# completion-only and chat-only ones are fields of their request only.
 NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0),
@@ -81,10 +82,9 @@ NOT_SERVED: dict[str, tuple[Any, ...]] = {
     "guided_regex": (None,),
     "guided_choice": (None,),
     "guided_grammar": (None,),
-}
-NOT_SERVED_COMPLETION: dict[str, tuple[Any, ...]] = {"best_of": (None, 1), "suffix": (None, "")}
-NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1),  # completions
+    "suffix": (None, ""),  # completions
+    "response_format": (None, {"type": "text"}),  # chat, and the rest below
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -95,9 +95,9 @@ NOT_SERVED_CHAT: dict[str, tuple[Any, ...]] = {
 }
 
 
-def not_served(name: str, value: Any, table: dict[str, tuple[Any, ...]]) -> Any:
+def not_served(name: str, value: Any) -> Any:
     """``value`` if it asks for nothing ``name`` does; else ValueError (the request asked for what is not done)."""
-    if any((value == allowed and type(value) is not bool) or value is allowed for allowed in table[name]):
+    if any((value == allowed and type(value) is not bool) or value is allowed for allowed in NOT_SERVED[name]):
         return value
     raise ValueError(f"this worker does not implement {name}: leave it out")
 
@@ -137,10 +137,10 @@ class _Common(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
 
-    @field_validator(*NOT_SERVED)
+    @field_validator(*NOT_SERVED, check_fields=False)
     @classmethod
     def _not_served(cls, value: Any, info: Any) -> Any:
-        return not_served(info.field_name, value, NOT_SERVED)
+        return not_served(info.field_name, value)
 
     @field_validator("model", "stop")
     @classmethod
@@ -182,11 +182,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: Any = None
     suffix: Any = None
-
-    @field_validator(*NOT_SERVED_COMPLETION)
-    @classmethod
-    def _not_served_here(cls, value: Any, info: Any) -> Any:
-        return not_served(info.field_name, value, NOT_SERVED_COMPLETION)
 
     @field_validator("prompt")
     @classmethod
@@ -244,11 +239,6 @@ class ChatRequest(_Common):
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
-
-    @field_validator(*NOT_SERVED_CHAT)
-    @classmethod
-    def _not_served_here(cls, value: Any, info: Any) -> Any:
-        return not_served(info.field_name, value, NOT_SERVED_CHAT)
 
     @field_validator("max_completion_tokens")
     @classmethod

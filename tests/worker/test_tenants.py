@@ -16,6 +16,7 @@ from decoder.worker.config import load_worker_config
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from specd_api.yaml_config import ConfigError
 from tests.worker.conftest import Worker
+from tests.worker.test_auth import worker_yaml as auth_worker_yaml
 
 KEYS = {"operator": "sk-" + "o" * 40, "tenant-a": "sk-" + "a" * 40, "tenant-b": "sk-" + "b" * 40}
 
@@ -93,9 +94,7 @@ def test_without_a_key_nothing_is_served(tenants) -> None:
 def worker_yaml(folder: Path, body: str) -> Path:
     for name, key in KEYS.items():
         (folder / f"{name}.key").write_text(key + "\n")
-    path = folder / "worker.yaml"
-    path.write_text("listen: 127.0.0.1:0\n" + body)
-    return path
+    return auth_worker_yaml(folder, body)
 
 
 @pytest.mark.parametrize(
