@@ -8,7 +8,7 @@ outputs' tokens (kept so an output can be taken out again); the bound holds afte
   segment cannot push every other segment's outputs out;
 * the cache holds at most ``cache_bytes``: past it, the oldest output of the segment holding the most bytes goes,
   so segments that flood the cache lose their own outputs, and a segment holding less than any other keeps its own
-  (two segments at their share no longer push a third out);
+  (two segments at their share cannot push a third out);
 * an output longer than a segment's share could ever hold is cut to what it can hold.
 
 Thread safety: ``add`` runs where requests finish (the worker's event loop), ``continuation`` on the decode thread.

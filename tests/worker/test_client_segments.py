@@ -69,8 +69,8 @@ def test_one_address_takes_its_share_and_leaves_the_others_room():
 
 
 def test_a_few_addresses_at_their_share_leave_room_for_new_ones():
-    """Four addresses at 25 names each took all 100 places; a new tenant was then served under an inferred segment.
-    An address holding names takes a new place only while more than a quarter of the places are free."""
+    """Four addresses at 25 names each must not take all 100 places, leaving a new tenant served under an inferred
+    segment: an address holding names takes a new place only while more than a quarter of the places are free."""
     clock = Clock()
     gate = admission(clock, max_names=100, max_names_per_host=25, window_seconds=WINDOW)
     taken = [sum(gate.admit(f"flood-{h}-{i}", f"10.0.0.{h}") is not None for i in range(50)) for h in range(1, 5)]

@@ -213,7 +213,7 @@ def test_one_hosts_large_prompts_hold_up_neither_small_prompts_nor_other_hosts(w
     """Three 2.4 MB prompts from one host (each tokenized for a second or more, then refused for its token count)
     are in the tokenizer when a small prompt from the same host and a 20,000-character one from another host
     arrive. The small one waits for no large one; the other host's waits for at most the one running, not the
-    flood's queue (one tokenizing thread in arrival order served both after all three)."""
+    flood's queue (one tokenizing thread in arrival order would serve both after all three)."""
     other = "Pack my box with five dozen liquor jugs. " * 500  # 20,500 characters: the large lane, but quick
     sends = [(0.0, "127.0.0.1", FLOOD), (0.05, "127.0.0.1", FLOOD), (0.1, "127.0.0.1", FLOOD),
              (0.6, "127.0.0.1", "hello"), (0.6, "127.0.0.2", other)]  # fmt: skip
