@@ -247,8 +247,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "client-segments-one-host-takes-all",
         "decoder/worker/client_segments.py",
-        "len(self._held) >= bounds.max_names or self._by_host.of(host) >= bounds.max_names_per_host",
-        "len(self._held) >= bounds.max_names",
+        "if bounds.max_names and (free <= kept or mine >= bounds.max_names_per_host):",
+        "if bounds.max_names and free <= kept:",
         ("tests/worker/test_client_segments.py",),
         "one client's flood of names takes every place this worker holds: other clients' new names get none",
     ),
