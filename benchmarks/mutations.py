@@ -1097,7 +1097,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "report-budget-charged-before-size-check",
         "controller/service.py",
-        "        if self.budget is None or cost > MAX_AGGREGATES:",
+        "        if self.budget is None or len(segments) > MAX_AGGREGATES:",
         "        if self.budget is None:",
         ("tests/controller/test_report_budget.py",),
         "a report past the size bound is charged to the budget: RESOURCE_EXHAUSTED (retried forever) instead of "
