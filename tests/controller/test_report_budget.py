@@ -324,10 +324,12 @@ def test_a_report_over_budget_is_refused_stores_nothing_and_counts_once_when_ret
 
 
 def test_a_report_past_the_size_bound_is_invalid_and_spends_no_budget(v6):
-    with pytest.raises(grpc.RpcError) as caught:  # charged first, it would be RESOURCE_EXHAUSTED: no bucket holds it
+    time.sleep(BURST / RATE)  # a full bucket
+    with pytest.raises(grpc.RpcError) as caught:
         v6.ReportRounds(report("oversize", MAX_AGGREGATES + 1), timeout=RPC_TIMEOUT)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert str(MAX_AGGREGATES) in caught.value.details()
+    v6.ReportRounds(report(FILLER, MAX_AGGREGATES), timeout=RPC_TIMEOUT)  # the bucket is still full
 
 
 def test_the_workers_client_keeps_a_refused_report_and_delivers_it_once(daemon, v4):
