@@ -75,8 +75,10 @@ def test_greedy_output_is_the_chosen_endpoints_and_acceptance_is_llama_servers_c
     run = uuid.uuid4().hex[:6]
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # segment -> drafted, accepted, steps at draft:4
     sources: set[str] = set()
-    # every endpoint by the caller's own choice first (what a benchmark does), then the controller's plans
-    passes: list[dict[str, Any] | None] = [{"drafter": s.drafter, "k": s.k} for s in urls] + [None, None]
+    # every endpoint by the caller's own choice first (what a benchmark does; the draft endpoint twice, so that each
+    # segment holds the 3 requests a realised figure needs however the controller's plans go), then its plans
+    chosen_by_caller = [{"drafter": s.drafter, "k": s.k} for s in urls] + [{"drafter": "draft", "k": 4}]
+    passes: list[dict[str, Any] | None] = [*chosen_by_caller, None, None]
     for i, choice in enumerate(passes):
         for workload, prompt in prompts():
             segment = f"{workload}-{run}"

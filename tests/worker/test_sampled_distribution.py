@@ -86,7 +86,13 @@ async def sample_completions(client: httpx.AsyncClient) -> Completions:
     gate = asyncio.Semaphore(IN_FLIGHT)
 
     async def one(seed: int) -> dict[str, Any]:
-        body = {"prompt": list(PROMPT), "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": seed}
+        body = {
+            "prompt": list(PROMPT),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 1.0,
+            "seed": seed,
+            "speculation": {"drafter": "draft", "k": K},
+        }  # a seeded request runs target-only unless it names one
         async with gate:
             response = await client.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
