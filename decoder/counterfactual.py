@@ -30,24 +30,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decoder.drafters.base import Drafter
-from decoder.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+from decoder.drafters.prompt_lookup import PromptLookupDrafter
 from decoder.request_stop import StopConditions, draft_budget
 from specd_api.position_tally import PositionTally
 from specd_api.rounds import Scored
 
 PREFILL_TOKENS = 1  # the first emitted token comes from the target's prefill, not a round
-
-
-def replay_lookup(
-    prompt_ids: Sequence[int],
-    generated: Sequence[int],
-    config: PromptLookupConfig,
-    k: int,
-    rules: StopConditions,
-    max_context: int | None,
-) -> list[Scored]:
-    """Prompt lookup at ceiling ``k``, replayed over ``generated``: one score per ceiling the rounds had."""
-    return replay(PromptLookupDrafter(config), prompt_ids, generated, k, rules, max_context)
 
 
 def replay(

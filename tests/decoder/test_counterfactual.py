@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from decoder.counterfactual import replay_lookup
-from decoder.drafters import PromptLookupConfig, SuffixCache, SuffixConfig
+from decoder.counterfactual import replay
+from decoder.drafters import PromptLookupConfig, PromptLookupDrafter, SuffixCache, SuffixConfig
 from decoder.engine import SpeculativeDecoder
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
@@ -72,7 +72,7 @@ def test_the_replay_counts_what_serving_prompt_lookup_counted(decoder, tokenizer
         served = decoder.generate(prompt, "prompt_lookup", k, GREEDY, rules)
         plain = decoder.generate(prompt, "none", 0, GREEDY, rules)  # another drafter's output: the same tokens
         assert plain.token_ids == served.token_ids
-        replayed = replay_lookup(prompt, plain.token_ids, config, k, rules, decoder.target.max_context)
+        replayed = replay(PromptLookupDrafter(config), prompt, plain.token_ids, k, rules, decoder.target.max_context)
         assert [as_tuple(t) for t in replayed] == served_tallies(served.stats.rounds), prompt
         accepted_somewhere |= served.stats.num_accepted > 0
     assert accepted_somewhere, "no lookup was ever accepted: the test would not see an off-by-one"
@@ -82,15 +82,15 @@ def test_the_replay_stops_where_the_request_ended():
     # The first token (2) is the prefill's: the first round starts after it, with the context ending in 1 2, which
     # lookup continues with 3 1 2. The request ended (EOS) after the 3: the later positions are proposed but never
     # verified. 9 tokens allowed, one emitted: K <= 7.
-    tallies = replay_lookup([9, 1, 2, 3, 1], [2, 3], PromptLookupConfig(), 8, StopConditions(9), None)
+    tallies = replay(PromptLookupDrafter(), [9, 1, 2, 3, 1], [2, 3], 8, StopConditions(9), None)
     zeros = [0] * 4
     assert [as_tuple(t) for t in tallies] == [(7, 1, [1, 1, 1, *zeros], [1, 0, 0, *zeros], [1, 0, 0, *zeros])]
     # the budget cuts the ceiling as it cuts a served round's: 4 tokens allowed, one emitted, so K <= 2
-    tallies = replay_lookup([9, 1, 2, 3, 1], [2, 3, 1], PromptLookupConfig(), 8, StopConditions(4), None)
+    tallies = replay(PromptLookupDrafter(), [9, 1, 2, 3, 1], [2, 3, 1], 8, StopConditions(4), None)
     assert [as_tuple(t) for t in tallies] == [(2, 1, [1, 1], [1, 1], [1, 1])]
-    assert replay_lookup([1, 2], [], PromptLookupConfig(), 4, StopConditions(8), None) == []
-    assert replay_lookup([1, 2], [5], PromptLookupConfig(), 4, StopConditions(8), None) == [], "the prefill's alone"
-    assert replay_lookup([1, 2], [5, 6], PromptLookupConfig(), 0, StopConditions(8), None) == []
+    assert replay(PromptLookupDrafter(), [1, 2], [], 4, StopConditions(8), None) == []
+    assert replay(PromptLookupDrafter(), [1, 2], [5], 4, StopConditions(8), None) == [], "the prefill's alone"
+    assert replay(PromptLookupDrafter(), [1, 2], [5, 6], 0, StopConditions(8), None) == []
 
 
 # -- suffix decoding --------------------------------------------------------------------------------------------
