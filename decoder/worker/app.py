@@ -61,18 +61,18 @@ def build_app(service: WorkerService) -> FastAPI:
     tokenizing = Tokenizing()
 
     async def off_loop(request: Request, chars: int, work: Callable[[], list[int]]) -> list[int]:
-        host = client_host(request.client.host) if request.client is not None else ""
-        return await tokenizing.run(chars, host, work)
+        return await tokenizing.run(chars, request_host(request), work)
 
     app = FastAPI(title="specd worker", docs_url=None, redoc_url=None)
     app.add_middleware(
         BodyLimit, max_bytes=limits.max_request_bytes,
         error=lambda message: error(413, message, "invalid_request_error"),
     )  # fmt: skip
-    if cfg.auth.credentials():  # added last, so it runs first: no key, no body read
+    credentials = cfg.auth.credentials()
+    if credentials:  # added last, so it runs first: no key, no body read
         open_paths = [path for path, access in (("/health", cfg.auth.health), ("/metrics", cfg.auth.metrics))
                       if access == "open"]  # fmt: skip
-        app.add_middleware(ApiKeyCheck, keys=cfg.auth.credentials(), open_paths=open_paths)
+        app.add_middleware(ApiKeyCheck, keys=credentials, open_paths=open_paths)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -209,6 +209,11 @@ class Forbidden(BadRequest):
     status, kind = 403, "permission_error"
 
 
+def request_host(request: Request) -> str:
+    """The client host a request counts under in every per-host share (``specd_api.host_counts.client_host``)."""
+    return client_host(request.client.host) if request.client is not None else ""
+
+
 def tenant_segment(request: Request, named: str | None) -> tuple[str | None, str]:
     """The segment a request names, checked against its key (``auth.tenants``), and the prefix of the segment the
     worker infers for it where it names none ('' for the operator's key, or without keys). Forbidden: a tenant's key
@@ -239,8 +244,8 @@ def request_spec(service: WorkerService, body: Any, request: Request, text: str 
     check_speculation(body.speculation, cfg.client_speculation)
     if segment is not None:  # last: a request refused for another field takes no place
         try:
-            host = client_host(request.client.host) if request.client is not None else ""
-            segment = service.client_segment(segment, host)  # None: served under the segment the worker infers
+            # None: served under the segment the worker infers
+            segment = service.client_segment(segment, request_host(request))
         except SegmentRefused as e:
             raise BadRequest("segment", str(e)) from None
     return RequestSpec(

@@ -1,8 +1,8 @@
 """The worker's API keys, OpenAI style: ``Authorization: Bearer <key>`` on every request, else 401 with an OpenAI
 error body. ``ApiKeyCheck`` is ASGI middleware in front of everything else (the body limit included), so a caller
 without a key is refused before a byte of its body is read; /health and /metrics can each be left open. A key is
-compared with every configured key in constant time (which one matched takes no longer to find) and never appears in
-a response or a log line. The tenant a key names (``TenantKey``, None for the operator's key) goes with the request,
+compared with every configured key in constant time (the time does not depend on which key matches) and never appears
+in a response or a log line. The tenant a key names (``TenantKey``, None for the operator's key) goes with the request,
 in its ASGI state under ``TENANT_STATE``, for the segment check (decoder/worker/app.py)."""
 
 from __future__ import annotations

@@ -170,8 +170,8 @@ class Adapter:
     def done(self, routed: Routed, answer: dict[str, Any], generated: Sequence[int] = ()) -> None:
         """The request left the adapter: its totals reported (when a controller is configured), with prompt lookup
         scored over its output ``generated`` where the plan asks for it and prompt lookup did not serve it (by
-        llama-server's own rule, ``ngram_simple.scored``); the
-        scoring (about 0.5 ms) runs on the reporter's thread once no request is in flight."""
+        llama-server's own rule, ``ngram_simple.scored``); the scoring (about 0.6 ms) runs on the reporter's thread
+        once no request is in flight."""
         self.in_flight.leave()
         timings = answer.get("timings") or {}
         chosen = routed.caller_choice
