@@ -19,7 +19,7 @@ from controller.pacing import URGENT
 from controller.serving import validation
 from controller.serving.report_budget import ReportBudget, peer_host
 from controller.serving.report_head import METHOD, ReceivedReport
-from controller.serving.report_process import Invalid, ReportProcess, report_steps
+from controller.serving.report_process import Held, Invalid, ReportProcess, report_steps
 from controller.serving.table_publisher import DecisionPublisher, TooManyWatchers
 from controller.serving.unparsable import undecodable
 from controller.serving.views import cost_model, segment_stats
@@ -126,8 +126,10 @@ class ControllerServicer(pb_grpc.ControllerServicer):
         if isinstance(request, pb.ReportRoundsRequest):
             request = ReceivedReport.of(request)
         with self._span("ReportRounds", context) as span:
-            self._charge_budget([a.segment for a in request.head.aggregates], span, context)
-            stored = self._in_report_process(request, span, context)
+            holder = (peer_host(context.peer()), request.head.report_id)
+            if self.reports is None or not self.reports.holds(holder):  # a retry of a held report adds no work
+                self._charge_budget([a.segment for a in request.head.aggregates], span, context)
+            stored = self._in_report_process(request, holder, span, context)
             if stored is not None:
                 report_id, outcome = stored
             else:
@@ -146,21 +148,27 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             )
 
     def _in_report_process(
-        self, request: ReceivedReport, span: trace.Span, context: grpc.ServicerContext
+        self, request: ReceivedReport, holder: tuple[str, str], span: trace.Span, context: grpc.ServicerContext
     ) -> tuple[str, ReportOutcome] | None:
         """The report validated and stored by the report process (serving/report_process.py), or None when the
         daemon must do it: there is none (or it is not ready), the journal holds a backlog the report queues
         behind, Redis is known to be down (stale), the report is over the size bound, or the child did not store it
-        (``ReportProcess.ingest``: it died, answered late, or Redis failed there). A report it finds invalid is
-        refused here."""
+        (``ReportProcess.ingest``: it died, or Redis failed there). A report it finds invalid is refused here; one
+        it holds past its answer time is answered UNAVAILABLE, and the retry waits on the same work."""
         learner = self.controller.learner
         if self.reports is None or not self.reports.ready or len(learner.journal) or learner.stale:
             return None  # (stale: Redis did not answer the last refresh; the daemon journals the report at once)
         if len(request.head.aggregates) > MAX_AGGREGATES:
             return None  # refused at once by the daemon's validation, before any lookup per aggregate
-        answer = self.reports.ingest(request.data, report_steps(request.head, learner.step_seconds))
+        answer = self.reports.ingest(request.data, report_steps(request.head, learner.step_seconds), holder)
         if isinstance(answer, Invalid):
             self._invalid(span, context, ValueError(answer.reason))
+        if isinstance(answer, Held):
+            message = ("the report is queued in the report process, behind other work: retry it (the same report id "
+                       "waits on the same work and is counted once)")  # fmt: skip
+            span.set_status(Status(StatusCode.ERROR, message))
+            context.abort(grpc.StatusCode.UNAVAILABLE, message)
+            raise AssertionError("abort returned")  # it raises
         if answer is None:
             return None
         return answer.report_id, ReportOutcome(answer.rounds, answer.duplicate, journaled=False)

@@ -19,9 +19,14 @@ What stays in the daemon:
 - each segment's plain step time, which a report's realised speedups are read at (``Learner.step_seconds``): the
   daemon looks them up for the report's (segment, batch bucket) pairs, and the child reads those.
 
+A report the child has not answered within ANSWER_SECONDS (queued behind other reports or a refit, or a Redis that
+answers slowly) stays the child's: the daemon answers UNAVAILABLE, and the worker's retry of it (the same report id
+from the same client host) waits on the same work, charged nothing more, so however long or many the reports, their
+work is the child's. A child that has had work and answered nothing for STUCK_SECONDS (stopped, or wedged) is killed
+and replaced.
+
 The prior's refit (``refit_prior``: read the stored samples, fit, store the model, which the daemon's next refresh
-loads) runs in the same child, between reports: a report that waits for it longer than ANSWER_SECONDS is the
-daemon's, as any late one.
+loads) runs in the same child, between reports.
 
 The child starts in the background when the daemon does (it imports the store and validation: about a second), and a
 report that comes before it has answered, or while it is being replaced after it died, is the daemon's.
@@ -30,9 +35,11 @@ It is used only with the wall clock: a daemon on another clock (tests) keeps eve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -58,12 +65,15 @@ from specd_api.v1 import controller_pb2 as pb
 log = logging.getLogger("specd.controller.reports")
 NICE = 10  # the child's niceness over the daemon's: the OS gives the daemon's threads the cores first
 PARENT_POLL_SECONDS = 1.0  # how soon a child whose daemon was killed exits
-# A report at the bounds takes the child ~0.25 s; one not answered within this is the daemon's (one child stores the
-# reports one at a time: a Redis that drops packets makes each wait its timeout, and they queue)
+# A report at the bounds takes the child ~0.25 s; one not answered within this is answered UNAVAILABLE and stays the
+# child's (one child stores the reports one at a time: a Redis that drops packets makes each wait its timeout)
 ANSWER_SECONDS = 2.0
 REFIT_SECONDS = 60.0  # a refit (scikit-learn's import and fit over the stored samples) takes seconds
+MAX_HELD = 4096  # reports held for their retry, past which the answered ones are dropped (a retry then is a duplicate)
+STUCK_SECONDS = REFIT_SECONDS + 30.0  # work outstanding and no answer for this long: the longest piece is a refit
 FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS = 1.0, 60.0  # a child that did not start is tried again, backing off
 Steps = dict[tuple[str, int], float]  # (segment, batch bucket) -> a plain step's seconds there (0: not known)
+Holder = tuple[str, str]  # (client host, report id): whose report, for the retry that waits on the same work
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,14 @@ class Refitted:
 
 
 @dataclass(frozen=True)
+class Held:
+    """The child holds the report (queued, or storing it) and has not answered within ANSWER_SECONDS: UNAVAILABLE,
+    and the retry of ``report_id`` waits on the same work."""
+
+    report_id: str
+
+
+@dataclass(frozen=True)
 class Invalid:
     """The report breaks the wire contract: INVALID_ARGUMENT, with this reason."""
 
@@ -125,11 +143,15 @@ class ReportProcess:
 
     def __init__(self, spec: StoreSpec, nice: int = NICE) -> None:
         self.spec, self.nice = spec, nice
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done callback may run at once, in the submitting thread
         self._pool: futures.ProcessPoolExecutor | None = None
         self._ready = False  # the current child has answered its first call
         self._closed = False
         self._retry_seconds = FIRST_RETRY_SECONDS / 2  # doubled before each wait for a child that did not start
+        self._pid = 0  # the current child's, once it answered
+        self._held: dict[Holder, futures.Future[Any]] = {}  # reports submitted and not yet answered to their caller
+        self._outstanding = 0  # calls submitted to the current child and not done
+        self._quiet_since = 0.0  # monotonic: the child's last answer, or the submit that gave an idle child work
         self.restarts = 0
 
     def start(self) -> None:
@@ -167,7 +189,7 @@ class ReportProcess:
         with self._lock:
             self._retry_seconds = FIRST_RETRY_SECONDS / 2
             if self._pool is pool:
-                self._ready = True
+                self._ready, self._pid = True, pid
         if not_niced:
             log.warning("report process %d validates and stores reports, %s (allow setpriority)", pid, not_niced)
         else:
@@ -177,28 +199,46 @@ class ReportProcess:
     def ready(self) -> bool:
         return self._ready
 
-    def ingest(self, data: bytes, steps: Steps) -> Stored | Invalid | None:
-        """The child's answer to a report's bytes (``ReceivedReport.data``: the daemon never parses them whole); None
-        when the daemon must do the report itself: the child is not ready, it died (a
-        new one is started), it has not answered within ANSWER_SECONDS (reports queued behind a slow Redis, a
-        stopped child: if it stores the report later, the daemon's copy is a duplicate, counted once), or Redis
-        failed (the daemon tries it again, then journals it)."""
+    def ingest(self, data: bytes, steps: Steps, holder: Holder) -> Stored | Invalid | Held | None:
+        """The child's answer to a report's bytes (``ReceivedReport.data``: the daemon never parses them whole), sent
+        by ``holder`` (client host, report id). ``Held``: the child has it and has not answered within
+        ANSWER_SECONDS; a later call for the same holder waits on the same work, not a second copy. None when the
+        daemon must do the report itself: the child is not ready, it died (a new one is started), or Redis failed
+        there (the daemon tries it again, then journals it)."""
         with self._lock:
             pool = self._pool if self._ready else None
-        if pool is None:
-            return None
+            if pool is None:
+                return None
+            call = self._held.get(holder)
+            if call is None:
+                call = self._submitted(pool, _ingest, data, steps)
+                if call is None:
+                    return None
+                if len(self._held) >= MAX_HELD:  # answers no retry came for
+                    self._held = {h: c for h, c in self._held.items() if not c.done()}
+                self._held[holder] = call
         try:
-            call = pool.submit(_ingest, data, steps)
             outcome: Stored | Invalid | str = call.result(ANSWER_SECONDS)
+        except TimeoutError:
+            self._kill_if_stuck(pool)
+            return Held(holder[1])
         except BrokenProcessPool:
+            self._forget(holder, call)
             self._replace(pool)
             return None
-        except (RuntimeError, futures.CancelledError, TimeoutError):  # shut down meanwhile; or too slow
+        except (RuntimeError, futures.CancelledError):  # shut down meanwhile
+            self._forget(holder, call)
             return None
+        self._forget(holder, call)
         if isinstance(outcome, str):
             log.debug("the report process could not store a report (%s): the daemon does", outcome)
             return None
         return outcome
+
+    def holds(self, holder: Holder) -> bool:
+        """Whether the child has this (client host, report id)'s report, not yet answered to its caller."""
+        with self._lock:
+            return holder in self._held
 
     def refit_prior(self, samples_max: int, timeout_seconds: float = REFIT_SECONDS) -> Refitted | None:
         """Refit the prior in the child (``Learner.refit_prior``'s work: the stored samples, at most ``samples_max``,
@@ -206,10 +246,13 @@ class ReportProcess:
         failed there, or it did not finish within ``timeout_seconds``."""
         with self._lock:
             pool = self._pool if self._ready else None
-        if pool is None:
-            return None
+            if pool is None:
+                return None
+            call = self._submitted(pool, _refit_prior, samples_max)
+            if call is None:
+                return None
         try:
-            outcome: Refitted | str = pool.submit(_refit_prior, samples_max).result(timeout_seconds)
+            outcome: Refitted | str = call.result(timeout_seconds)
         except BrokenProcessPool:
             self._replace(pool)
             return None
@@ -220,11 +263,55 @@ class ReportProcess:
             return None
         return outcome
 
+    def _submitted(
+        self, pool: futures.ProcessPoolExecutor, fn: Callable[..., Any], *args: Any
+    ) -> futures.Future[Any] | None:
+        """``fn(*args)`` in the child, counted outstanding until done (called under ``_lock``); None when the child
+        died (it is replaced) or the pool was shut down meanwhile."""
+        try:
+            call = pool.submit(fn, *args)
+        except BrokenProcessPool:
+            self._replace(pool)
+            return None
+        except RuntimeError:
+            return None
+        if self._outstanding == 0:
+            self._quiet_since = time.monotonic()
+        self._outstanding += 1
+        call.add_done_callback(lambda _: self._done(pool))
+        return call
+
+    def _done(self, pool: futures.ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is pool:
+                self._outstanding -= 1
+                self._quiet_since = time.monotonic()
+
+    def _forget(self, holder: Holder, call: futures.Future[Any]) -> None:
+        with self._lock:
+            if self._held.get(holder) is call:
+                del self._held[holder]
+
+    def _kill_if_stuck(self, pool: futures.ProcessPoolExecutor) -> None:
+        """Kill the child when it has had work and answered nothing for STUCK_SECONDS: its calls then fail as
+        broken, and the next one replaces it."""
+        with self._lock:
+            if self._pool is not pool or not self._outstanding:
+                return
+            quiet = time.monotonic() - self._quiet_since
+            if quiet < STUCK_SECONDS:
+                return
+            pid = self._pid
+        log.warning("report process %d has answered nothing for %.0f s with work outstanding: killed and replaced",
+                    pid, quiet)  # fmt: skip
+        with contextlib.suppress(ProcessLookupError):  # it died meanwhile: the next call replaces it
+            os.kill(pid, signal.SIGKILL)
+
     def _replace(self, broken: futures.ProcessPoolExecutor) -> None:
         with self._lock:
             if self._pool is not broken or self._closed:
                 return  # another call replaced it already
-            self._pool, self._ready = None, False
+            self._pool, self._ready, self._held, self._outstanding = None, False, {}, 0
             self.restarts += 1
         log.warning("the report process died; starting another (reports are the daemon's meanwhile)")
         broken.shutdown(wait=False, cancel_futures=True)

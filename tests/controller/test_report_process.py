@@ -6,6 +6,7 @@ child stores what the daemon would have: the same fields, its realised speedups 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import redis
 
 from controller.server import ControllerDaemon
 from controller.serving import report_process, validation
+from controller.serving.report_budget import ReportBudget
 from controller.serving.report_head import ReceivedReport
 from controller.serving.report_process import Invalid, ReportProcess, Stored, StoreSpec, report_steps
 from controller.storage.journal import Journal
@@ -97,9 +99,9 @@ def test_the_daemon_parses_a_reports_head_only_and_hands_the_child_its_bytes(dae
     handed: list[bytes] = []
     ingest = daemon.reports.ingest
 
-    def spied(data, steps):
+    def spied(data, steps, holder):
         handed.append(data)
-        return ingest(data, steps)
+        return ingest(data, steps, holder)
 
     monkeypatch.setattr(daemon.reports, "ingest", spied)
     request = report(draft_aggregate("head-only"), draft_aggregate("head-only", batch_size=3))
@@ -195,9 +197,9 @@ def test_a_report_redis_refused_in_the_child_is_journaled_by_the_daemon(tmp_path
         asked: list[str] = []
         ingest = daemon.reports.ingest
 
-        def counted(data, steps):
+        def counted(data, steps, holder):
             asked.append(pb.ReportRoundsRequest.FromString(data).report_id)
-            return ingest(data, steps)
+            return ingest(data, steps, holder)
 
         monkeypatch.setattr(daemon.reports, "ingest", counted)
         with connected(daemon) as channel:
@@ -214,27 +216,72 @@ def test_a_report_redis_refused_in_the_child_is_journaled_by_the_daemon(tmp_path
         assert len(learner.journal) == 1
 
 
-def test_a_report_the_child_does_not_answer_in_time_is_the_daemons_and_counted_once(
-    daemon, stub, in_daemon, monkeypatch
-) -> None:
-    """A stopped child (or one queued behind a slow Redis): past ANSWER_SECONDS the daemon stores the report itself;
-    when the child goes on and stores its copy too, that copy is a duplicate (same report id), counted once."""
+def test_a_report_the_child_holds_past_its_answer_time_stays_the_childs(daemon, stub, in_daemon, monkeypatch) -> None:
+    """A stopped child (or one queued behind heavy reports): past ANSWER_SECONDS the daemon answers UNAVAILABLE and
+    does none of the report's work; the retry (same id, same host) waits on the same work, is not charged to the
+    budget again, and the report is stored once, by the child."""
     monkeypatch.setattr(report_process, "ANSWER_SECONDS", 0.5)
     pid = daemon.reports._pool.submit(report_process._started).result(timeout=10)[0]
+    charged: list[int] = []
+    charge = ReportBudget.charge
+    monkeypatch.setattr(
+        ReportBudget, "charge", lambda self, host, cost: charged.append(cost) or charge(self, host, cost)
+    )
+    submitted: list[object] = []
+    submit = daemon.reports._submitted
+    monkeypatch.setattr(daemon.reports, "_submitted", lambda *a: submitted.append(a[1]) or submit(*a))
     os.kill(pid, signal.SIGSTOP)
+    request = report(draft_aggregate("child-stopped"))
     try:
-        request = report(draft_aggregate("child-stopped"))
-        started = time.monotonic()
-        assert stub.ReportRounds(request, timeout=10).rounds_accepted == 10
-        assert time.monotonic() - started < 5
-        assert in_daemon == [request.report_id]
+        for _ in range(2):  # the first call, and a retry while the child is still stopped
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as held:
+                stub.ReportRounds(request, timeout=10)
+            assert held.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in held.value.details()
+            assert time.monotonic() - started < 5
     finally:
         os.kill(pid, signal.SIGCONT)
-    assert daemon.reports._pool.submit(report_process._started).result(timeout=10)[0] == pid  # it went on: same child
+    answer = stub.ReportRounds(request, timeout=10)  # the retry: the same work's answer, not a duplicate's
+    assert (answer.rounds_accepted, answer.duplicate) == (10, False)
+    assert in_daemon == [], "the daemon did a report the child held"
+    assert submitted == [report_process._ingest], "the retries sent the report to the child again"
+    assert len(charged) == 1, "a retry of a held report was charged again"
+    assert daemon.reports._pool.submit(report_process._started).result(timeout=10)[0] == pid  # the same child
     learner = daemon.controller.learner
     wait_for("the report counted", lambda: learner.segment_counts("child-stopped").rounds == 10)
-    time.sleep(0.5)  # a refresh or two after the child's copy
-    assert learner.segment_counts("child-stopped").rounds == 10, "counted twice"
+
+
+def test_a_child_that_answers_nothing_for_its_stuck_time_is_replaced(daemon, stub, in_daemon, monkeypatch) -> None:
+    """A child stopped for good: once it has had work and answered nothing for STUCK_SECONDS, the next call past its
+    answer time kills it, and a new child stores the report; it is counted once."""
+    monkeypatch.setattr(report_process, "ANSWER_SECONDS", 0.5)
+    monkeypatch.setattr(report_process, "STUCK_SECONDS", 1.5)
+    reports = daemon.reports
+    pid = reports._pool.submit(report_process._started).result(timeout=10)[0]
+    restarts = reports.restarts
+    os.kill(pid, signal.SIGSTOP)
+    request = report(draft_aggregate("child-stuck"))
+    deadline = time.monotonic() + 30
+    try:
+        while True:
+            assert time.monotonic() < deadline, "the stuck child was never replaced"
+            try:
+                answer = stub.ReportRounds(request, timeout=10)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert answer.rounds_accepted == 10
+    assert reports.restarts == restarts + 1
+    wait_for("a new child", lambda: reports.ready)
+    assert reports._pool.submit(report_process._started).result(timeout=10)[0] != pid
+    learner = daemon.controller.learner
+    wait_for("the report counted", lambda: learner.segment_counts("child-stuck").rounds == 10)
+    time.sleep(0.5)
+    assert learner.segment_counts("child-stuck").rounds == 10, "counted twice"
 
 
 def test_a_child_that_could_not_start_is_tried_again(embedded_redis_url, caplog) -> None:
@@ -247,7 +294,8 @@ def test_a_child_that_could_not_start_is_tried_again(embedded_redis_url, caplog)
         reports.spec = good  # whatever stopped it has passed
         wait_for("the child, on a later try", lambda: reports.ready)
         request = report(draft_aggregate("restarted"))
-        assert reports.ingest(request.SerializeToString(), {}) == Stored(request.report_id, 10, False)
+        holder = ("127.0.0.1", request.report_id)
+        assert reports.ingest(request.SerializeToString(), {}, holder) == Stored(request.report_id, 10, False)
     finally:
         reports.close()
 
