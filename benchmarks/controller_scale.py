@@ -43,11 +43,16 @@ from its first byte (the opening burst included), the ratio of the p99s (a stall
 the paced client skips the calls it would have made meanwhile: fewer calls and a slow maximum, not a higher p99),
 the controller's CPU, threads and RSS in each window, and how long the controller stayed busy once the attacker
 stopped (the next attack waits for it, up to 120 s).
+Pinned (unless --no-pin, or one CPU): the controller (its Redis and report process with it) and the steady client run
+on the first CPU this process may use, the attackers (this process's threads, and the processes it starts) on the
+others, so that a ratio is the controller's doing and not two sides taking turns on one core; the busy-neighbour
+control, on the attackers' side, then reads about 1.0x. Each attack's row names the CPUs each side ran on.
+
 The goal: no client makes another's request fail or slows it by more than 2x (ratio <= 2, no failure).
 A missed goal is printed as MISSED; the exit status is 1 only on a crash.
 
     python -m benchmarks.controller_scale [--segments 1000] [--streams 256] [--seconds 5] [--rate 100]
-        [--bucket-seconds 60]
+        [--bucket-seconds 60] [--no-pin]
         [--only scale,half-open,half-open-mtls,half-open-mtls-flood,half-open-read,health-watch,big-reports,
                 watch-streams,decide-flood,segment-flood,busy-neighbour]
         [--json FILE]
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
@@ -69,7 +75,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +142,49 @@ class Settings:
     health_streams: int = 1000
     flood_threads: int = 4
     bucket_seconds: float = 60.0  # the scale controller's (the default's): one decay step each
+    pin: bool = True  # the controller and the steady client on one core, the attackers on the others (Cores)
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where each side runs: the controller (its Redis and report process, started from it, inherit it) and the
+    steady client on ``victim``; this process, which runs the attackers' threads and starts their processes (the
+    busy-neighbour control's too), on ``attacker``. A ratio is then the controller's doing, not two sides sharing one
+    core: the busy-neighbour control reads about 1.0x."""
+
+    victim: frozenset[int]
+    attacker: frozenset[int]
+
+    @classmethod
+    def split(cls, pin: bool) -> Cores | None:
+        """The first CPU this process may use for the victim, the rest for the attacker; None when not pinned (one
+        CPU, or ``pin`` off)."""
+        cpus = sorted(os.sched_getaffinity(0))
+        if not pin or len(cpus) < 2:
+            return None
+        return cls(frozenset(cpus[:1]), frozenset(cpus[1:]))
+
+
+def pin_this_process(cpus: frozenset[int]) -> None:
+    """Every thread of this process on ``cpus`` (an affinity is per thread; threads and processes started later
+    inherit their starter's)."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
+@contextlib.contextmanager
+def victim_side(cores: Cores | None) -> Iterator[None]:
+    """What starts inside runs on the victim's core (its processes keep it); this process returns to the
+    attacker's after."""
+    if cores is None:
+        yield
+        return
+    pin_this_process(cores.victim)
+    try:
+        yield
+    finally:
+        pin_this_process(cores.attacker)
 
 
 # --- the controller ----------------------------------------------------------------------------------------------
@@ -342,7 +391,8 @@ class Prober:
     """The steady client's process: ``resume`` / ``pause`` its calls, ``learned`` sets the segments it draws from;
     its samples are in ``samples`` once the ``with`` block ends."""
 
-    def __init__(self, target: Target, rate: float) -> None:
+    def __init__(self, target: Target, rate: float, cores: Cores | None) -> None:
+        self._cores = cores  # the steady client runs on the victim's core
         context = multiprocessing.get_context("spawn")
         self._segments = context.Value("i", max(target.learned, 1))
         self._go, self._ready, self._stop = context.Event(), context.Event(), context.Event()
@@ -355,11 +405,17 @@ class Prober:
         self.samples: list[Sample] = []
 
     def __enter__(self) -> Prober:
-        self._process.start()
+        with victim_side(self._cores):
+            self._process.start()
         if not self._ready.wait(90):
             self._process.terminate()
             raise RuntimeError("the steady client did not connect within 90 s")
         return self
+
+    @property
+    def pid(self) -> int:
+        assert self._process.pid is not None, "started"
+        return self._process.pid
 
     def resume(self) -> None:
         self._go.set()
@@ -538,17 +594,18 @@ def across_a_decay_step(target: Target, prober: Prober, settings: Settings) -> W
     return window
 
 
-def scale(root: Path, settings: Settings) -> dict[str, Any]:
+def scale(root: Path, settings: Settings, cores: Cores | None) -> dict[str, Any]:
     """The three points (50 segments, no stream; all segments, no stream; all segments and the streams), then the
     steady client across a decay step, the streams open."""
     # the streams are a fleet's, all from this one host: max_watchers_per_host lets them all in
     watchers = max(settings.streams, 256)
-    target = start_target(root / "scale", tokens=False, max_segments=max(settings.segments, 1000),
-                          max_watchers=watchers, bucket_seconds=settings.bucket_seconds,
-                          max_watchers_per_host=watchers)  # fmt: skip
+    with victim_side(cores):
+        target = start_target(root / "scale", tokens=False, max_segments=max(settings.segments, 1000),
+                              max_watchers=watchers, bucket_seconds=settings.bucket_seconds,
+                              max_watchers_per_host=watchers)  # fmt: skip
     try:
         teach(target, min(BASELINE_SEGMENTS, settings.segments))
-        with Prober(target, settings.rate) as prober:
+        with Prober(target, settings.rate, cores) as prober:
             points = [measure(target, prober, 0, settings.seconds)]
             teach(target, settings.segments)
             prober.learned(settings.segments)
@@ -960,25 +1017,34 @@ def settle(target: Target, quiet: float) -> float:
     return time.perf_counter() - start
 
 
-def attacks(root: Path, names: Sequence[str], settings: Settings) -> dict[str, dict[str, Any]]:
+def attacks(root: Path, names: Sequence[str], settings: Settings, cores: Cores | None) -> dict[str, dict[str, Any]]:
     """The attacks in ``names`` on a controller with tokens, those in MUTUAL_TLS on one that also has mutual TLS
     (started once the first is stopped); the results in the order of ``names``."""
     results: dict[str, dict[str, Any]] = {}
     plain = [name for name in names if name not in MUTUAL_TLS]
     mutual = [name for name in names if name in MUTUAL_TLS]
     if plain:
-        results |= attacks_on(start_target(root / "attacks", tokens=True), plain, settings)
+        with victim_side(cores):
+            target = start_target(root / "attacks", tokens=True)
+        results |= attacks_on(target, plain, settings, cores)
     if mutual:
         pki = make_pki(root / "attacks-mtls" / "pki")
-        results |= attacks_on(start_target(root / "attacks-mtls", tokens=True, pki=pki), mutual, settings)
+        with victim_side(cores):
+            target = start_target(root / "attacks-mtls", tokens=True, pki=pki)
+        results |= attacks_on(target, mutual, settings, cores)
     return {name: results[name] for name in names}
 
 
-def attacks_on(target: Target, names: Sequence[str], settings: Settings) -> dict[str, dict[str, Any]]:
+def attacks_on(
+    target: Target, names: Sequence[str], settings: Settings, cores: Cores | None
+) -> dict[str, dict[str, Any]]:
     try:
         teach(target, min(BASELINE_SEGMENTS, settings.segments))
-        with Prober(target, settings.rate) as prober:
+        with Prober(target, settings.rate, cores) as prober:
             prober.resume()
+            where = {"controller_cpus": sorted(os.sched_getaffinity(target.pid)),
+                     "steady_client_cpus": sorted(os.sched_getaffinity(prober.pid)),
+                     "attacker_cpus": sorted(os.sched_getaffinity(0))}  # fmt: skip
             quiet = Window(target.pid).close_after(settings.seconds).cpu_share  # the steady client alone
             runs = []
             for name in names:
@@ -988,7 +1054,7 @@ def attacks_on(target: Target, names: Sequence[str], settings: Settings) -> dict
                 target.alive()
     finally:
         target.controller.stop()
-    return {run.name: run.result(prober.samples) for run in runs}
+    return {run.name: run.result(prober.samples) | where for run in runs}
 
 
 # --- the report -------------------------------------------------------------------------------------------------
@@ -1074,6 +1140,7 @@ def parse(argv: Sequence[str] | None) -> tuple[Settings, list[str], Path | None,
     parser.add_argument("--flood-threads", type=int, default=defaults.flood_threads)
     parser.add_argument("--bucket-seconds", type=float, default=defaults.bucket_seconds,
                         help="the scale controller's bucket_seconds: its decay step")  # fmt: skip
+    parser.add_argument("--no-pin", action="store_true", help="leave every process free to run on any CPU")
     parser.add_argument("--only", default=",".join(["scale", *ATTACKS]), help="comma-separated phase names")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     parser.add_argument("--root", type=Path, default=None, help="the controllers' state and logs (default: a new "
@@ -1087,21 +1154,37 @@ def parse(argv: Sequence[str] | None) -> tuple[Settings, list[str], Path | None,
         parser.error(f"--segments must be at least {BASELINE_SEGMENTS}, --streams 1, --seconds, --rate and "
                      "--bucket-seconds above 0")  # fmt: skip
     settings = Settings(args.segments, args.streams, args.seconds, args.rate, args.half_open, args.health_streams,
-                        args.flood_threads, args.bucket_seconds)  # fmt: skip
+                        args.flood_threads, args.bucket_seconds, pin=not args.no_pin)  # fmt: skip
     return settings, names, args.json, args.root or Path(tempfile.mkdtemp(prefix="specd-bench-scale-"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings, names, json_path, root = parse(argv)
-    print(f"{os.cpu_count()} CPUs; {asdict(settings)}; logs under {root}", flush=True)
-    figures: dict[str, Any] = {"cpus": os.cpu_count(), "settings": asdict(settings)}
+    cores = Cores.split(settings.pin)
+    if cores is None:
+        return run(settings, names, json_path, root, cores)
+    free = frozenset(os.sched_getaffinity(0))
+    pin_this_process(cores.attacker)
+    try:
+        return run(settings, names, json_path, root, cores)
+    finally:
+        pin_this_process(free)  # (a caller in this process, a test, goes on unpinned)
+
+
+def run(settings: Settings, names: Sequence[str], json_path: Path | None, root: Path, cores: Cores | None) -> int:
+    where = ("not pinned" if cores is None else f"controller and steady client on CPU {sorted(cores.victim)}, "
+             f"attackers on {sorted(cores.attacker)}")  # fmt: skip
+    print(f"{os.cpu_count()} CPUs ({where}); {asdict(settings)}; logs under {root}", flush=True)
+    figures: dict[str, Any] = {"cpus": os.cpu_count(), "settings": asdict(settings),
+                               "pinned": None if cores is None else {"victim": sorted(cores.victim),
+                                                                      "attacker": sorted(cores.attacker)}}  # fmt: skip
     if "scale" in names:
         print("--- scale", flush=True)
-        figures["scale"] = scale(root, settings)
+        figures["scale"] = scale(root, settings, cores)
         print_scale(figures["scale"])
     hostile = [n for n in names if n != "scale"]
     if hostile:
-        figures["attacks"] = attacks(root, hostile, settings)
+        figures["attacks"] = attacks(root, hostile, settings, cores)
         print_attacks(figures["attacks"], settings)
     figures["missed"] = missed(figures)
     print("\n" + ("\n".join(f"MISSED {m}" for m in figures["missed"]) if figures["missed"] else "every goal met"))

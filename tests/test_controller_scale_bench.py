@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 from benchmarks.controller_scale import ATTACKS, CONTROLS, main
 from specd_api.checks import MAX_REPORT_BYTES
@@ -18,7 +19,9 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     tiny = ["--segments", "60", "--streams", "4", "--seconds", "0.5", "--rate", "40", "--half-open", "20",
             "--health-streams", "20", "--flood-threads", "1", "--bucket-seconds", "2", "--json", str(out),
             "--root", str(tmp_path)]  # fmt: skip
+    cpus = sorted(os.sched_getaffinity(0))
     assert main(tiny) == 0
+    assert sorted(os.sched_getaffinity(0)) == cpus, "the benchmark left this process pinned"
     printed = capsys.readouterr().out
     figures = json.loads(out.read_text())
 
@@ -33,6 +36,11 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
 
     attacks = figures["attacks"]
     assert list(attacks) == list(ATTACKS)
+    if len(cpus) >= 2:  # the controller and the steady client on one core, the attackers on the others
+        assert figures["pinned"] == {"victim": cpus[:1], "attacker": cpus[1:]}
+        for name, a in attacks.items():
+            assert a["controller_cpus"] == a["steady_client_cpus"] == cpus[:1], name
+            assert a["attacker_cpus"] == cpus[1:], name
     for name, a in attacks.items():
         assert a["calls_before"] > 0 and a["calls_during"] > 0, name
         assert math.isfinite(a["ratio"]) and a["ratio"] > 0, name
