@@ -1326,6 +1326,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a stopped report process holds every report for good: the workers' buffers fill and drop",
     ),
     Mutation(
+        "late-refit-done-in-the-daemon",
+        "controller/serving/report_process.py",
+        "        except TimeoutError:\n            return Refitting()\n",
+        "        except TimeoutError:\n            return None\n",
+        ("tests/controller/test_report_process.py",),
+        "a refit queued behind reports runs scikit-learn in the daemon, at its priority, beside Decide",
+    ),
+    Mutation(
+        "refit-queued-again-behind-itself",
+        "controller/serving/report_process.py",
+        "            if call is None or call.done():\n",
+        "            if True:\n",
+        ("tests/controller/test_report_process.py",),
+        "each due time queues another refit behind the one the child has not done: refits pile up",
+    ),
+    Mutation(
         "report-process-failed-start-not-retried",
         "controller/serving/report_process.py",
         "            retry.start()\n",

@@ -26,7 +26,8 @@ work is the child's. A child that has had work and answered nothing for STUCK_SE
 and replaced.
 
 The prior's refit (``refit_prior``: read the stored samples, fit, store the model, which the daemon's next refresh
-loads) runs in the same child, between reports.
+loads) runs in the same child, between reports; one that waits behind them past its answer time stays the child's
+too (``Refitting``), one at a time.
 
 The child starts in the background when the daemon does (it imports the store and validation: about a second), and a
 report that comes before it has answered, or while it is being replaced after it died, is the daemon's.
@@ -114,6 +115,12 @@ class Held:
 
 
 @dataclass(frozen=True)
+class Refitting:
+    """The child has a refit queued or running, not done within its wait: it stores the model when it is; no other
+    refit is started meanwhile, here or in the daemon."""
+
+
+@dataclass(frozen=True)
 class Invalid:
     """The report breaks the wire contract: INVALID_ARGUMENT, with this reason."""
 
@@ -151,6 +158,7 @@ class ReportProcess:
         self._pid = 0  # the current child's, once it answered
         self._held: dict[Holder, futures.Future[Any]] = {}  # reports submitted and not yet answered to their caller
         self._outstanding = 0  # calls submitted to the current child and not done
+        self._refit: futures.Future[Any] | None = None  # the last refit submitted to the current child
         self._quiet_since = 0.0  # monotonic: the child's last answer, or the submit that gave an idle child work
         self.restarts = 0
 
@@ -240,23 +248,29 @@ class ReportProcess:
         with self._lock:
             return holder in self._held
 
-    def refit_prior(self, samples_max: int, timeout_seconds: float = REFIT_SECONDS) -> Refitted | None:
+    def refit_prior(self, samples_max: int, timeout_seconds: float = REFIT_SECONDS) -> Refitted | Refitting | None:
         """Refit the prior in the child (``Learner.refit_prior``'s work: the stored samples, at most ``samples_max``,
-        trained and the model stored); None when the daemon must do it: the child is not ready or died, Redis
-        failed there, or it did not finish within ``timeout_seconds``."""
+        trained and the model stored); ``Refitting`` when the child has one queued or running past
+        ``timeout_seconds`` (behind reports); None when the daemon must do it: the child is not ready or died, or
+        Redis failed there."""
         with self._lock:
             pool = self._pool if self._ready else None
             if pool is None:
                 return None
-            call = self._submitted(pool, _refit_prior, samples_max)
-            if call is None:
-                return None
+            call = self._refit
+            if call is None or call.done():
+                call = self._submitted(pool, _refit_prior, samples_max)
+                if call is None:
+                    return None
+                self._refit = call
         try:
             outcome: Refitted | str = call.result(timeout_seconds)
+        except TimeoutError:
+            return Refitting()
         except BrokenProcessPool:
             self._replace(pool)
             return None
-        except (RuntimeError, futures.CancelledError, TimeoutError):
+        except (RuntimeError, futures.CancelledError):
             return None
         if isinstance(outcome, str):
             log.debug("the report process could not refit the prior (%s)", outcome)
@@ -311,7 +325,7 @@ class ReportProcess:
         with self._lock:
             if self._pool is not broken or self._closed:
                 return  # another call replaced it already
-            self._pool, self._ready, self._held, self._outstanding = None, False, {}, 0
+            self._pool, self._ready, self._held, self._outstanding, self._refit = None, False, {}, 0, None
             self.restarts += 1
         log.warning("the report process died; starting another (reports are the daemon's meanwhile)")
         broken.shutdown(wait=False, cancel_futures=True)

@@ -387,3 +387,28 @@ def test_the_priors_refits_run_in_the_niced_child_not_beside_the_decisions(embed
         assert refit.nice == os.getpriority(os.PRIO_PROCESS, 0) + report_process.NICE
         time.sleep(0.5)  # a few more refits
         assert in_daemon == [], "no refit ran in the daemon once the child could"
+
+
+def test_a_refit_queued_in_a_stopped_child_stays_the_childs(daemon, monkeypatch) -> None:
+    """A refit the child has not done within its wait (queued behind reports, or a stopped child) is not started
+    again, in the child or in the daemon: the learner counts it as done for this period, and the child does it."""
+    reports, learner = daemon.reports, daemon.controller.learner
+    in_daemon: list[float] = []
+    monkeypatch.setattr(learner, "_refit_prior", lambda: in_daemon.append(time.monotonic()))
+    monkeypatch.setattr(learner, "_last_prior_fit", 0.0)  # due
+    submitted: list[object] = []
+    submit = reports._submitted
+    monkeypatch.setattr(reports, "_submitted", lambda *a: submitted.append(a[1]) or submit(*a))
+    pid = reports._pool.submit(report_process._started).result(timeout=10)[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        learner.refit_prior(lambda samples: reports.refit_prior(samples, timeout_seconds=0.3))
+        assert isinstance(learner.last_refit, report_process.Refitting)
+        assert reports.refit_prior(100, timeout_seconds=0.3) == report_process.Refitting()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert in_daemon == [], "a refit late in the child ran in the daemon"
+    assert submitted == [report_process._refit_prior], "a second refit was queued behind the first"
+    wait_for("the child's refit", lambda: reports._refit is not None and reports._refit.done())
+    assert isinstance(reports.refit_prior(100), report_process.Refitted)  # the next one: a new refit, answered
+    assert submitted == [report_process._refit_prior] * 2
