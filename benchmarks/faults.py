@@ -121,6 +121,9 @@ def _pings(client: Any) -> bool:
         return False
 
 
+STORE_PREFIX = "drill"  # the learning prefix of every controller these benchmarks start
+
+
 class Process:
     """`specd controller` or `specd worker` with its config file; its log beside it."""
 
@@ -173,7 +176,8 @@ class Controller(Process):
         config.write_text(
             f"listen: {host}:{self.port}\nredis_url: {redis_url}\npolicy_path: {policy or POLICY}\n"
             f"state_dir: {folder / 'state'}\nshutdown_grace_seconds: 1\npolicy_watch_seconds: 0.2\n{settings}"
-            f"learning: {{prefix: drill, refresh_seconds: {refresh_seconds}, half_life_seconds: 1.0e12{learning}}}\n"
+            f"learning: {{prefix: {STORE_PREFIX}, refresh_seconds: {refresh_seconds}, "
+            f"half_life_seconds: 1.0e12{learning}}}\n"
         )
         super().__init__("controller", folder, ["controller", "--config", str(config)])
 

@@ -18,7 +18,7 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     out = tmp_path / "scale.json"
     tiny = ["--segments", "60", "--streams", "4", "--seconds", "0.5", "--rate", "40", "--half-open", "20",
             "--health-streams", "20", "--flood-threads", "1", "--bucket-seconds", "2", "--json", str(out),
-            "--root", str(tmp_path)]  # fmt: skip
+            "--root", str(tmp_path), "--full-window"]  # fmt: skip
     cpus = sorted(os.sched_getaffinity(0))
     assert main(tiny) == 0
     assert sorted(os.sched_getaffinity(0)) == cpus, "the benchmark left this process pinned"
@@ -33,6 +33,9 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     assert streams["opened"] == 4 and streams["refused"] == {} and streams["full_segments"] == 60
     assert scale["idle_cpu_share"] == scale["points"][-1]["idle_cpu_share"]
     assert scale["decay_step"]["decide_calls"] > 0 and math.isfinite(scale["decay_step"]["decide_p99_ms"])
+    # every bucket of the window filled (60 of 2 s): the controller counts 2 x 50 rounds in each still in its window
+    # when it reads them (a few 2 s buckets fall out while the fill runs; at 60 s buckets, none)
+    assert scale["full_window"] and min(scale["rounds_first_and_last_segment"]) >= 50 * 100, scale
 
     attacks = figures["attacks"]
     assert list(attacks) == list(ATTACKS)
