@@ -393,7 +393,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "bucket-counters-not-made-consistent",
         "controller/decision/counts.py",
-        "        consistent(counters, table == K_TABLE)\n",
+        "            consistent(counters, table == K_TABLE)\n",
         "",
         ("tests/controller/test_fuzz_stored.py",),
         "a corrupt bucket with more proposals than offers gives a rate above 1 and a Beta with negative failures",
@@ -1340,22 +1340,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if True:\n",
         ("tests/controller/test_report_process.py",),
         "each due time queues another refit behind the one the child has not done: refits pile up",
-    ),
-    Mutation(
-        "bucket-parsed-at-every-decay-step",
-        "controller/storage/store.py",
-        "        if self._parsed is None:\n            self._parsed = parse_bucket(self.fields)\n",
-        "        if True:\n            self._parsed = parse_bucket(self.fields)\n",
-        ("tests/controller/test_scale_reads.py",),
-        "every decay step parses every bucket of the window again: seconds of CPU a step at 1,000 segments",
-    ),
-    Mutation(
-        "decay-step-counts-from-the-fields-again",
-        "controller/storage/store.py",
-        "                counts.add_parsed(bucket.parsed(), weights[b])\n",
-        "                counts.add_fields(bucket.fields, weights[b])\n",
-        ("tests/controller/test_scale_reads.py",),
-        "the kept buckets' fields are parsed again at each decay step",
     ),
     Mutation(
         "report-process-failed-start-not-retried",

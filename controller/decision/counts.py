@@ -101,26 +101,45 @@ class SegmentCounts:
         self.last_update = max(self.last_update, other.last_update)
 
     def add_fields(self, values: Mapping[str, float], weight: float = 1.0) -> None:
-        """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age): ``add_parsed`` of
-        ``parse_bucket(values)``."""
-        self.add_parsed(parse_bucket(values), weight)
-
-    def add_parsed(self, bucket: ParsedBucket, weight: float = 1.0) -> None:
-        """Add a bucket parsed once (``parse_bucket``), scaled by ``weight``: the same sums as ``add_fields`` of its
-        fields, without reading a field name again (a decay step re-weights every bucket of the window)."""
+        """Add a bucket's hash fields, scaled by ``weight`` (the decay of the bucket's age). A field the schema does
+        not know (a newer schema's, or corrupt) is ignored: stored data never breaks a read. A bucket's counters of
+        one position (or one K) are made consistent before they count (``consistent``): a hand-edited or corrupt
+        bucket with more proposals than offers never makes a rate above 1 or a Beta with negative failures."""
+        # this bucket's counters per (table, drafter, index), in the dataclasses' field order, before they count
+        bucket: dict[tuple[int, str, int], list[float]] = {}
+        for name, value in values.items():
+            f = schema.segment_field(name)
+            if isinstance(f, schema.KField):
+                key, slot = (K_TABLE, f.drafter, f.k), K_SLOTS[f.counter]
+            elif isinstance(f, schema.PositionField):
+                key = (SCORED_TABLE if f.counterfactual else SERVED_TABLE, f.drafter, f.position)
+                slot = POSITION_SLOTS[f.counter]
+            elif isinstance(f, schema.CalibrationField):
+                self.calibration[f.drafter][f.bin] += weight * _number(value)
+                continue
+            elif isinstance(f, schema.PlainStepField):
+                self.plain_step[f.batch_bucket][f.bin] += weight * _number(value)
+                continue
+            elif isinstance(f, schema.RealisedField):
+                self.realised[(f.drafter, f.batch_bucket)][f.bin] += weight * _number(value)
+                continue
+            elif isinstance(f, schema.UpdatedField):
+                with contextlib.suppress(ValueError):  # not a time: ignored
+                    self.last_update = max(self.last_update, float(value))
+                continue
+            else:
+                continue  # a field the schema does not read
+            counters = bucket.get(key)
+            if counters is None:
+                counters = bucket[key] = [0.0] * (len(K_SLOTS) if key[0] == K_TABLE else len(POSITION_SLOTS))
+            counters[slot] += _number(value)
         tables = (self.by_k, self.positions, self.counterfactual)
-        for table, key, counters in bucket.tables:
-            into = tables[table][key]
-            for name, v in counters:
-                setattr(into, name, getattr(into, name) + weight * v)
-        for drafter, b, v in bucket.calibration:
-            self.calibration[drafter][b] += weight * v
-        for batch, b, v in bucket.plain_step:
-            self.plain_step[batch][b] += weight * v
-        for key, b, v in bucket.realised:
-            self.realised[key][b] += weight * v
-        if bucket.last_update is not None:
-            self.last_update = max(self.last_update, bucket.last_update)
+        for (table, drafter, i), counters in bucket.items():
+            consistent(counters, table == K_TABLE)
+            into = tables[table][(drafter, i)]
+            for name, v in zip(K_SLOTS if table == K_TABLE else POSITION_SLOTS, counters, strict=True):
+                if v:
+                    setattr(into, name, getattr(into, name) + weight * v)
 
 
 K_TABLE, SERVED_TABLE, SCORED_TABLE = 0, 1, 2
@@ -140,64 +159,6 @@ def consistent(counters: list[float], of_k: bool) -> None:
     else:
         counters[_PROPOSED] = min(counters[_PROPOSED], counters[_OFFERED])
         counters[_ACCEPTED] = min(counters[_ACCEPTED], counters[_VERIFIED])
-
-
-@dataclass(frozen=True)
-class ParsedBucket:
-    """One segment bucket hash's fields, read once: per (table, key), the counters that are not 0 after
-    ``consistent``, as (KCounts' or PositionCounts' field name, value); each histogram's (key, bin, value); the
-    time of the bucket's last report (None: none that is a time)."""
-
-    tables: tuple[tuple[int, tuple[str, int], tuple[tuple[str, float], ...]], ...]
-    calibration: tuple[tuple[str, int, float], ...]
-    plain_step: tuple[tuple[int, int, float], ...]
-    realised: tuple[tuple[tuple[str, int], int, float], ...]
-    last_update: float | None
-
-
-def parse_bucket(values: Mapping[str, float]) -> ParsedBucket:
-    """A segment bucket hash's fields as ``SegmentCounts.add_parsed`` adds them. A field the schema does not know
-    (a newer schema's, or corrupt) is ignored: stored data never breaks a read. A bucket's counters of one position
-    (or one K) are made consistent before they count (``consistent``): a hand-edited or corrupt bucket with more
-    proposals than offers never makes a rate above 1 or a Beta with negative failures."""
-    bucket: dict[tuple[int, str, int], list[float]] = {}  # per (table, drafter, index), in the dataclasses' order
-    calibration: list[tuple[str, int, float]] = []
-    plain_step: list[tuple[int, int, float]] = []
-    realised: list[tuple[tuple[str, int], int, float]] = []
-    last_update: float | None = None
-    for name, value in values.items():
-        f = schema.segment_field(name)
-        if isinstance(f, schema.KField):
-            key, slot = (K_TABLE, f.drafter, f.k), K_SLOTS[f.counter]
-        elif isinstance(f, schema.PositionField):
-            key = (SCORED_TABLE if f.counterfactual else SERVED_TABLE, f.drafter, f.position)
-            slot = POSITION_SLOTS[f.counter]
-        elif isinstance(f, schema.CalibrationField):
-            calibration.append((f.drafter, f.bin, _number(value)))
-            continue
-        elif isinstance(f, schema.PlainStepField):
-            plain_step.append((f.batch_bucket, f.bin, _number(value)))
-            continue
-        elif isinstance(f, schema.RealisedField):
-            realised.append(((f.drafter, f.batch_bucket), f.bin, _number(value)))
-            continue
-        elif isinstance(f, schema.UpdatedField):
-            with contextlib.suppress(ValueError):  # not a time: ignored
-                at = float(value)
-                last_update = at if last_update is None else max(last_update, at)
-            continue
-        else:
-            continue  # a field the schema does not read
-        counters = bucket.get(key)
-        if counters is None:
-            counters = bucket[key] = [0.0] * (len(K_SLOTS) if key[0] == K_TABLE else len(POSITION_SLOTS))
-        counters[slot] += _number(value)
-    tables = []
-    for (table, drafter, i), counters in bucket.items():
-        consistent(counters, table == K_TABLE)
-        names = K_SLOTS if table == K_TABLE else POSITION_SLOTS
-        tables.append((table, (drafter, i), tuple((n, v) for n, v in zip(names, counters, strict=True) if v)))
-    return ParsedBucket(tuple(tables), tuple(calibration), tuple(plain_step), tuple(realised), last_update)
 
 
 def _histograms() -> defaultdict[tuple[object, int], defaultdict[int, float]]:

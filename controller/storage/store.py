@@ -37,7 +37,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from controller.decision.counts import Aggregate, CostCounts, ParsedBucket, SegmentCounts, decay_weight, parse_bucket
+from controller.decision.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
 from controller.pacing import Pacer, no_pause
 from controller.storage.redis_schema import Keys, encode_sample, first_position, sample_row, stored_json
 from controller.storage.report_increments import cost_increments, segment_increments
@@ -47,39 +47,7 @@ from specd_api.segments import OVERFLOW_SEGMENT
 log = logging.getLogger(__name__)
 
 RedisClient = redis.Redis | RedisCluster  # one server, or a cluster (``redis+cluster://``; redis_conn.py)
-
-
-class BucketRead:
-    """One bucket hash as read: its ``fields``, and what counting them needs, parsed once however many decay steps
-    re-weight the bucket (a snapshot keeps the buckets it does not read again: the same objects). Equal to another
-    read of the same fields."""
-
-    __slots__ = ("_first", "_parsed", "fields")
-
-    def __init__(self, fields: dict[str, float]) -> None:
-        self.fields = fields
-        self._parsed: ParsedBucket | None = None
-        self._first: list[tuple[str, float, float]] | None = None
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BucketRead) and (other is self or other.fields == self.fields)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable caches: compared, never a key
-
-    def parsed(self) -> ParsedBucket:
-        """The fields as ``SegmentCounts.add_parsed`` adds them (a segment bucket's)."""
-        if self._parsed is None:
-            self._parsed = parse_bucket(self.fields)
-        return self._parsed
-
-    def first_position(self) -> list[tuple[str, float, float]]:
-        """(drafter, accepted, verified) at draft position 0 (redis_schema.first_position)."""
-        if self._first is None:
-            self._first = first_position(self.fields)
-        return self._first
-
-
-BucketFields = tuple[tuple[int, BucketRead], ...]  # (bucket, its hash as read), in time order, none empty
+BucketFields = tuple[tuple[int, dict[str, float]], ...]  # (bucket, its hash's fields), in time order, none empty
 # Bucket hashes a refresh asks for in one round trip. The replies are parsed in Python with the interpreter held: in
 # one pipeline, the 2,000 keys of 1,000 segments reported in the last minute would hold it ~100 ms at every refresh,
 # and every Decide waits for the interpreter. Between chunks the refresh is paced.
@@ -515,7 +483,7 @@ class TelemetryStore:
 
         def read(key: Callable[[int], str], start: int) -> BucketFields:
             """The non-empty buckets read, from ``start`` to the current one."""
-            return tuple((b, BucketRead(f)) for b in range(start, current + 1) if (f := fields[key(b)]))
+            return tuple((b, f) for b in range(start, current + 1) if (f := fields[key(b)]))
 
         def kept_from(earlier: BucketFields) -> BucketFields:
             """``previous``'s buckets still in the window and not read again."""
@@ -538,8 +506,8 @@ class TelemetryStore:
         if previous is not None and previous.cost_sources == snapshot.cost_sources:
             snapshot.costs = previous.costs
         else:
-            for b, bucket in snapshot.cost_sources[1]:
-                snapshot.costs.add_fields(bucket.fields, weights[b])
+            for b, bucket_fields in snapshot.cost_sources[1]:
+                snapshot.costs.add_fields(bucket_fields, weights[b])
         return snapshot
 
     def _plan_reads(
@@ -595,10 +563,10 @@ class TelemetryStore:
         _, regime, read = source
         counts = SegmentCounts()
         series: dict[str, list[tuple[int, float, float]]] = {}
-        for b, bucket in read:  # in time order; an empty bucket adds nothing
+        for b, bucket_fields in read:  # in time order; an empty bucket adds nothing
             if regime is None or b >= regime:
-                counts.add_parsed(bucket.parsed(), weights[b])
-            for drafter, accepted, verified in bucket.first_position():
+                counts.add_fields(bucket_fields, weights[b])
+            for drafter, accepted, verified in first_position(bucket_fields):
                 series.setdefault(drafter, []).append((b, accepted, verified))
         snapshot.segments[segment] = counts
         snapshot.series[segment] = series

@@ -242,41 +242,6 @@ def test_counts_read_in_part_equal_a_whole_read_across_decay_steps(redis_client:
         assert snapshot.costs == whole.costs, t
 
 
-def test_a_decay_step_reweighs_the_kept_buckets_without_parsing_them_again(
-    redis_client: redis.Redis, prefix: str, monkeypatch
-) -> None:
-    """At a decay step every segment's counts are summed again at the new weights: from each bucket as it was parsed
-    when read (``BucketRead``), not from its fields again; only the buckets read again are parsed. Parsing every bucket
-    of a full window at each step (1,000 segments x 60 buckets) cost 1.6-2.4 s of CPU a step, re-weighing parsed ones
-    0.5-0.6 s. The counts are those of a whole read."""
-    import controller.decision.counts as counts_module
-    import controller.storage.store as store_module
-
-    clock = FakeClock(T0 + 1)
-    store = a_store(redis_client, prefix, clock)
-    for bucket in range(5):  # five buckets of each of two segments
-        clock.now = T0 + 1 + bucket * BUCKET
-        store.ingest(f"r{bucket}", [small("a", rounds=1 + bucket), small("b", k=3)])
-    first = refresh(store, None)
-    parsed: list[dict[str, float]] = []
-    parse = counts_module.parse_bucket
-
-    def counted(fields: dict[str, float]) -> counts_module.ParsedBucket:
-        parsed.append(fields)
-        return parse(fields)
-
-    monkeypatch.setattr(counts_module, "parse_bucket", counted)
-    monkeypatch.setattr(store_module, "parse_bucket", counted)
-    asked = spied(store)
-    clock.now += BUCKET  # the next decay step, no report since
-    stepped = refresh(store, first)
-    assert stepped.segments["a"] is not first.segments["a"], "not re-weighed at the step"
-    read_again = [k for k in asked if ":seg:" in k and redis_client.exists(k)]
-    assert 0 < len(read_again) < 10 and len(parsed) == len(read_again), (len(parsed), read_again)
-    whole = a_store(redis_client, prefix, clock).read_snapshot(sorted(stepped.segments))
-    assert stepped.segments == whole.segments and stepped.series == whole.series
-
-
 def test_a_refresh_reads_in_chunks_and_gives_the_interpreter_back_between_them(
     redis_client: redis.Redis, prefix: str, monkeypatch
 ) -> None:
