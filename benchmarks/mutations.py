@@ -1342,6 +1342,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "each due time queues another refit behind the one the child has not done: refits pile up",
     ),
     Mutation(
+        "drift-skips-a-series-a-report-moved",
+        "controller/decision/drift_watch.py",
+        "if quiet is not None and quiet[0] is series and quiet[1] == start:",
+        "if quiet is not None and quiet[1] == start:",
+        ("tests/controller/test_drift.py",),
+        "a segment found quiet once is never tested again: drift after it goes unseen",
+    ),
+    Mutation(
+        "drift-skips-a-moved-regime",
+        "controller/decision/drift_watch.py",
+        "if quiet is not None and quiet[0] is series and quiet[1] == start:",
+        "if quiet is not None and quiet[0] is series:",
+        ("tests/controller/test_drift.py",),
+        "a regime that moved is not tested from its new start until a report arrives",
+    ),
+    Mutation(
         "report-process-failed-start-not-retried",
         "controller/serving/report_process.py",
         "            retry.start()\n",

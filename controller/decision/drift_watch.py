@@ -52,6 +52,9 @@ class DriftWatch:
         self.window_buckets = window_buckets
         self.regime: dict[str, int] = {}
         self._alarms: dict[str, dict[str, DriftAlarm]] = {}  # segment -> drafter -> its active alarm
+        # (segment, drafter) -> the series object and regime start the test last found no drift in: a segment no
+        # report touched keeps its series object (the store's snapshot), and the test is pure, so it is not run again
+        self._quiet: dict[tuple[str, str], tuple[list[tuple[int, float, float]], int]] = {}
 
     def alarms(self, segment: str) -> list[DriftAlarm]:
         """The segment's active alarms, by drafter. Every Decide asks: it reads the segment's own and never sorts
@@ -61,7 +64,9 @@ class DriftWatch:
         return [a for _, a in sorted(own.items())] if own else []
 
     def watch(self, snapshot: Snapshot) -> bool:
-        """Run the drift test on each segment's current regime; True when an alarm moved a regime's start."""
+        """Run the drift test on each segment's current regime; True when an alarm moved a regime's start. A series
+        the test found no drift in, the same object from the same regime start, is not tested again: at 1,000
+        segments x 60 buckets the tests took about half of an idle controller's CPU."""
         first_bucket = int(snapshot.taken_at // self.bucket_seconds) - self.window_buckets + 1
         moved = False
         for segment, own in list(self._alarms.items()):  # a regime older than the window: all new
@@ -74,12 +79,18 @@ class DriftWatch:
         for segment in list(self.regime):
             if self.regime[segment] < first_bucket or segment not in snapshot.series:
                 del self.regime[segment]
+        self._quiet = {key: quiet for key, quiet in self._quiet.items() if key[0] in snapshot.series}
         for segment, by_drafter in snapshot.series.items():
             start = self.regime.get(segment, first_bucket)
             for drafter, series in by_drafter.items():
+                quiet = self._quiet.get((segment, drafter))
+                if quiet is not None and quiet[0] is series and quiet[1] == start:
+                    continue
                 drift = page_hinkley([point for point in series if point[0] >= start])
                 if drift is None:
+                    self._quiet[(segment, drafter)] = (series, start)
                     continue
+                self._quiet.pop((segment, drafter), None)
                 alarm = DriftAlarm(
                     segment, drafter, drift.direction, drift.since_bucket * self.bucket_seconds,
                     snapshot.taken_at, drift.alpha_before, drift.alpha_since,

@@ -128,3 +128,39 @@ def test_a_segments_alarms_are_read_without_walking_every_segments() -> None:
     watch._alarms = alarms
     assert [(a.segment, a.drafter) for a in watch.alarms("seg-7")] == [("seg-7", "draft"), ("seg-7", "prompt_lookup")]
     assert watch.alarms("never-seen") == []
+
+
+def test_a_series_found_quiet_is_not_tested_again_until_it_or_its_regime_moves(monkeypatch) -> None:
+    """A refresh keeps an untouched segment's series object; the test is pure, so a series it found no drift in, from
+    the same regime start, is skipped (at 1,000 segments x 60 buckets the tests were about half of an idle
+    controller's CPU). A new series object, or a moved regime start, is tested; drift is still found in it."""
+    from prometheus_client import CollectorRegistry
+
+    from controller.decision import drift_watch
+    from controller.decision.drift_watch import DriftWatch
+    from controller.storage.store import Snapshot
+
+    tested: list[str] = []
+    real = drift_watch.page_hinkley
+
+    def counted(points):
+        tested.append("x")
+        return real(points)
+
+    monkeypatch.setattr(drift_watch, "page_hinkley", counted)
+    watch = DriftWatch(CollectorRegistry(), 60.0, 60)
+    steady = {f"seg-{i}": {"draft": series([0.6] * 60, 40, i)} for i in range(20)}
+
+    def snapshot(by_segment: dict) -> Snapshot:
+        return Snapshot(taken_at=59 * 60.0 + 1, series=by_segment)
+
+    assert not watch.watch(snapshot(steady)) and len(tested) == 20
+    assert not watch.watch(snapshot(dict(steady))) and len(tested) == 20, "a quiet series was tested again"
+    drifting = dict(steady, **{"seg-3": {"draft": series([0.8] * 30 + [0.3] * 30, 40, 3)}})  # a report moved it
+    assert watch.watch(snapshot(drifting)) and len(tested) == 21
+    assert [a.direction for a in watch.alarms("seg-3")] == ["down"] and watch.regime["seg-3"] >= 26
+    watch.watch(snapshot(drifting))  # seg-3's regime start moved: tested again from there; the others skipped
+    assert len(tested) == 22
+    watch.regime["seg-5"] = 10  # another regime start: the same series object is tested again
+    watch.watch(snapshot(drifting))
+    assert len(tested) == 23  # seg-5 alone: seg-3 was found quiet from its new regime's start
