@@ -1328,10 +1328,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "late-refit-done-in-the-daemon",
         "controller/serving/report_process.py",
-        "        except TimeoutError:\n            return Refitting()\n",
-        "        except TimeoutError:\n            return None\n",
+        "            return Refitting()\n",
+        "            return None\n",
         ("tests/controller/test_report_process.py",),
         "a refit queued behind reports runs scikit-learn in the daemon, at its priority, beside Decide",
+    ),
+    Mutation(
+        "stuck-refit-child-never-replaced",
+        "controller/serving/report_process.py",
+        "            self._kill_if_stuck(pool)\n            return Refitting()\n",
+        "            return Refitting()\n",
+        ("tests/controller/test_report_process.py",),
+        "a child wedged on a refit holds every later refit and report until the daemon restarts",
     ),
     Mutation(
         "refit-queued-again-behind-itself",

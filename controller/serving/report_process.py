@@ -266,6 +266,7 @@ class ReportProcess:
         try:
             outcome: Refitted | str = call.result(timeout_seconds)
         except TimeoutError:
+            self._kill_if_stuck(pool)
             return Refitting()
         except BrokenProcessPool:
             self._replace(pool)

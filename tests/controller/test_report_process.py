@@ -412,3 +412,24 @@ def test_a_refit_queued_in_a_stopped_child_stays_the_childs(daemon, monkeypatch)
     wait_for("the child's refit", lambda: reports._refit is not None and reports._refit.done())
     assert isinstance(reports.refit_prior(100), report_process.Refitted)  # the next one: a new refit, answered
     assert submitted == [report_process._refit_prior] * 2
+
+
+def test_a_child_stuck_on_a_refit_is_replaced(daemon, monkeypatch) -> None:
+    """A refit waiting on a child that answers nothing for STUCK_SECONDS kills it, as a report would; the next call
+    finds it broken and starts another."""
+    monkeypatch.setattr(report_process, "STUCK_SECONDS", 0.5)
+    reports = daemon.reports
+    pid = reports._pool.submit(report_process._started).result(timeout=10)[0]
+    restarts = reports.restarts
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert reports.refit_prior(100, timeout_seconds=0.3) == report_process.Refitting()  # quiet 0.3 s: waited on
+        time.sleep(0.3)
+        assert reports.refit_prior(100, timeout_seconds=0.3) == report_process.Refitting()  # quiet 0.9 s: killed
+        wait_for("the stuck child gone", lambda: _gone(pid))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert reports.refit_prior(100, timeout_seconds=5) is None  # found broken: replaced
+    wait_for("a new child", lambda: reports.ready and reports.restarts == restarts + 1)
+    assert isinstance(reports.refit_prior(100, timeout_seconds=60), report_process.Refitted)
