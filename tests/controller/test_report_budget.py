@@ -281,16 +281,17 @@ def retry_after(error: grpc.RpcError) -> float:
 
 
 def test_a_report_spread_over_segments_spends_more_of_the_budget(daemon, v4):
-    """200 aggregates over 200 segments cost 200 + 4 x 199 = 996 of the 1,000 a full bucket holds: a report of 50
-    right after is refused. Charged by aggregates alone, 800 were left."""
+    """200 aggregates over 200 segments cost 200 + 4 x 199 = 996 of the 1,000 a full bucket holds: a report of 400
+    right after is refused (the bucket refills 1,000 a second: the spread report's call would have to take 0.4 s to
+    let it through). Charged by aggregates alone, 800 were left."""
     time.sleep(BURST / RATE)  # a full bucket
     spread = pb.ReportRoundsRequest(report_id=f"r-{uuid.uuid4().hex}", worker_id="budget-test",
                                     aggregates=[aggregate(f"spread-{i}") for i in range(200)])  # fmt: skip
     v4.ReportRounds(spread, timeout=RPC_TIMEOUT)
     with pytest.raises(grpc.RpcError) as caught:
-        v4.ReportRounds(report(FILLER, 50), timeout=RPC_TIMEOUT)
+        v4.ReportRounds(report(FILLER, 400), timeout=RPC_TIMEOUT)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "50 aggregates over 1 segments" in caught.value.details()
+    assert "400 aggregates over 1 segments" in caught.value.details()
 
 
 def test_a_report_over_budget_is_refused_stores_nothing_and_counts_once_when_retried(daemon, v4, v6):
