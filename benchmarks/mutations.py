@@ -1796,10 +1796,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "fused-cache-write-skips-the-values",
         "decoder/runners/row_kernels.py",
-        "    tl.store(v_at + offs_d[None, :], v, mask=kv_ok)",
-        "    tl.store(v_at + offs_d[None, :], v, mask=kv_ok & (offs_d[None, :] < 0))",
+        "    tl.store(v_at + offs_d, v, mask=kv_ok)",
+        "    tl.store(v_at + offs_d, v, mask=kv_ok & (offs_d < 0))",
         ("tests/decoder/test_row_kernels.py",),
         "the fused projection writes the keys to the cache but not the values",
+    ),
+    Mutation(
+        "rotary-programs-overlap-their-rows",
+        "decoder/runners/row_kernels.py",
+        "    offs_r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)\n    r_ok = offs_r < rows\n",
+        "    offs_r = tl.program_id(0).to(tl.int64) + tl.arange(0, ROWS)\n    r_ok = offs_r < rows\n",
+        ("tests/decoder/test_row_kernels.py",),
+        "the fused rotary embedding's programs of several rows each start one row after the last: rows past the "
+        "first program's are never rotated nor written",
     ),
     Mutation(
         "request-features-drop-top-k",

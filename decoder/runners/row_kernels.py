@@ -341,8 +341,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _rotated(x, partner, cos, sin, sign, DT: tl.constexpr):
     """transformers' x * cos + rotate_half(x) * sin with its roundings: each product, then the sum, to ``DT``."""
-    first = round_to(x * cos[None, :], DT).to(tl.float32)
-    second = round_to(sign[None, :] * partner * sin[None, :], DT).to(tl.float32)
+    first = round_to(x * cos, DT).to(tl.float32)
+    second = round_to(sign * partner * sin, DT).to(tl.float32)
     return round_to(first + second, DT)
 
 
@@ -356,6 +356,7 @@ def _rope_store_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    rows,
     stride_qkv,
     stride_cos,
     stride_ks,
@@ -367,35 +368,39 @@ def _rope_store_kernel(
     HEADS: tl.constexpr,
     KV: tl.constexpr,
     D: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One row: its q and k heads rotated at its position, q written out, k and v written to its slot's cache."""
-    row = tl.program_id(0).to(tl.int64)
-    position = tl.load(pos_ptr + row).to(tl.int64)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    """``ROWS`` rows, each on its own: its q and k heads rotated at its position, q written out, k and v written to
+    its slot's cache. Blocks are [row, head, d]."""
+    offs_r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    r_ok = offs_r < rows
+    row = offs_r[:, None, None]
+    position = tl.load(pos_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)[:, None, None]
+    slot = tl.load(slot_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)[:, None, None]
+    offs_h = tl.arange(0, BLOCK_H)[None, :, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, None, :]
+    d_ok = r_ok[:, None, None] & (offs_d < D)
     partner_d = tl.where(offs_d < D // 2, offs_d + D // 2, offs_d - D // 2)  # rotate_half's pairs
     sign = tl.where(offs_d < D // 2, -1.0, 1.0)
     cos = tl.load(cos_ptr + position * stride_cos + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + position * stride_cos + offs_d, mask=d_ok, other=0.0).to(tl.float32)
     dt = qkv_ptr.dtype.element_ty
     base = qkv_ptr + row * stride_qkv
-    q_ok = (offs_h < HEADS)[:, None] & d_ok[None, :]
-    heads = offs_h[:, None] * D
-    q = tl.load(base + heads + offs_d[None, :], mask=q_ok, other=0.0).to(tl.float32)
-    q_partner = tl.load(base + heads + partner_d[None, :], mask=q_ok, other=0.0).to(tl.float32)
-    tl.store(q_ptr + row * HEADS * D + heads + offs_d[None, :], _rotated(q, q_partner, cos, sin, sign, dt), mask=q_ok)
-    kv_ok = (offs_h < KV)[:, None] & d_ok[None, :]
-    k = tl.load(base + HEADS * D + heads + offs_d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-    k_partner = tl.load(base + HEADS * D + heads + partner_d[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-    k_at = k_ptr + slot * stride_ks + offs_h[:, None].to(tl.int64) * stride_kh + position * stride_kc
-    tl.store(k_at + offs_d[None, :], _rotated(k, k_partner, cos, sin, sign, dt), mask=kv_ok)
-    v = tl.load(base + (HEADS + KV) * D + heads + offs_d[None, :], mask=kv_ok, other=0.0)
-    v_at = v_ptr + slot * stride_vs + offs_h[:, None].to(tl.int64) * stride_vh + position * stride_vc
-    tl.store(v_at + offs_d[None, :], v, mask=kv_ok)
+    q_ok = (offs_h < HEADS) & d_ok
+    heads = offs_h * D
+    q = tl.load(base + heads + offs_d, mask=q_ok, other=0.0).to(tl.float32)
+    q_partner = tl.load(base + heads + partner_d, mask=q_ok, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * HEADS * D + heads + offs_d, _rotated(q, q_partner, cos, sin, sign, dt), mask=q_ok)
+    kv_ok = (offs_h < KV) & d_ok
+    k = tl.load(base + HEADS * D + heads + offs_d, mask=kv_ok, other=0.0).to(tl.float32)
+    k_partner = tl.load(base + HEADS * D + heads + partner_d, mask=kv_ok, other=0.0).to(tl.float32)
+    k_at = k_ptr + slot * stride_ks + offs_h.to(tl.int64) * stride_kh + position * stride_kc
+    tl.store(k_at + offs_d, _rotated(k, k_partner, cos, sin, sign, dt), mask=kv_ok)
+    v = tl.load(base + (HEADS + KV) * D + heads + offs_d, mask=kv_ok, other=0.0)
+    v_at = v_ptr + slot * stride_vs + offs_h.to(tl.int64) * stride_vh + position * stride_vc
+    tl.store(v_at + offs_d, v, mask=kv_ok)
 
 
 def rope_and_store(
@@ -407,9 +412,12 @@ def rope_and_store(
     keys: torch.Tensor,
     values: torch.Tensor,
     heads: int,
+    rows_per_program: int | None = None,
 ) -> torch.Tensor:
     """A layer's rotary embedding and KV write in one launch, each row on its own: the rotated queries returned, the
     rotated keys and the values written at each row's slot and position; transformers' arithmetic and roundings.
+    One row per program on a GPU, 16 under the interpreter (which runs programs one after another), unless
+    ``rows_per_program`` (a power of two) says.
     # qkv: [R, (heads + 2 kv) * d]; cos, sin: [C, d]; positions, row_slots: [R]; keys, values: [slots, kv, C, d]
     # -> [R, heads, d]"""
     rows = qkv.shape[0]
@@ -419,7 +427,9 @@ def rope_and_store(
     if keys.dtype != qkv.dtype or values.dtype != qkv.dtype or cos.stride() != sin.stride() or cos.stride(1) != 1:
         raise ValueError("rope_and_store: the cache, qkv, cos and sin must share a dtype and a layout")
     q = torch.empty(rows, heads, d, dtype=qkv.dtype, device=qkv.device)
-    _rope_store_kernel[(rows,)](
+    if rows_per_program is None:
+        rows_per_program = 1 if qkv.is_cuda else 16
+    _rope_store_kernel[(triton.cdiv(rows, rows_per_program),)](
         qkv,
         cos,
         sin,
@@ -428,6 +438,7 @@ def rope_and_store(
         q,
         keys,
         values,
+        rows,
         qkv.stride(0),
         cos.stride(0),
         keys.stride(0),
@@ -439,6 +450,7 @@ def rope_and_store(
         HEADS=heads,
         KV=kv,
         D=d,
+        ROWS=rows_per_program,
         BLOCK_H=triton.next_power_of_2(max(heads, kv)),
         BLOCK_D=triton.next_power_of_2(d),
     )

@@ -149,31 +149,38 @@ def test_a_group_of_weights_gives_each_the_bits_it_gets_alone():
         row_kernels.linear_group(x, weights[:2], [biases[0], None], BLOCKS)
 
 
+@pytest.mark.parametrize("rows_per_program", [None, 1, 4], ids=lambda n: f"rows-{n or 'default'}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rope_and_store_is_transformers_rotary_embedding_and_the_cache_write_bit_for_bit(dtype):
-    """Rows of three sequences at scattered positions: the rotated queries, and the keys and values at each row's
-    slot and position, are the bits of transformers' apply_rotary_pos_emb and an indexed write; nothing else of the
-    cache changes."""
+def test_rope_and_store_is_transformers_rotary_embedding_and_the_cache_write_bit_for_bit(dtype, rows_per_program):
+    """Rows of three sequences at scattered positions (the last of the capacity among them), more rows than one
+    program takes and not a multiple of it: the rotated queries, and the keys and values at each row's slot and
+    position, are the bits of transformers' apply_rotary_pos_emb and an indexed write; nothing else of the cache
+    changes. One row per program is the GPU's form."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     heads, kv, d, capacity = 6, 2, 16, 40
     angles = torch.arange(capacity, dtype=torch.float64)[:, None] / 10 ** (torch.arange(d // 2) / (d // 2))[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], dim=1).to(DEVICE, dtype)  # [C, d]
     sin = torch.cat([angles.sin(), angles.sin()], dim=1).to(DEVICE, dtype)
-    qkv = randn(7, (heads + 2 * kv) * d, seed=15).to(dtype)
-    positions = torch.tensor([0, 1, 2, 39, 17, 18, 5], dtype=torch.int32, device=DEVICE)
-    slots = torch.tensor([0, 0, 0, 2, 1, 1, 2], dtype=torch.int32, device=DEVICE)
+    rows = 37  # three programs of 16, the last part empty
+    qkv = randn(rows, (heads + 2 * kv) * d, seed=15).to(dtype)
+    slots = torch.tensor([i % 3 for i in range(rows)], dtype=torch.int32, device=DEVICE)
+    # each slot's positions distinct (7 is prime to the capacity), slot 1's first at the capacity's last
+    positions = torch.tensor([(7 * (i // 3) + 39 * (i % 3)) % capacity for i in range(rows)], dtype=torch.int32,
+                             device=DEVICE)  # fmt: skip
+    assert int(positions.max()) == capacity - 1
     keys, values = randn(3, kv, capacity, d, seed=16).to(dtype), randn(3, kv, capacity, d, seed=17).to(dtype)
     want_keys, want_values = keys.clone(), values.clone()
 
-    q = row_kernels.rope_and_store(qkv, cos, sin, positions, slots, keys, values, heads)
+    q = row_kernels.rope_and_store(qkv, cos, sin, positions, slots, keys, values, heads, rows_per_program)
 
     q_in, k_in, v_in = qkv.split([heads * d, kv * d, kv * d], dim=1)
     at = positions.long()
     want_q, want_k = apply_rotary_pos_emb(
-        q_in.view(1, 7, heads, d).transpose(1, 2), k_in.view(1, 7, kv, d).transpose(1, 2), cos[at][None], sin[at][None]
-    )  # [1, heads | kv, R, d]
+        q_in.view(1, rows, heads, d).transpose(1, 2), k_in.view(1, rows, kv, d).transpose(1, 2), cos[at][None],
+        sin[at][None],
+    )  # [1, heads | kv, R, d]  # fmt: skip
     want_keys[slots.long(), :, at] = want_k[0].transpose(0, 1)
-    want_values[slots.long(), :, at] = v_in.view(7, kv, d)
+    want_values[slots.long(), :, at] = v_in.view(rows, kv, d)
     assert torch.equal(q, want_q[0].transpose(0, 1))
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
