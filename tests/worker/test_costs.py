@@ -71,6 +71,7 @@ def worker(tiny_pair, controller, slow_passes) -> Iterator[WorkerService]:
     config = WorkerConfig(
         target=tiny_pair.target, draft=tiny_pair.draft, device="cpu", dtype="float64", threads=1, max_batch=4,
         segment_classifier="none", telemetry={"exporter": "none"},
+        warm_up=False,  # no start-up calibration: every timing the controller learns from is a served round's
         controller={"address": controller.address, "report_interval_seconds": 0.1, "decide_deadline_ms": 1000},
     )  # fmt: skip
     service = WorkerService(config)
