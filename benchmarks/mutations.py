@@ -1802,6 +1802,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the fused projection writes the keys to the cache but not the values",
     ),
     Mutation(
+        "calibration-skipped-for-a-controller",
+        "decoder/worker/service.py",
+        "            if cfg.controller.address is None:",
+        "            if cfg.controller.address is not None:",
+        ("tests/worker/test_runner.py::test_the_worker_calibrates_its_costs_only_for_a_controller",),
+        "the worker skips its start-up cost calibration where a controller waits for it (a cold controller then "
+        "prices K with the literature's costs) and runs it where nobody will read it",
+    ),
+    Mutation(
         "rotary-programs-overlap-their-rows",
         "decoder/runners/row_kernels.py",
         "    offs_r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)\n    r_ok = offs_r < rows\n",

@@ -102,6 +102,23 @@ def test_the_worker_captures_its_graphs_before_its_warm_up_and_says_so(tiny_pair
     assert "CUDA graphs: 90 captured" in caplog.text
 
 
+@pytest.mark.parametrize("address", [None, "127.0.0.1:50051"], ids=["no-controller", "controller"])
+def test_the_worker_calibrates_its_costs_only_for_a_controller(tiny_pair: TinyPair, monkeypatch, address):
+    """The start-up calibration's timings are the controller's first costs: a worker with no controller to report
+    them to warms up and skips them (about 2 s on the reference pair)."""
+    from decoder.batch_engine import BatchEngine
+    from decoder.worker import service
+    from decoder.worker.config import WorkerConfig
+
+    calls: list[str] = []
+    monkeypatch.setattr(BatchEngine, "warm_up", lambda engine: calls.append("warm_up") or 0)
+    monkeypatch.setattr(service, "measure_costs", lambda engine: calls.append("calibrate") or [])
+    config = WorkerConfig(target=tiny_pair.target, draft=tiny_pair.near_draft, device="cpu", dtype="float32",
+                          runner="lean", warm_up=True, controller={"address": address})  # fmt: skip
+    service.WorkerService(config)._load_engine()
+    assert calls == (["warm_up"] if address is None else ["warm_up", "calibrate"])
+
+
 def test_a_transformers_worker_runs_transformers_pass_and_serves_its_greedy_text(
     launcher: WorkerLauncher, reference: Reference
 ):
