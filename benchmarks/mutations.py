@@ -1802,6 +1802,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the fused projection writes the keys to the cache but not the values",
     ),
     Mutation(
+        "held-report-unmarked",
+        "controller/service.py",
+        '            context.set_trailing_metadata(((REPORT_HELD, "1"),))\n',
+        "",
+        (
+            "tests/controller/test_report_process.py::test_a_report_the_child_holds_past_its_answer_time_stays_the_childs",
+            "tests/controller/test_report_process.py::test_the_client_counts_a_held_report_apart_from_a_failed_send",
+        ),
+        "a report the controller holds is answered as a plain UNAVAILABLE: workers count a busy controller as a "
+        "down one",
+    ),
+    Mutation(
+        "client-counts-a-held-report-as-a-failure",
+        "specd_client/client.py",
+        "            if code == grpc.StatusCode.UNAVAILABLE and _held(e):",
+        "            if code == grpc.StatusCode.UNAVAILABLE and _held(e) and False:",
+        ("tests/controller/test_report_process.py::test_the_client_counts_a_held_report_apart_from_a_failed_send",),
+        "the client counts the attempts a busy controller held as send failures",
+    ),
+    Mutation(
         "calibration-skipped-for-a-controller",
         "decoder/worker/service.py",
         "            if cfg.controller.address is None:",

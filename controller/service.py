@@ -24,7 +24,7 @@ from controller.serving.table_publisher import DecisionPublisher, TooManyWatcher
 from controller.serving.unparsable import undecodable
 from controller.serving.views import cost_model, segment_stats
 from controller.storage.journal import JournalFull
-from specd_api.checks import MAX_AGGREGATES, count
+from specd_api.checks import MAX_AGGREGATES, REPORT_HELD, count
 from specd_api.modes import validate_learning_segment
 from specd_api.spans import plan_attributes
 from specd_api.tracing import context_from_metadata
@@ -167,6 +167,7 @@ class ControllerServicer(pb_grpc.ControllerServicer):
             message = ("the report is queued in the report process, behind other work: retry it (the same report id "
                        "waits on the same work and is counted once)")  # fmt: skip
             span.set_status(Status(StatusCode.ERROR, message))
+            context.set_trailing_metadata(((REPORT_HELD, "1"),))
             context.abort(grpc.StatusCode.UNAVAILABLE, message)
             raise AssertionError("abort returned")  # it raises
         if answer is None:

@@ -28,6 +28,9 @@ MAX_AGGREGATES = 1_000  # per report: twice the client's default batch (500)
 # aggregates stalls Decide for 2.4 s under the GIL). 1,000 aggregates at K 32 fit.
 MAX_REPORT_POSITIONS = 32_768
 MAX_REPORT_BYTES = 2**20  # the controller's gRPC receive limit
+# The trailing metadata key of an UNAVAILABLE answer to a report the controller holds, busy, for its retry (the same
+# report id waits on the same work): a busy controller, told apart from one that is down or unreachable.
+REPORT_HELD = "specd-report-held"
 MAX_ROUNDS = 1_000_000_000  # per aggregate: far above any real request, far below float precision limits
 MAX_BATCH_SIZE = 1_000_000
 MAX_INT32 = 2**31 - 1  # what an int32 field of the wire carries: every integer a policy holds stays within it

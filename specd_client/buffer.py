@@ -31,6 +31,7 @@ class BufferCounts:
     aggregates_dropped: int  # lost: overflow, refused by the controller, or unsent at close
     aggregates_rejected: int  # the part of aggregates_dropped the controller refused (INVALID_ARGUMENT)
     send_failures: int
+    reports_held: int  # attempts a busy controller held for their retry (not failures)
     buffered: int  # waiting + pending
 
 
@@ -45,6 +46,7 @@ class ReportBuffer:
         self._waiting: deque[pb.RoundsAggregate] = deque()
         self._pending: PendingReport | None = None
         self._sent_reports = self._sent = self._dropped = self._rejected = self._failures = self._rounds = 0
+        self._held = 0
 
     def add(self, aggregates: Iterable[pb.RoundsAggregate]) -> tuple[bool, int]:
         """Append; return (a full report is waiting, how many were dropped to make room)."""
@@ -87,6 +89,10 @@ class ReportBuffer:
         with self._lock:
             self._failures += 1
 
+    def held(self) -> None:
+        with self._lock:
+            self._held += 1
+
     def drop_all(self) -> int:
         """Give up on everything left (at close); return how many aggregates that was."""
         with self._lock:
@@ -105,5 +111,6 @@ class ReportBuffer:
                 aggregates_dropped=self._dropped,
                 aggregates_rejected=self._rejected,
                 send_failures=self._failures,
+                reports_held=self._held,
                 buffered=len(self._waiting) + (len(self._pending.aggregates) if self._pending else 0),
             )

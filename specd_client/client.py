@@ -19,7 +19,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from specd_api.checks import check_aggregate
+from specd_api.checks import REPORT_HELD, check_aggregate
 from specd_api.plan import Fallback, Origin, Plan, fallback_plan, worth_remembering
 from specd_api.request_features import RequestFeatures
 from specd_api.rounds import RoundRecord, Scored
@@ -44,6 +44,12 @@ NOT_RETRIED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED)
 REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 NOT_CONNECTED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 MAX_GRPC_MS = 2**31 - 1
+
+
+def _held(error: grpc.RpcError) -> bool:
+    """Did a busy controller hold the report for its retry (``REPORT_HELD`` in the answer's trailing metadata)?"""
+    trailing = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+    return any(key == REPORT_HELD for key, _ in trailing or ())
 
 
 def channel_options(config: ClientConfig) -> list[tuple[str, int]]:
@@ -375,6 +381,10 @@ class ControllerClient:
                 return True
             if code in REFUSED:
                 self._note_reports_refused(code, e.details() if isinstance(e, grpc.Call) else str(e))
+            if code == grpc.StatusCode.UNAVAILABLE and _held(e):
+                self._buffer.held()
+                log.debug("report %s held by a busy controller: will retry", pending.report_id)
+                return False
             self._buffer.failed()
             log.debug("report %s not delivered (%s): will retry", pending.report_id, code)
             return False
@@ -416,5 +426,6 @@ class ControllerClient:
                 aggregates_rejected=counts.aggregates_rejected,
                 reports_invalid=self._reports_invalid,
                 send_failures=counts.send_failures,
+                reports_held=counts.reports_held,
                 buffered=counts.buffered,
             )

@@ -82,6 +82,7 @@ class ClientStats:
     aggregates_rejected: int  # the part of aggregates_dropped the controller refused (INVALID_ARGUMENT)
     reports_invalid: int  # report() calls whose rounds were impossible (nothing enqueued)
     send_failures: int  # ReportRounds attempts that failed (each is retried with the same report_id)
+    reports_held: int  # ReportRounds attempts a busy controller held for their retry: not failures, not counted above
     buffered: int  # aggregates waiting to be sent
 
 

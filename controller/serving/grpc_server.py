@@ -267,6 +267,14 @@ class ThreadContext:
     def time_remaining(self) -> float | None:
         return self._context.time_remaining()
 
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        """The metadata sent with the call's status (set on the loop, before the status is sent)."""
+
+        async def setting() -> None:
+            self._context.set_trailing_metadata(tuple(metadata))
+
+        asyncio.run_coroutine_threadsafe(setting(), self._loop).result()
+
     def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         """Send the status (on the loop) and raise, as grpc's abort does."""
         asyncio.run_coroutine_threadsafe(self._context.abort(code, details), self._loop).result()

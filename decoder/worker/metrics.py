@@ -235,6 +235,10 @@ class ClientCollector(Collector):
         )  # fmt: skip
         yield CounterMetricFamily("specd_telemetry_send_failures", "ReportRounds attempts that failed (retried)",
                                   s.send_failures)  # fmt: skip
+        yield CounterMetricFamily(
+            "specd_telemetry_reports_held", "ReportRounds attempts a busy controller held for their retry (retried; "
+            "not failures)", s.reports_held,
+        )  # fmt: skip
         yield GaugeMetricFamily("specd_telemetry_buffered_aggregates", "Aggregates waiting to be sent", s.buffered)
         yield CounterMetricFamily(
             "specd_local_decisions", "Decisions answered from the pushed decision tables", s.local_decisions

@@ -24,8 +24,11 @@ from controller.serving.report_head import ReceivedReport
 from controller.serving.report_process import Invalid, ReportProcess, Stored, StoreSpec, report_steps
 from controller.storage.journal import Journal
 from controller.storage.store import StoreConfig, TelemetryStore
+from specd_api.checks import REPORT_HELD
 from specd_api.v1 import controller_pb2 as pb
 from specd_api.v1 import controller_pb2_grpc as pb_grpc
+from tests.controller.test_client import REPORT_ARGS, REQUEST_ROUNDS, started
+from tests.controller.test_client import config as client_config
 from tests.controller.test_service import draft_aggregate, report
 from tests.daemons import connected, daemon_config, running, running_daemon
 
@@ -238,6 +241,7 @@ def test_a_report_the_child_holds_past_its_answer_time_stays_the_childs(daemon, 
             with pytest.raises(grpc.RpcError) as held:
                 stub.ReportRounds(request, timeout=10)
             assert held.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in held.value.details()
+            assert (REPORT_HELD, "1") in held.value.trailing_metadata()  # busy, told apart from down
             assert time.monotonic() - started < 5
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -249,6 +253,27 @@ def test_a_report_the_child_holds_past_its_answer_time_stays_the_childs(daemon, 
     assert daemon.reports._pool.submit(report_process._started).result(timeout=10)[0] == pid  # the same child
     learner = daemon.controller.learner
     wait_for("the report counted", lambda: learner.segment_counts("child-stopped").rounds == 10)
+
+
+def test_the_client_counts_a_held_report_apart_from_a_failed_send(daemon, in_daemon, monkeypatch) -> None:
+    """specd_client against a daemon whose child is stopped: each attempt answered "held" is counted in
+    reports_held, not send_failures (a busy controller is not a down one), and the report arrives once the child
+    resumes."""
+    monkeypatch.setattr(report_process, "ANSWER_SECONDS", 0.3)
+    pid = daemon.reports._pool.submit(report_process._started).result(timeout=10)[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with started(client_config(daemon.address)) as client:
+            client.report(segment="held-counted", rounds=REQUEST_ROUNDS, **REPORT_ARGS)
+            wait_for("two held attempts", lambda: client.stats().reports_held >= 2)
+            os.kill(pid, signal.SIGCONT)
+            wait_for("the report acknowledged", lambda: client.stats().reports_sent == 1)
+            stats = client.stats()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert stats.send_failures == 0 and stats.reports_held >= 2, stats
+    assert (stats.aggregates_sent, stats.aggregates_dropped, stats.buffered) == (3, 0, 0), stats
+    assert in_daemon == [], "the daemon did a report the child held"
 
 
 def test_a_child_that_answers_nothing_for_its_stuck_time_is_replaced(daemon, stub, in_daemon, monkeypatch) -> None:
