@@ -297,13 +297,8 @@ def teach(target: Target, count: int) -> None:
         for n in range(0, len(aggregates), 500):
             request = pb.ReportRoundsRequest(report_id=f"teach-{count}-{n}", aggregates=aggregates[n : n + 500])
             stub.ReportRounds(request, metadata=bearer(target.write_token), timeout=60)
-
-        def learned() -> bool:
-            stats = stub.GetSegmentStats(pb.GetSegmentStatsRequest(segment=segment(count - 1)),
-                                         metadata=bearer(target.read_token), timeout=10)  # fmt: skip
-            return sum(k.rounds for d in stats.drafters for k in d.by_k) >= 100
-
-        wait_until(learned, 60, f"the controller to learn {count} segments", every=0.2)
+    last = segment(count - 1)
+    wait_until(lambda: rounds_of(target, last) >= 100, 60, f"the controller to learn {count} segments", every=0.2)
     target.learned = count
 
 
