@@ -311,7 +311,9 @@ def main() -> None:
     costs_to_8 = measure_costs(target, draft, mid_context, max(k, V_K_MAX, *curve_ks))
     costs = dataclasses.replace(costs_to_8, v=costs_to_8.v[: k + 1])  # the --k costs, as before
     forward = KVPool(target, 1).forward_pass
-    print(f"runner {target.runner} (the {forward.name} pass, {forward.kernel} products), device {device}, "
+    forms = ", ".join(f"{key} {value}" for key, value in graph_forms(forward).items())
+    print(f"runner {target.runner} (the {forward.name} pass, {forward.kernel} products{', ' * bool(forms)}{forms}), "
+          f"device {device}, "
           f"dtype {dtype}, threads {torch.get_num_threads()}, K={k}, max_new_tokens={n}, "
           f"{len(prompts)} prompts x {args.repeats} repeats, interleaved")  # fmt: skip
     print(f"target {target.name} ({params_millions(target):.1f}M params), "
@@ -368,7 +370,7 @@ def main() -> None:
             "bandwidth_gbps": bandwidth,
             "roofline": lines,
             "forward_pass": {"runner": forward.name, "dtype": forward.dtype_name, "kernel": forward.kernel,
-                             "cpu": cpu_model()},
+                             "cpu": cpu_model(), **graph_forms(forward)},
             "device": device_json(device),
             "settings": {"k": k, "max_new_tokens": n, "prompts": len(prompts), "repeats": args.repeats,
                          "variants": variants, "warmup_prompts": warmup_prompts},
@@ -393,6 +395,14 @@ def read_bandwidth_gbps(device: torch.device, megabytes: int = 256, repeats: int
     """A STREAM-like read: the best of ``repeats`` sums over a ``megabytes`` float32 tensor, in GB/s (the figure
     the CPU tables have always printed; the roofline line takes a median, ``step_figures``)."""
     return read_bandwidth(device, megabytes, repeats, warmup=0).best_gbps
+
+
+def graph_forms(forward: Any) -> dict[str, Any]:
+    """The graphs pass's forms of attention and of the row-wise steps, and why ``auto`` fell back from a Triton one
+    (decoder/runners/graphed.py); nothing for another pass."""
+    if not hasattr(forward, "fallbacks"):
+        return {}
+    return {"attention": forward.attention, "rows": forward.rows, "fallbacks": dict(forward.fallbacks)}
 
 
 def device_json(device: torch.device) -> dict[str, Any]:
@@ -425,6 +435,7 @@ def measure_step_figures(
             "target": kernels["target"].per_step,
             "draft": kernels["draft"].per_step,
             "detail": {"target": kernels["target"].detail, "draft": kernels["draft"].detail},
+            "top": {"target": kernels["target"].top, "draft": kernels["draft"].top},
         },
         "first_visit_ms": visits.to_json() if visits is not None else None,  # None: no room left in the context
         "step_roofline": {
@@ -440,6 +451,8 @@ def measure_step_figures(
 def print_step_figures(figures: dict[str, Any]) -> None:
     kernels, visits, roof = figures["kernels_per_step"], figures["first_visit_ms"], figures["step_roofline"]
     print(f"\nper 1-token step: target {kernels['target']:.0f} {kernels['unit']}, draft {kernels['draft']:.0f}")
+    for row in kernels["top"]["target"][:12]:  # a GPU's kernels by name (empty on a CPU)
+        print(f"  {row['us_per_step']:8.1f} µs  {row['per_step']:5.1f}x  {row['name'][:90]}")
     if visits is not None:
         print(f"first step at a never-seen KV length {visits['first']:.2f} ms, the same step repeated "
               f"{visits['repeated']:.2f} ms ({visits['ratio']:.2f}x; lengths {visits['lengths'][0]}.."

@@ -116,6 +116,7 @@ def plan(smoke: bool, work: Path, python: str) -> list[Step]:
     )
     attention = (python, "-m", "benchmarks.attention_bench", *(("--smoke",) if smoke else ()))
     linear = (python, "-m", "benchmarks.linear_bench", *(("--smoke",) if smoke else ()))
+    linear_rows = () if smoke else ("--rows", "16,64,144")  # a 1-token step, batch 64 x 1, batch 16 x 9
 
     def throughput_of(models: tuple[str, ...]) -> tuple[str, ...]:
         return (python, "-m", "benchmarks.worker_throughput", *models, *device, "--runner", "auto", *batches)
@@ -130,7 +131,7 @@ def plan(smoke: bool, work: Path, python: str) -> list[Step]:
         Step("pair", (python, "-m", "decoder.tiny", "--shape", "tiny" if smoke else "1b", "--out", str(pair)), 120),
         Step("pytest", pytest, 200 if smoke else 100, env=(("SPECD_TEST_DEVICE", test_device),)),
         Step("attention", (*attention, "--json", str(work / "attention.json")), 45, "attention.json"),
-        Step("linear", (*linear, "--json", str(work / "linear.json")), 45, "linear.json"),
+        Step("linear", (*linear, *linear_rows, "--json", str(work / "linear.json")), 60, "linear.json"),
         decode_step("decode_1b_auto", mine, "auto", (*big, "--variants", "hf-plain,ours-none,ours-draft", *curve), 150),
         Step(
             "decode_1b_capacity",
@@ -231,6 +232,7 @@ def decode_figures(doc: dict[str, Any]) -> dict[str, Any]:
     visits = doc.get("first_visit_ms") or {}
     figures: dict[str, Any] = {
         "runner": doc.get("forward_pass", {}).get("runner"),
+        "forms": {key: doc.get("forward_pass", {}).get(key) for key in ("attention", "rows", "fallbacks")},
         "target_step_ms": alone.get("target_step_ms"),
         "roofline_step_ms": roof.get("roofline_step_ms"),
         "read_gbps": doc.get("step_roofline", {}).get("read_gbps_median"),

@@ -41,6 +41,8 @@ SHAPES = {  # name -> (out, in) per weight, and the layers
 }  # fmt: skip
 PER_LAYER = {"q": 1, "kv": 2, "o": 1, "gate_up": 2, "down": 1}  # calls of each shape per layer
 TILE = 16
+# the default first, then narrower column tiles (more programs streaming a 1-row step's weights), then wider row tiles
+BLOCK_CHOICES = "16,64,64;16,32,128;16,16,256;16,32,256;32,64,64;64,64,64"
 
 
 def tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -80,7 +82,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     parser.add_argument("--rows", default="16,64,144,576", help="row counts (a step's rows, whole 16-row tiles)")
-    parser.add_argument("--blocks", default="16,64,64;16,32,128;32,64,64;64,64,64", help="M,N,K choices, ;-separated")
+    parser.add_argument("--blocks", default=BLOCK_CHOICES, help="M,N,K choices, ;-separated")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes, a few cases")
     parser.add_argument("--json", type=Path)
@@ -110,9 +112,9 @@ def main() -> int:
             step_ms[",".join(map(str, blocks))] = {k: round(v, 3) for k, v in per_step.items()}
             print(f"  blocks {blocks}: a 1-token step's row-wise products {per_step['triton']:.3f} ms (triton), "
                   f"{per_step['tiles']:.3f} ms (tiles)")  # fmt: skip
-    if args.json:
-        doc = {"device": args.device, "dtype": args.dtype, "layers": layers, "rows": found, "step_ms": step_ms}
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        if args.json:  # after each block choice: a run cut short keeps the choices it finished
+            doc = {"device": args.device, "dtype": args.dtype, "layers": layers, "rows": found, "step_ms": step_ms}
+            args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0 if all(r["same_bits_alone_and_among_rows"] for r in found) else 1
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -83,6 +83,21 @@ class OpCount:
     unit: str  # "cuda_kernels" (kernels the GPU ran) or "cpu_ops" (aten operator calls, nested ones included)
     per_step: float
     detail: dict[str, float]  # every count the profiler gave, per step
+    top: list[dict[str, Any]] = field(default_factory=list)  # the GPU's kernels by name, most time first
+
+
+TOP_KERNELS = 30  # names in OpCount.top
+
+
+def kernel_table(names_and_us: list[tuple[str, float]], steps: int) -> list[dict[str, Any]]:
+    """Kernels grouped by name: per step, how many ran and their device time (µs), the ``TOP_KERNELS`` costliest."""
+    table: dict[str, list[float]] = {}
+    for name, us in names_and_us:
+        row = table.setdefault(name[:120], [0.0, 0.0])
+        row[0] += 1
+        row[1] += us
+    ranked = sorted(table.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
+    return [{"name": name, "per_step": count / steps, "us_per_step": us / steps} for name, (count, us) in ranked]
 
 
 def ops_per_step(lm: LoadedModel, context: list[int], steps: int = 8) -> OpCount:
@@ -124,7 +139,9 @@ def ops_per_step(lm: LoadedModel, context: list[int], steps: int = 8) -> OpCount
         "launch_calls": len(launches) / steps,
     }
     per_step = detail["cuda_kernels"] or detail["kernels_attached_to_cpu_ops"] or detail["launch_calls"]
-    return OpCount("cuda_kernels", per_step, detail)
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in device if not e.name.startswith(("Memcpy", "Memset"))]
+    detail["kernel_us"] = sum(us for _, us in kernels) / steps
+    return OpCount("cuda_kernels", per_step, detail, kernel_table(kernels, steps))
 
 
 @dataclass(frozen=True)
