@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from benchmarks import gpu_suite
-from benchmarks.roofline import Bandwidth, first_visits, ops_per_step, read_bandwidth, step_roofline
+from benchmarks.roofline import (
+    TOP_KERNELS,
+    Bandwidth,
+    first_visits,
+    kernel_table,
+    ops_per_step,
+    read_bandwidth,
+    step_roofline,
+)
 from decoder.models import check_pair, load_model
 from decoder.tiny import SHAPES, count_parameters, save_pair
 from tests.conftest import tiny_lm
@@ -101,6 +109,18 @@ def test_ops_per_step_counts_a_lean_step_in_cpu_operators(lean_target):
     assert count.unit == "cpu_ops"
     assert count.per_step >= 2 * lean_target.model.config.num_hidden_layers  # at least a product per layer
     assert count.detail["cpu_ops_top_level"] <= count.per_step
+
+
+def test_kernel_table_groups_by_name_per_step_costliest_first():
+    names = [("gemm", 10.0), ("norm", 1.0), ("gemm", 30.0), ("attn", 8.0), ("norm", 1.0)]
+    table = kernel_table(names, steps=2)
+    assert table == [
+        {"name": "gemm", "per_step": 1.0, "us_per_step": 20.0},
+        {"name": "attn", "per_step": 0.5, "us_per_step": 4.0},
+        {"name": "norm", "per_step": 1.0, "us_per_step": 1.0},
+    ]
+    many = kernel_table([(f"k{i}", float(i)) for i in range(TOP_KERNELS + 5)], steps=1)
+    assert len(many) == TOP_KERNELS and many[0]["name"] == f"k{TOP_KERNELS + 4}"
 
 
 def test_first_visits_steps_past_the_context_then_repeats(lean_target):
