@@ -60,6 +60,7 @@ ROBUST = ("tests/controller/test_robust_costs.py",)
 NATIVE = ("tests/decoder/test_native.py",)
 TABLES = "tests/controller/test_decision_tables.py"
 EPOCHS = "tests/controller/test_table_epochs.py"
+TREE = ("tests/decoder/test_tree.py",)
 BF16_DOT = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})  # the avx512bf16 build's tests skip without these
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -86,6 +87,70 @@ MUTATIONS: tuple[Mutation, ...] = (
         "num_accepted = min(int(mismatch[0, 0]) + 1, k) if mismatch.numel() else k",
         GREEDY,
         "greedy keeps the first mismatching draft token too",
+    ),
+    Mutation(
+        "tree-row-sees-the-row-before",
+        "decoder/tree.py",
+        "sees[node + 1] |= sees[parent + 1]",
+        "sees[node + 1] |= sees[node]",
+        TREE,
+        "a tree's row sees the row before it (a chain's mask) instead of its parent's: siblings see each other",
+    ),
+    Mutation(
+        "tree-position-by-index",
+        "decoder/tree.py",
+        "depths.append(1 if parent == ROOT else depths[parent] + 1)",
+        "depths.append(node + 1)",
+        TREE,
+        "a tree's node is placed at its index below the root, not at its depth",
+    ),
+    Mutation(
+        "tree-kept-rows-off-by-one",
+        "decoder/tree.py",
+        "return [0, *(step + 1 for step in path)]",
+        "return [0, *(step for step in path)]",
+        TREE,
+        "the accepted path keeps the cache rows of the node before each accepted one",
+    ),
+    Mutation(
+        "tree-greedy-takes-the-first-child",
+        "decoder/tree.py",
+        "(child for child in tree.children(node) if tree.tokens[child] == wanted)",
+        "(child for child in tree.children(node))",
+        TREE,
+        "greedy goes down the first child whatever the target's argmax",
+    ),
+    Mutation(
+        "tree-sampling-reads-the-roots-row",
+        "decoder/tree.py",
+        "residual = target_probs[node + 1]",
+        "residual = target_probs[0]",
+        TREE,
+        "every node's children are tested against the target's distribution at the root",
+    ),
+    Mutation(
+        "tree-sampling-ignores-q",
+        "decoder/tree.py",
+        "if u * q_token < float(residual[token]):",
+        "if u < float(residual[token]):",
+        TREE,
+        "a child drawn from q is kept with probability r(x), not min(1, r(x) / q(x))",
+    ),
+    Mutation(
+        "tree-residual-restarts-per-sibling",
+        "decoder/tree.py",
+        "residual = residual_distribution(residual, q, token)",
+        "residual = residual_distribution(target_probs[node + 1], q, token)",
+        TREE,
+        "after a second rejected sibling the residual forgets the first: a rejected token gets its mass back",
+    ),
+    Mutation(
+        "tree-parent-may-follow-its-child",
+        "decoder/tree.py",
+        "if not ROOT <= parent < node:",
+        "if not ROOT <= parent <= node:",
+        TREE,
+        "a node may name itself as its parent",
     ),
     Mutation(
         "draft-rollback-stale-token",
