@@ -61,6 +61,7 @@ NATIVE = ("tests/decoder/test_native.py",)
 TABLES = "tests/controller/test_decision_tables.py"
 EPOCHS = "tests/controller/test_table_epochs.py"
 TREE = ("tests/decoder/test_tree.py",)
+TREE_PASS = ("tests/decoder/test_tree_pass.py",)
 BF16_DOT = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})  # the avx512bf16 build's tests skip without these
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -151,6 +152,78 @@ MUTATIONS: tuple[Mutation, ...] = (
         "if not ROOT <= parent <= node:",
         TREE,
         "a node may name itself as its parent",
+    ),
+    Mutation(
+        "tree-lean-rows-at-their-entries",
+        "decoder/runners/lean.py",
+        "positions, mask, causal = tree.positions(start, x.device)[None],",
+        "positions, mask, causal = torch.arange(start, end, device=x.device)[None],",
+        TREE_PASS,
+        "the lean pass places a tree's tokens at their cache entries, not at the root's position plus their depth",
+    ),
+    Mutation(
+        "tree-lean-one-row-causal",
+        "decoder/runners/lean.py",
+        "tree.positions(start, x.device)[None], tree.visible(start, x.device), False",
+        "tree.positions(start, x.device)[None], torch.ones(n, end, dtype=torch.bool).tril(start), False",
+        TREE_PASS,
+        "the lean pass lets a tree's tokens see every earlier row (a chain's mask): siblings see each other",
+    ),
+    Mutation(
+        "tree-lean-ragged-causal",
+        "decoder/runners/lean.py",
+        "mask[row, 0, :n, first : first + n] = tree.attention_mask(device)",
+        "pass",
+        TREE_PASS,
+        "in a ragged pass a tree's rows keep the chain's mask",
+    ),
+    Mutation(
+        "tree-lean-ragged-positions",
+        "decoder/runners/lean.py",
+        "positions[row, :n] = tree.positions(first, device)",
+        "pass",
+        TREE_PASS,
+        "in a ragged pass a tree's rows keep their cache entries as positions",
+    ),
+    Mutation(
+        "tree-transformers-positions",
+        "decoder/runners/hf.py",
+        '"position_ids": tree.positions(start, self.device)[None],',
+        "",
+        TREE_PASS,
+        "transformers' pass gives a tree's tokens the positions of consecutive entries",
+    ),
+    Mutation(
+        "tree-keep-forgets-the-root-entry",
+        "decoder/runners/kv.py",
+        "source = torch.tensor(rows, device=self.device) + start",
+        "source = torch.tensor(rows, device=self.device)",
+        TREE_PASS,
+        "keeping a path copies entries counted from the slot's start, not from the tree's root",
+    ),
+    Mutation(
+        "tree-transformers-keep-forgets-the-root-entry",
+        "decoder/runners/hf.py",
+        "source = torch.tensor(rows, device=layer.keys.device) + start",
+        "source = torch.tensor(rows, device=layer.keys.device)",
+        TREE_PASS,
+        "transformers' caches keep a path counted from the slot's start, not from the tree's root",
+    ),
+    Mutation(
+        "tree-keep-leaves-the-whole-tree",
+        "decoder/runners/pool.py",
+        "self.pool.lengths[self.slot] = root_entry + len(rows)",
+        "self.pool.lengths[self.slot] = root_entry + rows[-1] + 1",
+        TREE_PASS,
+        "after keeping a path the slot's length still covers the rows of the branches beside it",
+    ),
+    Mutation(
+        "tree-chain-pass-takes-a-tree",
+        "decoder/runners/pool.py",
+        "if not self.forward_pass.trees:",
+        "if False:",
+        TREE_PASS,
+        "a pass that runs chains only is given a tree's rows and verifies them as a chain",
     ),
     Mutation(
         "draft-rollback-stale-token",

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from decoder.tree import DraftTree
+
 
 class PassNotApplicable(ValueError):
     """A runner was asked for that cannot run this model here; the message says why."""
@@ -24,16 +26,25 @@ class PassNotApplicable(ValueError):
 
 @dataclass(frozen=True)
 class RaggedRows:
-    """One pass's rows: row i appends ``inputs[i]`` ([n_i] int64) to slot ``slots[i]`` at position ``starts[i]``."""
+    """One pass's rows: row i appends ``inputs[i]`` ([n_i] int64) to slot ``slots[i]`` from cache entry
+    ``starts[i]`` on. A row's tokens are a chain (token j at position ``starts[i] + j``, seeing those before it), or,
+    where ``trees`` gives one, a root and a draft tree's nodes below it (decoder/tree.py: each token at the root's
+    position plus its depth, seeing the cache and its own ancestors only; a pass takes them where ``trees`` is
+    true)."""
 
     slots: list[int]
     inputs: list[torch.Tensor]
     starts: list[int]
     counts: list[int]  # n_i
+    trees: list[DraftTree | None] | None = None  # per row; None: every row a chain
 
     def kept(self, logits_to_keep: int) -> list[int]:
         """The logits rows each row returns: all its tokens', or its last ``logits_to_keep``."""
         return [min(n, logits_to_keep) if logits_to_keep else n for n in self.counts]
+
+    def tree(self, row: int) -> DraftTree | None:
+        """Row ``row``'s draft tree (its tokens after the first), or None for a chain."""
+        return self.trees[row] if self.trees is not None else None
 
 
 class KVStore(Protocol):
@@ -45,6 +56,11 @@ class KVStore(Protocol):
 
     def cached_keys(self, slot: int, length: int) -> list[torch.Tensor]:
         """Per layer: the first ``length`` keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
+        ...
+
+    def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Move entry ``start + rows[j]`` of ``slot`` to ``start + j``, for ascending ``rows`` (a tree's accepted
+        path: ``DraftTree.kept_rows``); the pool sets the slot's length after it."""
         ...
 
 
@@ -66,6 +82,11 @@ class ForwardPass(Protocol):
     def kernel(self) -> str:
         """What runs its matrix products: "torch" (PyTorch's own), or the native build's instruction set ("avx2",
         "avx512bf16": decoder/native/build.py). Named in the listening line, /metrics and the benchmarks."""
+        ...
+
+    @property
+    def trees(self) -> bool:
+        """Whether ``forward`` takes rows with draft trees (``RaggedRows.trees``); the pool refuses them elsewhere."""
         ...
 
     def new_store(self, num_slots: int, capacity: int) -> KVStore:

@@ -44,6 +44,13 @@ class SlotCaches:
         """Per layer: the keys held, [1, kv_heads, length, head_dim]."""
         return [layer.keys[:, :, :length] for layer in self.caches[slot].layers]  # type: ignore[union-attr,index]
 
+    def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Entry ``start + rows[j]`` to ``start + j`` in every layer; the next ``at`` crops what follows."""
+        for layer in self.caches[slot].layers:
+            source = torch.tensor(rows, device=layer.keys.device) + start  # type: ignore[union-attr]
+            for tensor in (layer.keys, layer.values):  # type: ignore[union-attr]  # [1, kv_heads, length, head_dim]
+                tensor[:, :, start : start + len(rows)] = tensor[:, :, source]  # type: ignore[index]
+
 
 class TransformersPass:
     """``model(input_ids, past_key_values=...)`` per row: any causal LM, any dtype, any device."""
@@ -58,6 +65,7 @@ class TransformersPass:
         return str(self.model.get_output_embeddings().weight.dtype).removeprefix("torch.")
 
     kernel = "torch"
+    trees = True
 
     def new_store(self, num_slots: int, capacity: int) -> SlotCaches:
         return SlotCaches(num_slots)
@@ -69,12 +77,18 @@ class TransformersPass:
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotCaches)
         logits = []
-        for slot, input_ids, start in zip(rows.slots, rows.inputs, rows.starts, strict=True):
+        for row, (slot, input_ids, start) in enumerate(zip(rows.slots, rows.inputs, rows.starts, strict=True)):
+            tree = rows.tree(row)
+            shape = {} if tree is None else {  # the tree's own mask and positions (decoder/tree.py)
+                "attention_mask": tree.visible(start, self.device)[None, None],
+                "position_ids": tree.positions(start, self.device)[None],
+            }  # fmt: skip
             out = self.model(
                 input_ids=input_ids.to(self.device, non_blocking=True).unsqueeze(0),
                 past_key_values=store.at(slot, start),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                **shape,
             )
             logits.append(out.logits[0])  # [n or logits_to_keep, vocab]
         return logits

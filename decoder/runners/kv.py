@@ -90,6 +90,12 @@ class SlotTensors:
         """Per layer: the keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
         return [self.keys[i, slot : slot + 1, :, :length] for i in range(self.shape.layers)]
 
+    def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Entry ``start + rows[j]`` of ``slot`` to ``start + j``, in every layer (a gathered copy: no overlap)."""
+        source = torch.tensor(rows, device=self.device) + start
+        for tensor in (self.keys, self.values):
+            tensor[:, slot, :, start : start + len(rows)] = tensor[:, slot, :, source]
+
 
 class LlamaTensorPass:
     """What the two PyTorch Llama passes (lean, invariant) share: the model's shape, transformers' rotary function,
@@ -116,6 +122,7 @@ class LlamaTensorPass:
         return str(self.model.lm_head.weight.dtype).removeprefix("torch.")
 
     kernel = "torch"
+    trees = False  # a pass that verifies draft trees says so (decoder/runners/base.py ForwardPass.trees)
 
     def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
         return SlotTensors(self.model, num_slots, capacity)

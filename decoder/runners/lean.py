@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from decoder.runners.base import KVStore, RaggedRows
 from decoder.runners.kv import LlamaTensorPass, SlotTensors
+from decoder.tree import DraftTree
 
 
 class OutputHead:
@@ -62,6 +63,7 @@ class LeanPass(LlamaTensorPass):
     """The lean PyTorch forward of a plain Llama model, over ``SlotTensors``."""
 
     name = "lean"
+    trees = True
 
     def __init__(self, model: Any, device: torch.device) -> None:
         super().__init__(model, device)
@@ -72,24 +74,35 @@ class LeanPass(LlamaTensorPass):
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotTensors)
         if len(rows.slots) == 1:
-            return [self._forward_one(store, rows.slots[0], rows.inputs[0], rows.starts[0], logits_to_keep)]
-        return self._forward_ragged(store, rows.slots, rows.inputs, rows.starts, rows.counts, logits_to_keep)
+            slot, ids, start = rows.slots[0], rows.inputs[0], rows.starts[0]
+            return [self._forward_one(store, slot, ids, start, logits_to_keep, rows.tree(0))]
+        return self._forward_ragged(store, rows, logits_to_keep)
 
     def _forward_one(
-        self, store: SlotTensors, slot: int, input_ids: torch.Tensor, start: int, logits_to_keep: int
+        self,
+        store: SlotTensors,
+        slot: int,
+        input_ids: torch.Tensor,
+        start: int,
+        logits_to_keep: int,
+        tree: DraftTree | None = None,
     ) -> torch.Tensor:
         """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""
         model = self.model.model
         n = input_ids.shape[0]
         end = start + n
         x = model.embed_tokens(input_ids.to(self.device, non_blocking=True)).unsqueeze(0)  # [1, n, hidden]
-        positions = torch.arange(start, end, device=x.device).unsqueeze(0)  # [1, n]
+        mask: torch.Tensor | None
+        if tree is not None:  # each token at its depth, seeing the cache and its ancestors
+            positions, mask, causal = tree.positions(start, x.device)[None], tree.visible(start, x.device), False
+        else:
+            positions = torch.arange(start, end, device=x.device).unsqueeze(0)  # [1, n]
+            # New tokens see the whole cache and, among themselves, what precedes them. On an empty cache that is
+            # plain causal attention (no O(n^2) mask for a long prompt); SDPA's is_causal aligns top-left, so it
+            # is right only there.
+            causal = n > 1 and start == 0
+            mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and not causal else None
         cos, sin = model.rotary_emb(x, positions)
-        # New tokens see the whole cache and, among themselves, what precedes them. On an empty cache that is
-        # plain causal attention (no O(n^2) mask for a long prompt); SDPA's is_causal aligns top-left, so it
-        # is right only there.
-        causal = n > 1 and start == 0
-        mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and not causal else None
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -114,34 +127,34 @@ class LeanPass(LlamaTensorPass):
             x = x[:, -logits_to_keep:]  # the head only where logits are wanted (a prefill needs one row)
         return self.head(model.norm(x))[0]  # [n or logits_to_keep, vocab]
 
-    def _forward_ragged(
-        self,
-        store: SlotTensors,
-        slots: list[int],
-        inputs: list[torch.Tensor],
-        starts: list[int],
-        counts: list[int],
-        logits_to_keep: int,
-    ) -> list[torch.Tensor]:
+    def _forward_ragged(self, store: SlotTensors, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         """Several sequences, padded to the longest row; padding is neither cached nor returned."""
         model = self.model.model
         device = self.device
+        slots, starts, counts = rows.slots, rows.starts, rows.counts
         b, width = len(slots), max(counts)
         ids = torch.zeros(b, width, dtype=torch.long)  # [b, w], padded with token 0
-        for row, tokens in enumerate(inputs):
+        for row, tokens in enumerate(rows.inputs):
             ids[row, : counts[row]] = tokens
         ids = ids.to(device)
         start = torch.tensor(starts, device=device)  # [b]
         offsets = torch.arange(width, device=device)  # [w]
-        positions = start[:, None] + offsets[None, :]  # [b, w]
+        entries = start[:, None] + offsets[None, :]  # [b, w] each token's cache entry
         real = offsets[None, :] < torch.tensor(counts, device=device)[:, None]  # [b, w] not padding
         row_of, col_of = real.nonzero(as_tuple=True)  # [r] each: the real (row, column) pairs
         slot_of = torch.tensor(slots, device=device)[row_of]  # [r]
-        pos_of = positions[row_of, col_of]  # [r]
+        entry_of = entries[row_of, col_of]  # [r]
         end = max(s + n for s, n in zip(starts, counts, strict=True))
         slot_index = torch.tensor(slots, device=device)  # [b]
-        # Query j of row r sees cached positions <= start_r + j: its own prefix and the tokens before it.
-        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [b, 1, w, end]
+        # Query j of row r sees cache entries <= start_r + j: its own prefix and the tokens before it.
+        mask = (torch.arange(end, device=device)[None, None, :] <= entries[:, :, None]).unsqueeze(1)  # [b, 1, w, end]
+        positions = entries.clone()  # [b, w] a chain's token sits at its entry
+        for row in range(b):
+            tree = rows.tree(row)
+            if tree is not None:  # a tree's rows: positions by depth, the cache and their ancestors only
+                n, first = counts[row], starts[row]
+                positions[row, :n] = tree.positions(first, device)
+                mask[row, 0, :n, first : first + n] = tree.attention_mask(device)
         x = model.embed_tokens(ids)  # [b, w, hidden]
         cos, sin = model.rotary_emb(x, positions)
         for i, layer in enumerate(model.layers):
@@ -152,8 +165,8 @@ class LeanPass(LlamaTensorPass):
             v = attn.v_proj(h).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
             q, k = self.rope(q, k, cos, sin)
             # Write only the real tokens: [r, kv, d] into (slot, :, position).
-            store.keys[i][slot_of, :, pos_of] = k.transpose(1, 2)[row_of, col_of]
-            store.values[i][slot_of, :, pos_of] = v.transpose(1, 2)[row_of, col_of]
+            store.keys[i][slot_of, :, entry_of] = k.transpose(1, 2)[row_of, col_of]
+            store.values[i][slot_of, :, entry_of] = v.transpose(1, 2)[row_of, col_of]
             keys = store.keys[i, :, :, :end].index_select(0, slot_index)  # [b, kv, end, d]
             values = store.values[i, :, :, :end].index_select(0, slot_index)
             o = F.scaled_dot_product_attention(

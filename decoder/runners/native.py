@@ -18,6 +18,7 @@ class NativePass:
 
     name = "native"
     dtype_name = "float32"  # the kernel's arithmetic, whatever the panels hold (decoder/native/llama.py)
+    trees = False  # the kernel's rows are chains
 
     def __init__(self, native: NativeLlama, model: Any) -> None:
         self.native = native

@@ -8,6 +8,7 @@ rollback is a length change (``PooledSequence.truncate``): nothing is copied, an
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,11 @@ from decoder.models import LoadedModel
 from decoder.runners.base import ForwardPass, KVStore, PassNotApplicable, RaggedRows
 from decoder.runners.kv import INITIAL_CAPACITY
 from decoder.runners.select import select_pass
+from decoder.tree import DraftTree
+
+
+class TreesNotVerified(PassNotApplicable):
+    """Rows with draft trees were given to a pass that runs chains only; the message names the pass."""
 
 
 class KVPool:
@@ -56,9 +62,14 @@ class KVPool:
     # -- forward -------------------------------------------------------------------------------------------
 
     def forward_many(
-        self, rows: Sequence[tuple[PooledSequence, torch.Tensor]], logits_to_keep: int = 0
+        self,
+        rows: Sequence[tuple[PooledSequence, torch.Tensor]],
+        logits_to_keep: int = 0,
+        trees: Sequence[DraftTree | None] | None = None,
     ) -> list[torch.Tensor]:
-        """Append each row's tokens to its sequence in one pass; return each row's next-token logits.
+        """Append each row's tokens to its sequence in one pass; return each row's next-token logits. ``trees``:
+        per row, None for a chain, or the draft tree its tokens after the first are (a root and the tree's tokens:
+        ``PooledSequence.keep_path`` then keeps the accepted path's entries).
 
         # rows[i]: (sequence, input_ids [n_i] int64)  ->  [n_i, vocab] each, or [min(n_i, logits_to_keep), vocab]
         """
@@ -69,12 +80,23 @@ class KVPool:
             assert seq.pool is self and ids.dim() == 1 and ids.numel() > 0, tuple(ids.shape)
         starts = [self.lengths[s] for s in slots]
         counts = [int(ids.shape[0]) for _, ids in rows]
+        if trees is not None and any(tree is not None for tree in trees):
+            self._check_trees(trees, counts)
+        else:
+            trees = None
         self.store.reserve(max(s + n for s, n in zip(starts, counts, strict=True)), self.lengths)
-        ragged = RaggedRows(slots, [ids for _, ids in rows], starts, counts)
+        ragged = RaggedRows(slots, [ids for _, ids in rows], starts, counts, None if trees is None else list(trees))
         outputs = self.forward_pass.forward(self.store, ragged, logits_to_keep)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
         return outputs
+
+    def _check_trees(self, trees: Sequence[DraftTree | None], counts: Sequence[int]) -> None:
+        if not self.forward_pass.trees:
+            raise TreesNotVerified(f"{self.lm.name}: the {self.forward_pass.name} pass does not verify draft trees")
+        assert len(trees) == len(counts), f"{len(trees)} trees for {len(counts)} rows"
+        for tree, n in zip(trees, counts, strict=True):
+            assert tree is None or tree.size + 1 == n, f"a row of {n} tokens for a tree of {tree.size} nodes"
 
     def cached_keys(self, slot: int) -> list[torch.Tensor]:
         """Per layer: the keys ``slot`` holds, [1, kv_heads, length, head_dim]."""
@@ -104,6 +126,14 @@ class PooledSequence:
         # input_ids: [n] int64  ->  [n, vocab], or [logits_to_keep, vocab] when > 0
         """
         return self.pool.forward_many([(self, input_ids)], logits_to_keep)[0]
+
+    def keep_path(self, root_entry: int, rows: Sequence[int]) -> None:
+        """After a tree verified from cache entry ``root_entry`` (the length before its pass): keep the rows of the
+        accepted path (``DraftTree.kept_rows``) as the entries from ``root_entry`` on, and drop the rest."""
+        assert rows and rows[0] == 0 and root_entry + rows[-1] < self.length, (root_entry, list(rows), self.length)
+        assert all(a < b for a, b in itertools.pairwise(rows)), f"rows {list(rows)} are not ascending"
+        self.pool.store.keep(self.slot, root_entry, rows)
+        self.pool.lengths[self.slot] = root_entry + len(rows)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached tokens; the rest is overwritten by later forwards."""
