@@ -139,7 +139,7 @@ class NativeLlama:
         self._lib = library
         self._forward_rows = library.specd_llama_forward_rows
         self._forward_rows.restype = ctypes.c_int
-        self._forward_rows.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 3, ctypes.c_int]
+        self._forward_rows.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int]
         self._weight_bytes = library.specd_llama_weight_bytes
         self._weight_bytes.restype = ctypes.c_int64
         self._weight_bytes.argtypes = [ctypes.POINTER(_Model)]
@@ -246,19 +246,28 @@ class NativeLlama:
         return CacheBinding(m, self._tables, keys)
 
     def forward(
-        self, binding: CacheBinding, rows: list[tuple[int, int, int, int]], tokens: torch.Tensor, threads: int
+        self,
+        binding: CacheBinding,
+        rows: list[tuple[int, int, int, int]],
+        tokens: torch.Tensor,
+        threads: int,
+        parents: list[int] | None = None,
     ) -> torch.Tensor:
         """Append each row's tokens to its slot of the bound cache; return the logits of each row's last ``kept``.
+        ``parents`` (None: every row a chain): per token, its parent's index within its row, -1 for a row's root
+        (a draft tree's row: each token at its depth's position, seeing its ancestors; llama_step.c).
 
         # rows[i]: (slot, start, count, kept); tokens: [sum(count)] int64, contiguous  ->  [sum(kept), vocab]
         """
         flat = [value for row in rows for value in row]
         logits = torch.empty(sum(row[3] for row in rows), self.vocab)
+        tree = None if parents is None else (ctypes.c_int64 * len(parents))(*parents)
         status = self._forward_rows(
             ctypes.byref(binding.model),
             len(rows),
             (ctypes.c_int64 * len(flat))(*flat),
             tokens.data_ptr(),
+            ctypes.cast(tree, ctypes.c_void_p) if tree is not None else None,
             logits.data_ptr(),
             max(1, threads),
         )
@@ -266,6 +275,8 @@ class NativeLlama:
             raise ValueError(f"a token id outside the vocabulary (0..{self.vocab - 1}): {tokens.tolist()[:16]}")
         if status == -3:
             raise ValueError(f"a row outside the KV cache: {rows}")
+        if status == -4:
+            raise ValueError(f"a token's parent is not an earlier token of its row: {(parents or [])[:64]}")
         if status != 0:
             raise MemoryError("the native Llama pass could not allocate its scratch memory")
         return logits

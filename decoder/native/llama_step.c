@@ -387,15 +387,18 @@ static float dot(const float *a, const float *b, int n) {
     return hsum(acc);
 }
 
-/* One query head over positions 0..last of its sequence: softmax(q k^T * scale) v. */
-static void attend(const float *q, const float *keys, const float *values, int64_t last, int d, float scale,
-                   float *scores, float *out) {
+/* One query head over the entries it sees: softmax(q k^T * scale) v. It sees the cache's entries 0..ctx-1, then
+ * `n_extra` more, `extra` (a draft tree's row: its ancestors' entries and its own, root's child first), each in its
+ * place in one score array: a tree's row sums exactly what its chain's row sums, in the same order. */
+static void attend(const float *q, const float *keys, const float *values, int64_t ctx, const int64_t *extra,
+                   int64_t n_extra, int d, float scale, float *scores, float *out) {
     float top = -INFINITY;
-    for (int64_t p = 0; p <= last; p++) {
-        scores[p] = dot(q, keys + p * d, d) * scale;
+    const int64_t count = ctx + n_extra;
+    for (int64_t p = 0; p < count; p++) {
+        scores[p] = dot(q, keys + (p < ctx ? p : extra[p - ctx]) * d, d) * scale;
         if (scores[p] > top) top = scores[p];
     }
-    int64_t count = last + 1, p = 0;
+    int64_t p = 0;
     __m256 sums = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
     for (; p + 8 <= count; p += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), shift));
@@ -417,7 +420,7 @@ static void attend(const float *q, const float *keys, const float *values, int64
         for (int i = 0; i < d / 8; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t q = 0; q < count; q++) {
             __m256 weight = _mm256_set1_ps(scores[q] * inverse);
-            const float *v = values + q * d;
+            const float *v = values + (q < ctx ? q : extra[q - ctx]) * d;
             for (int i = 0; i < d / 8; i++) acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * i), acc[i]);
         }
         for (int i = 0; i < d / 8; i++) _mm256_storeu_ps(out + 8 * i, acc[i]);
@@ -425,7 +428,7 @@ static void attend(const float *q, const float *keys, const float *values, int64
         for (int i = 0; i < d; i++) out[i] = 0.0f;
         for (int64_t q = 0; q < count; q++) {
             __m256 weight = _mm256_set1_ps(scores[q] * inverse);
-            const float *v = values + q * d;
+            const float *v = values + (q < ctx ? q : extra[q - ctx]) * d;
             for (int i = 0; i < d; i += 8)
                 _mm256_storeu_ps(out + i, _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
         }
@@ -434,15 +437,23 @@ static void attend(const float *q, const float *keys, const float *values, int64
 
 /* ---- the pass ---------------------------------------------------------------------------------------------- */
 
-/* Append `n` tokens (each its own sequence slot and position) to the cache and write the logits of the rows
- * listed in `keep` ([kept]) to `logits` ([kept, vocab]). Returns 0, or -1 when scratch memory is short. */
-int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int64_t *slot, const int64_t *pos,
-                        int kept, const int64_t *keep, float *logits, int threads) {
+/* Where one token of a pass goes and what it sees: its slot, its rotary position, its cache entry, and the entries
+ * its attention reads (`attend`: 0..ctx-1, then `n_extra` listed from `extra`). A chain's token sits at its
+ * position and sees the entries up to it; a draft tree's token sits at its row, at its depth's position. */
+typedef struct {
+    int64_t slot, pos, entry, ctx, n_extra;
+    const int64_t *extra;
+} Token;
+
+/* Append `n` tokens (`tok`) to the cache and write the logits of the rows listed in `keep` ([kept]) to `logits`
+ * ([kept, vocab]). Returns 0, or -1 when scratch memory is short. */
+static int forward_tokens(const Model *m, int n, const int64_t *tokens, const Token *tok, int kept,
+                          const int64_t *keep, float *logits, int threads) {
     const int hidden = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, inter = m->inter;
     const int qkv_width = (heads + 2 * kvh) * d, group = heads / kvh;
     int64_t longest = 0;
     for (int t = 0; t < n; t++)
-        if (pos[t] + 1 > longest) longest = pos[t] + 1;
+        if (tok[t].ctx + tok[t].n_extra > longest) longest = tok[t].ctx + tok[t].n_extra;
     float *x = malloc(sizeof(float) * (size_t)n * hidden);
     float *h = malloc(sizeof(float) * (size_t)n * hidden);
     float *qkv = malloc(sizeof(float) * (size_t)n * qkv_width);
@@ -470,10 +481,10 @@ int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int6
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) {  /* rotary embedding, then k and v into the cache */
                     float *row = qkv + (int64_t)t * qkv_width;
-                    const float *c = m->cos + pos[t] * d, *s = m->sin + pos[t] * d;
+                    const float *c = m->cos + tok[t].pos * d, *s = m->sin + tok[t].pos * d;
                     for (int hd = 0; hd < heads + kvh; hd++) rope(row + hd * d, c, s, d);
                     for (int g = 0; g < kvh; g++) {
-                        int64_t at = slot[t] * slot_stride + g * m->capacity * d + pos[t] * d;
+                        int64_t at = tok[t].slot * slot_stride + g * m->capacity * d + tok[t].entry * d;
                         memcpy(layer_keys + at, row + (heads + g) * d, sizeof(float) * d);
                         memcpy(layer_values + at, row + (heads + kvh + g) * d, sizeof(float) * d);
                     }
@@ -481,9 +492,10 @@ int specd_llama_forward(const Model *m, int n, const int64_t *tokens, const int6
 #pragma omp for schedule(static) collapse(2)
                 for (int t = 0; t < n; t++)
                     for (int hd = 0; hd < heads; hd++) {
-                        int64_t base = slot[t] * slot_stride + (hd / group) * m->capacity * d;
-                        attend(qkv + (int64_t)t * qkv_width + hd * d, layer_keys + base, layer_values + base, pos[t],
-                               d, m->scale, my_scores, att + ((int64_t)t * heads + hd) * d);
+                        int64_t base = tok[t].slot * slot_stride + (hd / group) * m->capacity * d;
+                        attend(qkv + (int64_t)t * qkv_width + hd * d, layer_keys + base, layer_values + base,
+                               tok[t].ctx, tok[t].extra, tok[t].n_extra, d, m->scale, my_scores,
+                               att + ((int64_t)t * heads + hd) * d);
                     }
                 matmul(L->wo, m->bf16, hidden, heads * d, att, heads * d, n, h, hidden, xb);
 #pragma omp for schedule(static)
@@ -522,11 +534,15 @@ int64_t specd_llama_weight_bytes(const Model *m) {
 }
 
 /* The pool's form of a pass: `rows` sequences, row r described by desc[4r .. 4r+3] = (slot, start, count, kept),
- * its `count` tokens next in `tokens`, appended at positions start.. of its slot; the logits of each row's last
- * `kept` tokens, row after row. Returns 0; -1 when scratch memory is short; -2 for a token id outside the
- * vocabulary; -3 for a row outside the cache. */
-int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, const int64_t *tokens, float *logits,
-                             int threads) {
+ * its `count` tokens next in `tokens`, appended at entries start.. of its slot; the logits of each row's last
+ * `kept` tokens, row after row. `parents` (NULL: every row a chain, token i at position start + i) gives, per
+ * token, its parent's index within its row: -1 for a row's first token (the root), an earlier index for every other
+ * (a draft tree; a chain is i - 1). A tree's token sits at entry start + i and position start + its depth, and sees
+ * the entries before the row, the root's and its ancestors'. Returns 0; -1 when scratch memory is short; -2 for a
+ * token id outside the vocabulary; -3 for a row outside the cache; -4 for a parent that is not an earlier token of
+ * its row. */
+int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, const int64_t *tokens,
+                             const int64_t *parents, float *logits, int threads) {
     int64_t n = 0, kept = 0;
     for (int r = 0; r < rows; r++) {
         n += desc[4 * r + 2];
@@ -534,26 +550,53 @@ int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, cons
     }
     for (int64_t t = 0; t < n; t++) /* a bad id would read past the embedding table: refuse the pass */
         if (tokens[t] < 0 || tokens[t] >= m->vocab) return -2;
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0, t = 0; r < rows; r++) {
         const int64_t s = desc[4 * r], start = desc[4 * r + 1], count = desc[4 * r + 2], last = desc[4 * r + 3];
         if (s < 0 || s >= m->slots || start < 0 || count < 1 || start + count > m->capacity || last < 0 || last > count)
             return -3;
+        for (int64_t i = 0; parents && i < count; i++, t++)
+            if (i == 0 ? parents[t] != -1 : (parents[t] < 0 || parents[t] >= i)) return -4;
     }
-    int64_t *slot = malloc(sizeof(int64_t) * (size_t)n), *pos = malloc(sizeof(int64_t) * (size_t)n);
+    Token *tok = malloc(sizeof(Token) * (size_t)n);
     int64_t *keep = malloc(sizeof(int64_t) * (size_t)(kept > 0 ? kept : 1));
+    int64_t *depth = malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *paths = NULL; /* each tree token's entries below the root, root's child first */
     int status = -1;
-    if (slot && pos && keep) {
-        int64_t t = 0, k = 0;
+    if (tok && keep && depth) {
+        int64_t t = 0, k = 0, listed = 0;
         for (int r = 0; r < rows; r++) {
+            const int64_t count = desc[4 * r + 2];
+            for (int64_t i = 0; i < count; i++, t++) {
+                depth[t] = parents && i > 0 ? depth[t - i + parents[t]] + 1 : i;
+                listed += parents ? depth[t] : 0;
+            }
+        }
+        paths = malloc(sizeof(int64_t) * (size_t)(listed > 0 ? listed : 1));
+        t = 0, listed = 0;
+        for (int r = 0; paths && r < rows; r++) {
             const int64_t s = desc[4 * r], start = desc[4 * r + 1], count = desc[4 * r + 2], last = desc[4 * r + 3];
             for (int64_t i = 0; i < count; i++, t++) {
-                slot[t] = s;
-                pos[t] = start + i;
+                Token *x = &tok[t];
+                x->slot = s;
+                x->entry = start + i;
+                x->pos = start + depth[t];
+                if (parents) { /* the root's entry and those of the path down to this token */
+                    x->ctx = start + 1;
+                    x->n_extra = depth[t];
+                    x->extra = paths + listed;
+                    for (int64_t at = i, j = depth[t] - 1; j >= 0; at = parents[t - i + at], j--)
+                        paths[listed + j] = start + at;
+                    listed += depth[t];
+                } else {
+                    x->ctx = start + i + 1;
+                    x->n_extra = 0;
+                    x->extra = NULL;
+                }
                 if (i >= count - last) keep[k++] = t;
             }
         }
-        status = specd_llama_forward(m, (int)n, tokens, slot, pos, (int)kept, keep, logits, threads);
+        if (paths) status = forward_tokens(m, (int)n, tokens, tok, (int)kept, keep, logits, threads);
     }
-    free(slot); free(pos); free(keep);
+    free(tok); free(keep); free(depth); free(paths);
     return status;
 }

@@ -10,6 +10,7 @@ import torch
 from decoder.native.llama import CacheBinding, NativeLlama
 from decoder.runners.base import KVStore, PassNotApplicable, RaggedRows
 from decoder.runners.kv import SlotTensors, why_not_plain_llama
+from decoder.tree import ROOT
 
 
 class NativePass:
@@ -18,7 +19,7 @@ class NativePass:
 
     name = "native"
     dtype_name = "float32"  # the kernel's arithmetic, whatever the panels hold (decoder/native/llama.py)
-    trees = False  # the kernel's rows are chains
+    trees = True  # a row may be a draft tree: its tokens' parents go to the kernel
 
     def __init__(self, native: NativeLlama, model: Any) -> None:
         self.native = native
@@ -58,5 +59,16 @@ class NativePass:
         if tokens.dtype != torch.long or not tokens.is_contiguous():
             tokens = tokens.to(torch.long).contiguous()
         spans = list(zip(rows.slots, rows.starts, rows.counts, kept, strict=True))
-        logits = self.native.forward(self._binding, spans, tokens, torch.get_num_threads())  # [sum(kept), vocab]
+        parents = None if rows.trees is None else tree_parents(rows)
+        logits = self.native.forward(self._binding, spans, tokens, torch.get_num_threads(), parents)  # [sum(kept), V]
         return [logits] if len(spans) == 1 else list(logits.split(kept))
+
+
+def tree_parents(rows: RaggedRows) -> list[int]:
+    """Each token's parent within its row, as the kernel takes them: -1 for a row's first token (the root), i - 1
+    along a chain, a draft tree's node i (the row's token i + 1) below its parent's token."""
+    parents: list[int] = []
+    for row, n in enumerate(rows.counts):
+        tree = rows.tree(row)
+        parents += [ROOT, *(range(n - 1) if tree is None else (parent + 1 for parent in tree.parents))]
+    return parents

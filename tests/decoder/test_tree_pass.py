@@ -1,9 +1,10 @@
 """Draft trees through the pool (decoder/runners): one pass verifies a tree, the accepted path is kept.
 
-For each pass that verifies trees (lean, transformers), over a tiny float64 Llama: every row of a tree's pass gives
+For each pass that verifies trees (native, lean, transformers), over a tiny Llama: every row of a tree's pass gives
 the logits of the chain from the root to its node, alone and beside other rows in a ragged pass; after
-``keep_path`` the cache holds exactly the path, so the next step's logits are the chain's. A pass that runs chains
-only refuses a tree by name.
+``keep_path`` the cache holds exactly the path, so the next step's logits are the chain's. The native pass (float32,
+batch-invariant) gives the chain's very bits; the others (float64) agree to 1e-10. A pass that runs chains only
+refuses a tree by name.
 """
 
 from __future__ import annotations
@@ -19,12 +20,22 @@ from decoder.tree import ROOT, DraftTree
 
 PROMPT = [3, 7, 1, 9, 4, 11, 2]  # its last token is the root: the prefix is cached first
 TREE = DraftTree((5, 6, 2, 8, 30, 5, 7), (ROOT, ROOT, 0, 0, 3, 1, 4))  # depths 1, 1, 2, 2, 3, 2, 4
-TREE_PASSES = ("lean", "transformers")
+TREE_PASSES = ("native", "lean", "transformers")
+TOLERANCE = {"native": 0.0, "lean": 1e-10, "transformers": 1e-10}  # native: the same bits as the chain
 
 
 def lm(runner: str) -> LoadedModel:
-    model = build_model("llama", 32, seed=5, hidden=64, layers=2).double().eval()
-    return from_objects(model, None, f"tiny-{runner}", runner=runner)
+    model = build_model("llama", 32, seed=5, hidden=64, layers=2).eval()
+    if runner != "native":  # the kernel runs float32 models
+        model = model.double()
+    loaded = from_objects(model, None, f"tiny-{runner}", runner=runner)
+    if runner == "native" and KVPool(loaded, 1).forward_pass.name != "native":
+        pytest.skip("the native pass does not run here (no gcc or no AVX2)")
+    return loaded
+
+
+def assert_same(runner: str, actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=TOLERANCE[runner], msg=f"{runner}, {what}")
 
 
 def path_to(tree: DraftTree, row: int) -> list[int]:
@@ -63,7 +74,7 @@ def test_each_row_of_a_tree_pass_gives_its_chains_logits(runner):
     assert seq.length == len(PROMPT) + TREE.size
     for row in range(TREE.size + 1):
         expected = chain_logits(model, PROMPT + TREE.tokens_of(path_to(TREE, row)))
-        torch.testing.assert_close(rows[row], expected, rtol=0, atol=1e-10, msg=f"{runner}, row {row}")
+        assert_same(runner, rows[row], expected, f"row {row}")
 
 
 @pytest.mark.parametrize("runner", TREE_PASSES)
@@ -78,9 +89,9 @@ def test_a_tree_beside_chains_in_one_ragged_pass(runner):
         out = pool.forward_many(list(zip(seqs, inputs, strict=True)), trees=[None, TREE, None])
     for row in range(TREE.size + 1):
         expected = chain_logits(model, PROMPT + TREE.tokens_of(path_to(TREE, row)))
-        torch.testing.assert_close(out[1][row], expected, rtol=0, atol=1e-10, msg=f"{runner}, tree row {row}")
-    torch.testing.assert_close(out[0][-1], chain_logits(model, [*prompts[0], 12, 13]), rtol=0, atol=1e-10)
-    torch.testing.assert_close(out[2][-1], chain_logits(model, prompts[2]), rtol=0, atol=1e-10)
+        assert_same(runner, out[1][row], expected, f"tree row {row}")
+    assert_same(runner, out[0][-1], chain_logits(model, [*prompts[0], 12, 13]), "the first chain")
+    assert_same(runner, out[2][-1], chain_logits(model, prompts[2]), "the second chain")
 
 
 @pytest.mark.parametrize("runner", TREE_PASSES)
@@ -100,8 +111,8 @@ def test_keeping_the_accepted_path_leaves_the_chains_cache(runner, path):
         after = seq.forward(torch.tensor([17]))[-1]
         neighbour = other.forward(torch.tensor([3]))[-1]
     chain = PROMPT + TREE.tokens_of(list(path))
-    torch.testing.assert_close(after, chain_logits(model, [*chain, 17]), rtol=0, atol=1e-10)
-    torch.testing.assert_close(neighbour, chain_logits(model, [8, 8, 1, 2, 3]), rtol=0, atol=1e-10)
+    assert_same(runner, after, chain_logits(model, [*chain, 17]), "the token after the path")
+    assert_same(runner, neighbour, chain_logits(model, [8, 8, 1, 2, 3]), "the neighbour")
 
 
 def test_a_pass_of_chains_only_refuses_a_tree_by_name():
