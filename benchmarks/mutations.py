@@ -62,6 +62,7 @@ TABLES = "tests/controller/test_decision_tables.py"
 EPOCHS = "tests/controller/test_table_epochs.py"
 TREE = ("tests/decoder/test_tree.py",)
 TREE_PASS = ("tests/decoder/test_tree_pass.py",)
+TREE_ROUNDS = ("tests/decoder/test_tree_rounds.py",)
 BF16_DOT = frozenset({"avx512_bf16", "avx512bw", "avx512vl"})  # the avx512bf16 build's tests skip without these
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -240,6 +241,54 @@ MUTATIONS: tuple[Mutation, ...] = (
         "for (int64_t at = i, j = depth[t] - 1; j >= 0; at = at - 1, j--)",
         TREE_PASS,
         "the native kernel's tree row sees the rows just before it (a chain's) instead of its ancestors",
+    ),
+    Mutation(
+        "tree-offered-counts-the-path-only",
+        "decoder/tree.py",
+        "return len(path) + bool(tree.children(path[-1] if path else ROOT))",
+        "return len(path)",
+        TREE,
+        "a tree round's verified positions leave out the rejected children below the path's last node",
+    ),
+    Mutation(
+        "tree-branches-never-merge",
+        "decoder/tree.py",
+        "child = below.get((node, token))",
+        "child = None",
+        TREE_ROUNDS,
+        "prompt lookup's matches are not merged where they share a prefix: siblings repeat a token",
+    ),
+    Mutation(
+        "tree-lookup-keeps-one-match-per-ngram",
+        "decoder/drafters/prompt_lookup.py",
+        "del starts[self.config.branches :]",
+        "del starts[1:]",
+        TREE_ROUNDS,
+        "prompt lookup remembers only the latest match of an n-gram: no tree from one n-gram's matches",
+    ),
+    Mutation(
+        "tree-round-rolled-back-as-a-chain",
+        "decoder/engine.py",
+        "self.target.keep_path(length - 1, draft.tree.kept_rows(path.path))",
+        "self.target.truncate(length + verdict.num_accepted)",
+        TREE_ROUNDS,
+        "a tree round keeps the cache's first entries, not its accepted path's",
+    ),
+    Mutation(
+        "tree-batch-verified-as-chains",
+        "decoder/batch_engine.py",
+        "logits = self.target_pool.forward_many(rows, trees=[d.tree for d in drafts])",
+        "logits = self.target_pool.forward_many(rows)",
+        TREE_ROUNDS,
+        "the batch engine verifies a tree's nodes as one chain",
+    ),
+    Mutation(
+        "tree-round-accepted-as-a-chain",
+        "decoder/engine.py",
+        "        if draft.tree is None:\n            verdict = self._accept(",
+        "        if True:\n            verdict = self._accept(",
+        TREE_ROUNDS,
+        "a tree round's nodes are accepted as one chain's prefix",
     ),
     Mutation(
         "tree-chain-pass-takes-a-tree",

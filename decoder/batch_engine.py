@@ -68,7 +68,7 @@ class BatchEngine(SpeculativeDecoder):
         try:
             if runs_draft_model(plan.drafter) and self.draft_pool is not None:
                 draft_seq = self.draft_pool.open()
-            policy = self._open_policy(plan, params, generator, draft_seq)
+            policy = self._open_policy(plan, params, generator, draft_seq, target_seq.verifies_trees)
             session = DecodeSession(self.target, policy, prompt_ids, params, rules, generator, target_seq)
             session.prefill()
         except BaseException:
@@ -101,7 +101,7 @@ class BatchEngine(SpeculativeDecoder):
             assert isinstance(s.target, PooledSequence)
             rows.append((s.target, s.verify_input(d)))
         started = time.perf_counter()
-        logits = self.target_pool.forward_many(rows)  # [k_i + 1, vocab] each
+        logits = self.target_pool.forward_many(rows, trees=[d.tree for d in drafts])  # [k_i + 1, vocab] each
         self._stall(sessions)  # an injected stall lands inside the timed pass, as a real one would
         verify_share = (time.perf_counter() - started) / len(sessions)
         # 3-5. Accept, emit and roll back, each sequence on its own (the greedy ones' argmaxes taken together).

@@ -43,6 +43,7 @@ from decoder.models import LoadedModel, check_pair
 from decoder.request_stop import StopConditions, cut_round, draft_budget, trim_stop_string
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.telemetry import RequestStats
+from decoder.tree import DraftTree, TreeVerdict, greedy_path, offered_along, sample_path
 from specd_api.plan import DRAFTER_NAMES, SCORABLE, Plan, offers, requested
 from specd_api.round_policy import RoundPolicy
 from specd_api.rounds import RoundRecord, Scored
@@ -149,8 +150,8 @@ class DecodeSession:
         start = time.perf_counter()
         draft = self.drafter.propose(self.context, k)
         drafted = time.perf_counter()
-        # 2. Verify the last context token and all K drafts in one target pass.
-        logits = self.target.forward(self.verify_input(draft))  # [k + 1, vocab]
+        # 2. Verify the last context token and all K drafts (or the tree's nodes) in one target pass.
+        logits = self.target.forward(self.verify_input(draft), tree=draft.tree)  # [k + 1, vocab]
         return self.finish_round(k, draft, logits, drafted - start, time.perf_counter() - drafted)
 
     def draft_budget(self) -> int:
@@ -190,22 +191,31 @@ class DecodeSession:
         started = time.perf_counter()
         length = self.context.shape[0]
 
-        # 3. Accept.
-        verdict = self._accept(draft.tokens, draft.probs, logits, target_argmax)
+        # 3. Accept: a chain's longest kept prefix, or a tree's path.
+        if draft.tree is None:
+            verdict = self._accept(draft.tokens, draft.probs, logits, target_argmax)
+            kept, offered = draft.tokens[: verdict.num_accepted].tolist(), draft.num_tokens
+        else:
+            path = self._accept_tree(draft.tree, logits, target_argmax)
+            verdict = Verdict(path.num_accepted, path.next_token)
+            kept, offered = draft.tree.tokens_of(path.path), offered_along(draft.tree, path.path)
 
         # 4. Emit, cut at EOS, stop strings and max_new_tokens.
-        emitted = self._emit([*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token])
+        emitted = self._emit([*kept, verdict.next_token])
 
-        # 5. Roll both caches back to the accepted prefix; the bonus token is fed next round. The round policy
-        # learns what the target kept.
-        self.target.truncate(length + verdict.num_accepted)
+        # 5. Roll both caches back to the accepted prefix (a tree: its path's entries moved into place); the bonus
+        # token is fed next round. The round policy learns what the target kept.
+        if draft.tree is None:
+            self.target.truncate(length + verdict.num_accepted)
+        else:
+            self.target.keep_path(length - 1, draft.tree.kept_rows(path.path))
         self.drafter.rollback(self.context)
-        self.policy.observe(draft.num_tokens, verdict.num_accepted)
+        self.policy.observe(offered, verdict.num_accepted)
         self.stats.observe(
             RoundRecord(
                 drafter=self.drafter.name,
                 k=k,
-                num_drafted=draft.num_tokens,
+                num_drafted=offered,
                 num_accepted=verdict.num_accepted,
                 num_emitted=len(emitted),
                 draft_seconds=draft_seconds,
@@ -240,6 +250,12 @@ class DecodeSession:
             return greedy_accept(draft_tokens, logits.argmax(dim=-1).cpu() if target_argmax is None else target_argmax)
         target_probs = logits_to_probs(logits, self.params)  # [k + 1, vocab]
         return rejection_sample(draft_tokens.to(logits.device), draft_probs, target_probs, self.generator)
+
+    def _accept_tree(self, tree: DraftTree, logits: torch.Tensor, target_argmax: torch.Tensor | None) -> TreeVerdict:
+        # logits: [n + 1, vocab], target_argmax: [n + 1] CPU; the tree's children chosen one-hot
+        if self.params.is_greedy:
+            return greedy_path(tree, logits.argmax(dim=-1).cpu() if target_argmax is None else target_argmax)
+        return sample_path(tree, None, logits_to_probs(logits, self.params), self.generator)
 
     def _decode(self, token_ids: Any) -> str:
         return str(self.target.lm.tokenizer.decode(list(token_ids), skip_special_tokens=True))
@@ -294,7 +310,7 @@ class SpeculativeDecoder:
         target_seq = self.spare_target.open()
         draft_seq = self.spare_draft.open() if self.spare_draft is not None and runs_draft_model(plan.drafter) else None
         try:
-            policy = self._open_policy(plan, params, generator, draft_seq)
+            policy = self._open_policy(plan, params, generator, draft_seq, target_seq.verifies_trees)
             return DecodeSession(self.target, policy, prompt_ids, params, rules, generator, target_seq)
         except BaseException:
             self.spare_target.release(target_seq)
@@ -365,15 +381,17 @@ class SpeculativeDecoder:
         params: SamplingParams,
         generator: torch.Generator | None,
         draft_sequence: ModelSequence | None = None,
+        trees: bool = False,
     ) -> RoundPolicy[Drafter]:
         """The round policy of a sequence opening with ``plan``, holding its drafter (the draft model's cache in
-        ``draft_sequence`` if given). Raises ValueError for a drafter this engine does not offer."""
+        ``draft_sequence`` if given; ``trees``: the target's pass verifies draft trees). Raises ValueError for a
+        drafter this engine does not offer."""
         if not offers(self.drafters, plan.drafter):
             if plan.drafter in DRAFTER_NAMES:
                 raise ValueError(f"drafter {plan.drafter!r} needs a draft model (--draft PATH)")
             raise ValueError(f"unknown drafter {plan.drafter[:40]!r}; choose one of {', '.join(DRAFTER_NAMES)}")
         drafter = make_drafter(plan, self.draft, self.prompt_lookup, params, generator, draft_sequence,
-                               self.suffix_cache)  # fmt: skip
+                               self.suffix_cache, trees)  # fmt: skip
         return RoundPolicy.open(plan, drafter)
 
 
@@ -385,17 +403,19 @@ def make_drafter(
     generator: torch.Generator | None,
     draft_sequence: ModelSequence | None = None,
     suffix_cache: SuffixCache | None = None,
+    trees: bool = False,
 ) -> Drafter:
     """The drafter ``plan`` names, for one sequence (the draft model's cache in ``draft_sequence`` if given): the
-    draft model stops at the plan's threshold, suffix decoding reads ``suffix_cache`` for the plan's segment. The
-    caller has checked that it is offered (``SpeculativeDecoder.drafters``)."""
+    draft model stops at the plan's threshold, suffix decoding reads ``suffix_cache`` for the plan's segment, prompt
+    lookup proposes trees of ``prompt_lookup.branches`` matches where ``trees`` (the target's pass verifies them).
+    The caller has checked that it is offered (``SpeculativeDecoder.drafters``)."""
     name = plan.drafter
     if runs_draft_model(name):
         assert draft is not None, f"drafter {name!r} without a draft model"
         model = DraftModelDrafter(draft, params, generator, draft_sequence, stop_threshold=plan.stop_threshold)
         return ChainDrafter(PromptLookupDrafter(prompt_lookup), model) if name == "chain" else model
     if name == "prompt_lookup":
-        return PromptLookupDrafter(prompt_lookup)
+        return PromptLookupDrafter(prompt_lookup, trees)
     if name == "suffix":
         config = suffix_cache.config if suffix_cache is not None else SuffixConfig()
         return SuffixDrafter(config, suffix_cache, plan.segment)

@@ -11,12 +11,14 @@ capacity and, on a GPU, captures one CUDA graph per bucket it runs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from decoder.models import LoadedModel
 from decoder.runners.pool import KVPool, PooledSequence
+from decoder.tree import DraftTree
 
 
 class ModelSequence(Protocol):
@@ -25,9 +27,16 @@ class ModelSequence(Protocol):
     @property
     def length(self) -> int: ...
 
-    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor: ...
+    @property
+    def verifies_trees(self) -> bool: ...
+
+    def forward(
+        self, input_ids: torch.Tensor, logits_to_keep: int = 0, tree: DraftTree | None = None
+    ) -> torch.Tensor: ...
 
     def truncate(self, length: int) -> None: ...
+
+    def keep_path(self, root_entry: int, rows: Sequence[int]) -> None: ...
 
     def cached_keys(self) -> list[torch.Tensor]: ...
 

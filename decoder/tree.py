@@ -63,6 +63,24 @@ class DraftTree:
         """The tree of a plain draft: each token below the one before it."""
         return cls(tuple(tokens), tuple(range(ROOT, len(tokens) - 1)))
 
+    @classmethod
+    def of_branches(cls, branches: Sequence[Sequence[int]]) -> DraftTree:
+        """The tree whose paths from the root are ``branches``, shared prefixes merged: a node's children in the
+        order their branches come (the first branch's first), so acceptance tries earlier branches first."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        below: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for branch in branches:
+            node = ROOT
+            for token in branch:
+                child = below.get((node, token))
+                if child is None:
+                    child = below[(node, token)] = len(tokens)
+                    tokens.append(int(token))
+                    parents.append(node)
+                node = child
+        return cls(tuple(tokens), tuple(parents))
+
     @property
     def size(self) -> int:
         """Nodes below the root: the pass verifies ``size + 1`` rows."""
@@ -118,6 +136,13 @@ class TreeVerdict:
     @property
     def num_accepted(self) -> int:
         return len(self.path)
+
+
+def offered_along(tree: DraftTree, path: Sequence[int]) -> int:
+    """The draft positions a round verified along its accepted ``path``: the path's nodes, and one more where its
+    last node has children (all rejected). What a chain of that many tokens with the same verdict counts, so α per
+    position reads a tree's round as it reads a chain's."""
+    return len(path) + bool(tree.children(path[-1] if path else ROOT))
 
 
 def greedy_path(tree: DraftTree, target_argmax: torch.Tensor) -> TreeVerdict:

@@ -8,13 +8,17 @@ from typing import ClassVar
 
 import torch
 
+from decoder.tree import DraftTree
+
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """Tokens proposed for one round; possibly none."""
+    """Tokens proposed for one round; possibly none. A chain of tokens, or a tree of them (``tree``: its tokens
+    are ``tokens``, node by node; the target verifies every node in one pass, decoder/tree.py)."""
 
-    tokens: torch.Tensor  # [k] int64 on CPU, 0 <= k <= the K asked for
+    tokens: torch.Tensor  # [k] int64 on CPU, 0 <= k <= the K asked for (a tree: its nodes, none deeper than K)
     probs: torch.Tensor | None = None  # [k, vocab] the drafter's q_i when it sampled; None = one-hot q
+    tree: DraftTree | None = None  # chosen one-hot (probs None); None: ``tokens`` is a chain
 
     @property
     def num_tokens(self) -> int:

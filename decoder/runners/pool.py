@@ -120,12 +120,17 @@ class PooledSequence:
     def length(self) -> int:
         return self.pool.lengths[self.slot]
 
-    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``input_ids`` and return their next-token logits.
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0, tree: DraftTree | None = None) -> torch.Tensor:
+        """Append ``input_ids`` and return their next-token logits (``tree``: they are a root and its nodes).
 
         # input_ids: [n] int64  ->  [n, vocab], or [logits_to_keep, vocab] when > 0
         """
-        return self.pool.forward_many([(self, input_ids)], logits_to_keep)[0]
+        return self.pool.forward_many([(self, input_ids)], logits_to_keep, None if tree is None else [tree])[0]
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether this sequence's pass verifies draft trees (``forward``'s ``tree``)."""
+        return self.pool.forward_pass.trees
 
     def keep_path(self, root_entry: int, rows: Sequence[int]) -> None:
         """After a tree verified from cache entry ``root_entry`` (the length before its pass): keep the rows of the

@@ -18,7 +18,7 @@ import torch
 import decoder.tree
 from decoder.acceptance import greedy_accept
 from decoder.tiny import build_model
-from decoder.tree import ROOT, DraftTree, greedy_path, sample_path
+from decoder.tree import ROOT, DraftTree, greedy_path, offered_along, sample_path
 from tests.decoder.distribution import REJECT_BELOW, chi_square_pvalue, residual_is_p
 
 # node: 0   1   2   3        row: 0 root, node i at row i + 1
@@ -68,6 +68,19 @@ def test_greedy_follows_the_branch_the_target_chooses():
     assert greedy_path(HAND, torch.tensor([5, 8, 0, 0, 1])) == decoder.tree.TreeVerdict((0, 3), 1)
     assert greedy_path(HAND, torch.tensor([6, 0, 3, 0, 0])) == decoder.tree.TreeVerdict((1,), 3)
     assert greedy_path(HAND, torch.tensor([7, 8, 0, 0, 1])) == decoder.tree.TreeVerdict((), 7)
+
+
+def test_the_positions_a_round_verified_along_its_path():
+    """A path's nodes, and one position more where its last node has children (all rejected): node 3 is a leaf,
+    node 0 and the root have children, node 1 is a leaf."""
+    assert [offered_along(HAND, path) for path in [(0, 3), (0,), (), (1,)]] == [2, 2, 1, 1]
+    assert offered_along(DraftTree.chain([4, 5, 6]), (0,)) == 2  # a chain: what greedy_accept's prefix rule counts
+
+
+def test_branches_merge_their_shared_prefixes_in_the_order_given():
+    tree = DraftTree.of_branches([[4, 0], [1, 3], [1, 2], [4, 0, 9]])
+    assert tree == DraftTree((4, 0, 1, 3, 2, 9), (ROOT, 0, ROOT, 2, 2, 1))
+    assert DraftTree.of_branches([[5, 6, 7]]) == DraftTree.chain([5, 6, 7])
 
 
 def test_greedy_on_a_chain_is_greedy_accept():
