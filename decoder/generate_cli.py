@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES, RUNNER_NAMES
+from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES, MAX_BRANCHES, RUNNER_NAMES
 from specd_api.errors import UsageError
 from specd_api.speedup import runs_draft_model
 
@@ -33,6 +33,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--min-ngram", type=int, default=1, help="prompt lookup: shortest n-gram to match")
     p.add_argument("--max-ngram", type=int, default=3, help="prompt lookup: longest n-gram to match")
+    p.add_argument(
+        "--branches", type=int, default=1, metavar="N",
+        help=f"prompt lookup: matches verified together as one tree (1..{MAX_BRANCHES}; default 1, a chain)",
+    )  # fmt: skip
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     p.add_argument(
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--k must be >= 0, got {args.k}")
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        lookup = PromptLookupConfig(min_ngram=args.min_ngram, max_ngram=args.max_ngram)
+        lookup = PromptLookupConfig(min_ngram=args.min_ngram, max_ngram=args.max_ngram, branches=args.branches)
         max_new_tokens = StopConditions(max_new_tokens=args.max_new_tokens).max_new_tokens
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decoder.choices import MAX_BRANCHES
 from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter
 from decoder.tree import DraftTree
-
-MAX_BRANCHES = 8  # matches one round may propose as a tree
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from decoder.choices import MAX_BRANCHES
 from decoder.worker.segments import CLASSIFIER_SEGMENTS
 from specd_api.config_base import Strict, TelemetryConfig
 from specd_api.errors import UsageError
@@ -132,6 +133,7 @@ class WorkerTelemetry(TelemetryConfig):
 class PromptLookupSettings(Strict):
     min_ngram: int = Field(1, ge=1, le=16)
     max_ngram: int = Field(3, ge=1, le=16)
+    branches: int = Field(1, ge=1, le=MAX_BRANCHES)  # matches a round verifies together as a tree (1: a chain)
 
     @model_validator(mode="after")
     def _ordered(self) -> PromptLookupSettings:

@@ -204,7 +204,9 @@ class WorkerService:
         dtype = parse_dtype(cfg.dtype, device)
         target = load_model(cfg.target, device, dtype, cfg.runner)
         draft = load_model(cfg.draft, device, dtype, cfg.runner) if cfg.draft is not None else None
-        lookup = PromptLookupConfig(cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram)
+        lookup = PromptLookupConfig(
+            cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.branches
+        )
         cache = SuffixCache(cfg.suffix.config())  # one per worker: filled by ``_share`` as requests finish
         engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache)
         if cfg.warm_up:
