@@ -291,6 +291,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a tree round's nodes are accepted as one chain's prefix",
     ),
     Mutation(
+        "tree-invariant-path-of-the-row-before",
+        "decoder/runners/invariant.py",
+        "paths.append((*paths[parent + 1], start + node + 1))",
+        "paths.append((*paths[node], start + node + 1))",
+        TREE_PASS,
+        "the invariant pass's tree token sees the path of the row before it, not its parent's",
+    ),
+    Mutation(
+        "tree-invariant-writes-at-positions",
+        "decoder/runners/invariant.py",
+        "entry_index = torch.tensor(entry_of, device=device)",
+        "entry_index = torch.tensor(position_of, device=device)",
+        TREE_PASS,
+        "the invariant pass writes a tree's keys and values at their positions: siblings overwrite each other",
+    ),
+    Mutation(
         "tree-chain-pass-takes-a-tree",
         "decoder/runners/pool.py",
         "if not self.forward_pass.trees:",

@@ -46,6 +46,11 @@ class RaggedRows:
         """Row ``row``'s draft tree (its tokens after the first), or None for a chain."""
         return self.trees[row] if self.trees is not None else None
 
+    def positions(self, row: int) -> list[int]:
+        """Row ``row``'s tokens' positions: consecutive from its start for a chain, by depth for a tree."""
+        tree, start = self.tree(row), self.starts[row]
+        return list(range(start, start + self.counts[row])) if tree is None else tree.positions(start).tolist()
+
 
 class KVStore(Protocol):
     """A pass's keys and values for every slot of a pool."""

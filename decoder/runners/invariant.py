@@ -12,7 +12,9 @@ the reduction order with their own kernels; this pass gets there with fixed shap
   exactly ``TILE`` rows, padded with zeros, so each call has one shape whatever the number of tokens; the rows of a
   matrix product do not mix, so a row's result depends on its own values and the (fixed) kernel only;
 - attention runs one query at a time over exactly the positions it sees (``0..position``), so its shape depends on
-  the position alone, as it does when the token is decoded on its own.
+  the position alone, as it does when the token is decoded on its own. A draft tree's token (``RaggedRows.trees``)
+  sees the cache up to its root and its ancestors' entries: they are gathered in depth order, the keys and values
+  its chain's token would see, in the same places.
 
 What it costs: a pass of up to ``TILE`` tokens reads the weights once (as a 1-token step does: verifying K <= 7
 drafts costs about one step where the weights dominate), one attention call per token and layer, and more tiles for
@@ -41,6 +43,7 @@ class InvariantPass(LlamaTensorPass):
     """The lean pass's model, run in fixed shapes over ``SlotTensors`` (``forward_invariant``)."""
 
     name = "invariant"
+    trees = True
 
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotTensors)
@@ -118,25 +121,51 @@ def output_and_mlp(layer: Any, x: torch.Tensor, attended: torch.Tensor, ops: Row
     return ops.onto(mlp.down_proj, ops.gated(mlp, ops.norm(layer.post_attention_layernorm, h), ops), h, ops)
 
 
+@dataclass(frozen=True)
+class Seen:
+    """The cache entries one query attends to: ``0..prefix - 1``, then ``path`` (a tree's token: its ancestors'
+    entries below the root and its own, in depth order)."""
+
+    slot: int
+    prefix: int
+    path: tuple[int, ...] = ()
+
+    def of(self, cache: torch.Tensor) -> torch.Tensor:
+        """Those entries of one layer's ``cache`` ([slots, kv, capacity, d]), in order. # -> [1, kv, seen, d]"""
+        rows = cache[self.slot : self.slot + 1, :, : self.prefix]
+        if not self.path:
+            return rows
+        return torch.cat([rows, cache[self.slot : self.slot + 1, :, list(self.path)]], dim=2)
+
+
+def seen_by(rows: RaggedRows) -> list[Seen]:
+    """What each token of ``rows`` attends to: a chain's token everything up to its own entry; a tree's token the
+    cache up to its root's and its ancestors' entries."""
+    seen: list[Seen] = []
+    for row, (slot, start, n) in enumerate(zip(rows.slots, rows.starts, rows.counts, strict=True)):
+        tree = rows.tree(row)
+        if tree is None:
+            seen += [Seen(slot, start + j + 1) for j in range(n)]
+            continue
+        paths: list[tuple[int, ...]] = [()]  # by row: the root's, then each node's
+        for node, parent in enumerate(tree.parents):
+            paths.append((*paths[parent + 1], start + node + 1))
+        seen += [Seen(slot, start + 1, path) for path in paths]
+    return seen
+
+
 def attend_one_by_one(
-    pass_: InvariantPass,
-    store: SlotTensors,
-    i: int,
-    q: torch.Tensor,
-    slot_of: list[int],
-    position_of: list[int],
-    padded: int,
+    pass_: InvariantPass, store: SlotTensors, i: int, q: torch.Tensor, seen: list[Seen], padded: int
 ) -> torch.Tensor:
-    """Each query over exactly the cached positions it sees (0..its own), as when decoded alone.
+    """Each query over exactly the cached entries it sees, as when decoded alone.
     # q: [r, heads, d] -> [p, heads * d] (padding rows zero)"""
     scaling, shape = pass_.model.model.layers[i].self_attn.scaling, pass_.shape
     out = q.new_zeros(padded, shape.heads * shape.head_dim)
-    for row, (slot, position) in enumerate(zip(slot_of, position_of, strict=True)):
-        end = position + 1
+    for row, entries in enumerate(seen):
         out[row] = F.scaled_dot_product_attention(
             q[row][None, :, None],  # [1, heads, 1, d]
-            store.keys[i, slot : slot + 1, :, :end],  # [1, kv, end, d]
-            store.values[i, slot : slot + 1, :, :end],
+            entries.of(store.keys[i]),  # [1, kv, seen, d]
+            entries.of(store.values[i]),
             scale=scaling,
             enable_gqa=shape.kv_heads != shape.heads,
         ).reshape(-1)
@@ -154,7 +183,9 @@ def forward_invariant(
     real = sum(counts)
     padded = padded_rows(real)
     slot_of = [slot for slot, n in zip(slots, counts, strict=True) for _ in range(n)]
-    position_of = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
+    entry_of = [start + j for start, n in zip(starts, counts, strict=True) for j in range(n)]
+    position_of = [position for row in range(len(slots)) for position in rows.positions(row)]
+    seen = seen_by(rows)
     ids = torch.zeros(padded, dtype=torch.long)
     ids[:real] = torch.cat(inputs).to("cpu")
     ids = ids.to(device)  # [p]
@@ -162,7 +193,7 @@ def forward_invariant(
     positions[:real] = torch.tensor(position_of)
     positions = positions.to(device)[None]  # [1, p]
     slot_index = torch.tensor(slot_of, device=device)  # [r]
-    position_index = positions[0, :real]  # [r]
+    entry_index = torch.tensor(entry_of, device=device)  # [r]
 
     x = by_tiles(lambda t: model.embed_tokens(ids[t]), padded)  # [p, hidden]
     cos, sin = model.rotary_emb(x[None], positions)  # [1, p, d] each: elementwise in the position, row by row
@@ -171,9 +202,9 @@ def forward_invariant(
         # (each lambda runs inside by_tiles, within its iteration: B023's late binding cannot bite)
         projected = by_tiles(lambda t: project_qkv(pass_, layer, x[t], cos[:, t], sin[:, t]), padded)  # noqa: B023
         q, k, v = projected[:real].split([heads, kv, kv], dim=1)  # [r, heads | kv | kv, d]
-        store.keys[i][slot_index, :, position_index] = k
-        store.values[i][slot_index, :, position_index] = v
-        attended = attend_one_by_one(pass_, store, i, q, slot_of, position_of, padded)  # [p, heads * d]
+        store.keys[i][slot_index, :, entry_index] = k
+        store.values[i][slot_index, :, entry_index] = v
+        attended = attend_one_by_one(pass_, store, i, q, seen, padded)  # [p, heads * d]
         x = by_tiles(lambda t: output_and_mlp(layer, x[t], attended[t]), padded)  # noqa: B023  [p, hidden]
 
     kept = rows.kept(logits_to_keep)

@@ -1,10 +1,10 @@
 """Draft trees through the pool (decoder/runners): one pass verifies a tree, the accepted path is kept.
 
-For each pass that verifies trees (native, lean, transformers), over a tiny Llama: every row of a tree's pass gives
-the logits of the chain from the root to its node, alone and beside other rows in a ragged pass; after
-``keep_path`` the cache holds exactly the path, so the next step's logits are the chain's. The native pass (float32,
-batch-invariant) gives the chain's very bits; the others (float64) agree to 1e-10. A pass that runs chains only
-refuses a tree by name.
+For each pass that verifies trees (native, lean, invariant, transformers), over a tiny Llama: every row of a tree's
+pass gives the logits of the chain from the root to its node, alone and beside other rows in a ragged pass; after
+``keep_path`` the cache holds exactly the path, so the next step's logits are the chain's. The batch-invariant
+passes (native in float32, invariant in float64) give the chain's very bits; the others (float64) agree to 1e-10.
+A pass that runs chains only (graphs) refuses a tree by name.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from decoder.tree import ROOT, DraftTree
 
 PROMPT = [3, 7, 1, 9, 4, 11, 2]  # its last token is the root: the prefix is cached first
 TREE = DraftTree((5, 6, 2, 8, 30, 5, 7), (ROOT, ROOT, 0, 0, 3, 1, 4))  # depths 1, 1, 2, 2, 3, 2, 4
-TREE_PASSES = ("native", "lean", "transformers")
-TOLERANCE = {"native": 0.0, "lean": 1e-10, "transformers": 1e-10}  # native: the same bits as the chain
+TREE_PASSES = ("native", "lean", "invariant", "transformers")
+TOLERANCE = {"native": 0.0, "invariant": 0.0, "lean": 1e-10, "transformers": 1e-10}  # 0: the chain's bits
 
 
 def lm(runner: str) -> LoadedModel:
@@ -116,8 +116,8 @@ def test_keeping_the_accepted_path_leaves_the_chains_cache(runner, path):
 
 
 def test_a_pass_of_chains_only_refuses_a_tree_by_name():
-    pool = KVPool(lm("invariant"), 1)
+    pool = KVPool(lm("graphs"), 1)
     seq = prefilled(pool, PROMPT)
-    with pytest.raises(TreesNotVerified, match="the invariant pass does not verify draft trees"):
+    with pytest.raises(TreesNotVerified, match="the graphs pass does not verify draft trees"):
         pool.forward_many([(seq, tree_input(TREE, PROMPT[-1]))], trees=[TREE])
     assert seq.length == len(PROMPT) - 1  # nothing was appended

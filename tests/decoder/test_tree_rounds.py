@@ -1,9 +1,10 @@
 """Rounds that verify a tree (prompt lookup with ``branches``): exact greedy and sampled, alone and batched.
 
 Prompt lookup with ``branches`` 3 proposes the continuations of up to three earlier matches as one tree. Greedy,
-the output is target-only's token for token on every pass that verifies trees, one sequence at a time and in a
-batch; sampled, the tokens after the first are distributed as the target's (chi-square against the exact
-distribution by enumeration), and fail with a planted residual bug. A pass that runs chains only gets chains.
+the output is target-only's token for token on every pass that verifies trees (native, lean, invariant,
+transformers), one sequence at a time and in a batch; sampled, the tokens after the first are distributed as the
+target's (chi-square against the exact distribution by enumeration), and fail with a planted residual bug. A pass
+that runs chains only (graphs) gets chains.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tests.decoder.distribution import (
 )
 
 BRANCHES = PromptLookupConfig(branches=3)
+TREE_PASSES = ("native", "lean", "invariant", "transformers")
 RULES = StopConditions(max_new_tokens=24)
 
 
@@ -81,7 +83,7 @@ def tree_rounds(monkeypatch) -> list[int]:
     return kept
 
 
-@pytest.mark.parametrize("runner", ["native", "lean", "transformers"])
+@pytest.mark.parametrize("runner", TREE_PASSES)
 def test_greedy_tree_rounds_emit_target_only_output(runner, tree_rounds):
     target = lm(runner)
     if runner == "native" and BatchEngine(target, max_batch=1).target_pool.forward_pass.name != "native":
@@ -124,7 +126,7 @@ class SecondBranchOracle(Drafter):
         return Draft(torch.tensor(tree.tokens), tree=tree)
 
 
-@pytest.mark.parametrize("runner", ["native", "lean", "transformers"])
+@pytest.mark.parametrize("runner", TREE_PASSES)
 def test_paths_down_a_later_branch_are_verified_and_kept(runner):
     """Alone and in a batch of three: the output is target-only's, and the rounds accepted along second branches
     (a pass that verified the tree as one chain would give those nodes the first branch's context)."""
@@ -154,7 +156,7 @@ def test_paths_down_a_later_branch_are_verified_and_kept(runner):
 
 
 def test_a_pass_of_chains_only_gets_chains():
-    engine = SpeculativeDecoder(lm("invariant"), prompt_lookup=BRANCHES)
+    engine = SpeculativeDecoder(lm("graphs"), prompt_lookup=BRANCHES)
     session = engine.session([1, 2, 3, 1, 4, 1], SamplingParams(), RULES, requested("prompt_lookup", 4))
     assert isinstance(session.drafter, PromptLookupDrafter) and session.drafter.branches == 1
 
