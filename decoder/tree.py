@@ -42,21 +42,21 @@ class DraftTree:
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     _children: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
-    _depths: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _paths: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"a draft tree: {len(self.tokens)} tokens but {len(self.parents)} parents")
         children: dict[int, list[int]] = {ROOT: []}
-        depths: list[int] = []
+        paths: list[tuple[int, ...]] = []
         for node, parent in enumerate(self.parents):
             if not ROOT <= parent < node:
                 raise ValueError(f"a draft tree: node {node}'s parent {parent} is neither the root (-1) nor earlier")
             children.setdefault(parent, []).append(node)
             children[node] = []
-            depths.append(1 if parent == ROOT else depths[parent] + 1)
+            paths.append((*(paths[parent] if parent != ROOT else ()), node))
         object.__setattr__(self, "_children", {node: tuple(kids) for node, kids in children.items()})
-        object.__setattr__(self, "_depths", tuple(depths))
+        object.__setattr__(self, "_paths", tuple(paths))
 
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> DraftTree:
@@ -92,7 +92,11 @@ class DraftTree:
 
     def depth(self, node: int) -> int:
         """Tokens from the root down to ``node``: 1 for the root's children."""
-        return self._depths[node]
+        return len(self._paths[node])
+
+    def path_to(self, node: int) -> tuple[int, ...]:
+        """The nodes from the root's child down to ``node`` (none for ``ROOT``): the ones its row sees."""
+        return () if node == ROOT else self._paths[node]
 
     def attention_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Which of the pass's rows each row sees besides the context: itself and its ancestors, the root always.
@@ -111,7 +115,7 @@ class DraftTree:
 
     def positions(self, root_position: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Each row's position: the root's, plus its node's depth. # -> [n + 1] int64"""
-        return torch.tensor((root_position, *(root_position + d for d in self._depths)), device=device)
+        return torch.tensor((root_position, *(root_position + len(p) for p in self._paths)), device=device)
 
     def kept_rows(self, path: Sequence[int]) -> list[int]:
         """The rows whose keys and values stay once ``path`` is accepted: the root's, then each node's on it."""

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from decoder.runners.base import KVStore, RaggedRows
 from decoder.runners.kv import LlamaTensorPass, SlotTensors
+from decoder.tree import ROOT
 
 TILE = 8  # rows per call of every row-wise step
 
@@ -147,10 +148,9 @@ def seen_by(rows: RaggedRows) -> list[Seen]:
         if tree is None:
             seen += [Seen(slot, start + j + 1) for j in range(n)]
             continue
-        paths: list[tuple[int, ...]] = [()]  # by row: the root's, then each node's
-        for node, parent in enumerate(tree.parents):
-            paths.append((*paths[parent + 1], start + node + 1))
-        seen += [Seen(slot, start + 1, path) for path in paths]
+        seen += [
+            Seen(slot, start + 1, tuple(start + 1 + m for m in tree.path_to(node))) for node in (ROOT, *range(n - 1))
+        ]
     return seen
 
 

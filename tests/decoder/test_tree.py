@@ -50,6 +50,7 @@ def test_the_mask_positions_and_kept_rows_of_a_hand_built_tree():
     assert torch.equal(HAND.visible(3), torch.cat([torch.ones(5, 3, dtype=torch.bool), expected], dim=1))
     assert HAND.positions(10).tolist() == [10, 11, 11, 12, 12]
     assert HAND.children(ROOT) == (0, 1) and HAND.children(0) == (2, 3) and HAND.children(3) == ()
+    assert [HAND.path_to(node) for node in (ROOT, 0, 1, 2, 3)] == [(), (0,), (1,), (0, 2), (0, 3)]
     assert HAND.kept_rows([0, 3]) == [0, 1, 4] and HAND.kept_rows([]) == [0]
     assert HAND.tokens_of([0, 3]) == [5, 8]
     with pytest.raises(ValueError, match="not a path"):
@@ -111,11 +112,7 @@ def test_each_row_of_one_pass_over_the_cache_gives_its_chains_logits():
             position_ids=tree.positions(cached)[None],
         ).logits[0]  # [n + 1, vocab]
         for row in range(tree.size + 1):
-            path, node = [], row - 1
-            while node != ROOT:
-                path.insert(0, node)
-                node = tree.parents[node]
-            chain = model(torch.tensor([context + tree.tokens_of(path)])).logits[0, -1]
+            chain = model(torch.tensor([context + tree.tokens_of(tree.path_to(row - 1))])).logits[0, -1]
             torch.testing.assert_close(rows[row], chain, rtol=0, atol=1e-10, msg=f"row {row}")
 
 

@@ -38,15 +38,6 @@ def assert_same(runner: str, actual: torch.Tensor, expected: torch.Tensor, what:
     torch.testing.assert_close(actual, expected, rtol=0, atol=TOLERANCE[runner], msg=f"{runner}, {what}")
 
 
-def path_to(tree: DraftTree, row: int) -> list[int]:
-    """The nodes from the root down to row ``row``'s node (none for the root's row)."""
-    path, node = [], row - 1
-    while node != ROOT:
-        path.insert(0, node)
-        node = tree.parents[node]
-    return path
-
-
 def chain_logits(model: LoadedModel, tokens: list[int]) -> torch.Tensor:
     """The next-token logits after ``tokens``, from a fresh sequence of its own. # -> [vocab]"""
     pool = KVPool(model, 1)
@@ -73,7 +64,7 @@ def test_each_row_of_a_tree_pass_gives_its_chains_logits(runner):
         rows = pool.forward_many([(seq, tree_input(TREE, PROMPT[-1]))], trees=[TREE])[0]  # [n + 1, vocab]
     assert seq.length == len(PROMPT) + TREE.size
     for row in range(TREE.size + 1):
-        expected = chain_logits(model, PROMPT + TREE.tokens_of(path_to(TREE, row)))
+        expected = chain_logits(model, PROMPT + TREE.tokens_of(TREE.path_to(row - 1)))
         assert_same(runner, rows[row], expected, f"row {row}")
 
 
@@ -88,7 +79,7 @@ def test_a_tree_beside_chains_in_one_ragged_pass(runner):
     with torch.inference_mode():
         out = pool.forward_many(list(zip(seqs, inputs, strict=True)), trees=[None, TREE, None])
     for row in range(TREE.size + 1):
-        expected = chain_logits(model, PROMPT + TREE.tokens_of(path_to(TREE, row)))
+        expected = chain_logits(model, PROMPT + TREE.tokens_of(TREE.path_to(row - 1)))
         assert_same(runner, out[1][row], expected, f"tree row {row}")
     assert_same(runner, out[0][-1], chain_logits(model, [*prompts[0], 12, 13]), "the first chain")
     assert_same(runner, out[2][-1], chain_logits(model, prompts[2]), "the second chain")
