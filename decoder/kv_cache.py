@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from decoder.models import LoadedModel
+from decoder.runners.base import FeatureTap
 from decoder.runners.pool import KVPool, PooledSequence
 from decoder.tree import DraftTree
 
@@ -31,7 +32,11 @@ class ModelSequence(Protocol):
     def verifies_trees(self) -> bool: ...
 
     def forward(
-        self, input_ids: torch.Tensor, logits_to_keep: int = 0, tree: DraftTree | None = None
+        self,
+        input_ids: torch.Tensor,
+        logits_to_keep: int = 0,
+        tree: DraftTree | None = None,
+        tap: FeatureTap | None = None,
     ) -> torch.Tensor: ...
 
     def truncate(self, length: int) -> None: ...

@@ -40,6 +40,16 @@ class LoadedModel:
         return str(self.model.get_output_embeddings().weight.dtype).removeprefix("torch.")
 
     @property
+    def num_layers(self) -> int:
+        """The decoder layers the model runs (its config's ``num_hidden_layers``)."""
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of its hidden states (its config's ``hidden_size``)."""
+        return int(self.model.config.hidden_size)
+
+    @property
     def max_context(self) -> int | None:
         """Longest sequence (prompt + generated) the model supports, if its config says."""
         value = getattr(self.model.config, "max_position_embeddings", None)

@@ -139,7 +139,9 @@ class NativeLlama:
         self._lib = library
         self._forward_rows = library.specd_llama_forward_rows
         self._forward_rows.restype = ctypes.c_int
-        self._forward_rows.argtypes = [ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 4, ctypes.c_int]
+        self._forward_rows.argtypes = [
+            ctypes.POINTER(_Model), ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        ]  # fmt: skip
         self._weight_bytes = library.specd_llama_weight_bytes
         self._weight_bytes.restype = ctypes.c_int64
         self._weight_bytes.argtypes = [ctypes.POINTER(_Model)]
@@ -188,7 +190,7 @@ class NativeLlama:
             )
         self._rotary = inner.rotary_emb
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.hidden, self.vocab = config.hidden_size, int(head.shape[0])
+        self.hidden, self.vocab, self.layers = config.hidden_size, int(head.shape[0]), len(inner.layers)
 
     @classmethod
     def create(cls, model: Any, why: list[str] | None = None, isa: str | None = None) -> NativeLlama | None:
@@ -252,16 +254,21 @@ class NativeLlama:
         tokens: torch.Tensor,
         threads: int,
         parents: list[int] | None = None,
-    ) -> torch.Tensor:
-        """Append each row's tokens to its slot of the bound cache; return the logits of each row's last ``kept``.
-        ``parents`` (None: every row a chain): per token, its parent's index within its row, -1 for a row's root
-        (a draft tree's row: each token at its depth's position, seeing its ancestors; llama_step.c).
+        tap_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append each row's tokens to its slot of the bound cache; return the logits of each row's last ``kept``,
+        and every token's states entering ``tap_layers`` (None when there are none). ``parents`` (None: every row a
+        chain): per token, its parent's index within its row, -1 for a row's root (a draft tree's row: each token at
+        its depth's position, seeing its ancestors; llama_step.c).
 
-        # rows[i]: (slot, start, count, kept); tokens: [sum(count)] int64, contiguous  ->  [sum(kept), vocab]
+        # rows[i]: (slot, start, count, kept); tokens: [sum(count)] int64, contiguous
+        #   ->  [sum(kept), vocab], [sum(count), len(tap_layers) * hidden] | None
         """
         flat = [value for row in rows for value in row]
         logits = torch.empty(sum(row[3] for row in rows), self.vocab)
         tree = None if parents is None else (ctypes.c_int64 * len(parents))(*parents)
+        layers = (ctypes.c_int64 * len(tap_layers))(*tap_layers) if tap_layers else None
+        features = torch.empty(int(tokens.shape[0]), len(tap_layers) * self.hidden) if tap_layers else None
         status = self._forward_rows(
             ctypes.byref(binding.model),
             len(rows),
@@ -269,6 +276,9 @@ class NativeLlama:
             tokens.data_ptr(),
             ctypes.cast(tree, ctypes.c_void_p) if tree is not None else None,
             logits.data_ptr(),
+            ctypes.cast(layers, ctypes.c_void_p) if layers is not None else None,
+            len(tap_layers),
+            features.data_ptr() if features is not None else None,
             max(1, threads),
         )
         if status == -2:
@@ -277,6 +287,8 @@ class NativeLlama:
             raise ValueError(f"a row outside the KV cache: {rows}")
         if status == -4:
             raise ValueError(f"a token's parent is not an earlier token of its row: {(parents or [])[:64]}")
+        if status == -5:
+            raise ValueError(f"a tapped layer outside the model's {self.layers} layers: {list(tap_layers)}")
         if status != 0:
             raise MemoryError("the native Llama pass could not allocate its scratch memory")
-        return logits
+        return logits, features

@@ -445,10 +445,18 @@ typedef struct {
     const int64_t *extra;
 } Token;
 
+/* Which hidden states a pass hands out besides its logits: at every token, the states entering each of `layers`
+ * (`count` of them, each below the model's layer count), side by side in `out` ([n, count * hidden]). */
+typedef struct {
+    const int64_t *layers;
+    int64_t count;
+    float *out;
+} Tap;
+
 /* Append `n` tokens (`tok`) to the cache and write the logits of the rows listed in `keep` ([kept]) to `logits`
- * ([kept, vocab]). Returns 0, or -1 when scratch memory is short. */
+ * ([kept, vocab]), and the states `tap` asks for (NULL: none). Returns 0, or -1 when scratch memory is short. */
 static int forward_tokens(const Model *m, int n, const int64_t *tokens, const Token *tok, int kept,
-                          const int64_t *keep, float *logits, int threads) {
+                          const int64_t *keep, float *logits, const Tap *tap, int threads) {
     const int hidden = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, inter = m->inter;
     const int qkv_width = (heads + 2 * kvh) * d, group = heads / kvh;
     int64_t longest = 0;
@@ -475,6 +483,13 @@ static int forward_tokens(const Model *m, int n, const int64_t *tokens, const To
             for (int l = 0; l < m->layers; l++) {
                 const Layer *L = &m->layer[l];
                 float *layer_keys = m->keys + l * layer_stride, *layer_values = m->values + l * layer_stride;
+                for (int64_t j = 0; tap && j < tap->count; j++)
+                    if (tap->layers[j] == l) {
+#pragma omp for schedule(static)
+                        for (int t = 0; t < n; t++)
+                            memcpy(tap->out + ((int64_t)t * tap->count + j) * hidden, x + (int64_t)t * hidden,
+                                   sizeof(float) * hidden);
+                    }
 #pragma omp for schedule(static)
                 for (int t = 0; t < n; t++) rms_norm(x + (int64_t)t * hidden, L->ln1, hidden, m->eps, h + (int64_t)t * hidden);
                 matmul(L->wqkv, m->bf16, qkv_width, hidden, h, hidden, n, qkv, qkv_width, xb);
@@ -540,9 +555,11 @@ int64_t specd_llama_weight_bytes(const Model *m) {
  * (a draft tree; a chain is i - 1). A tree's token sits at entry start + i and position start + its depth, and sees
  * the entries before the row, the root's and its ancestors'. Returns 0; -1 when scratch memory is short; -2 for a
  * token id outside the vocabulary; -3 for a row outside the cache; -4 for a parent that is not an earlier token of
- * its row. */
+ * its row; -5 for a tapped layer outside the model. `tap_layers` ([tap_count]; 0: no tap) asks for every token's
+ * states entering those layers, written to `features` ([sum(count), tap_count * hidden]). */
 int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, const int64_t *tokens,
-                             const int64_t *parents, float *logits, int threads) {
+                             const int64_t *parents, float *logits, const int64_t *tap_layers, int64_t tap_count,
+                             float *features, int threads) {
     int64_t n = 0, kept = 0;
     for (int r = 0; r < rows; r++) {
         n += desc[4 * r + 2];
@@ -550,6 +567,8 @@ int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, cons
     }
     for (int64_t t = 0; t < n; t++) /* a bad id would read past the embedding table: refuse the pass */
         if (tokens[t] < 0 || tokens[t] >= m->vocab) return -2;
+    for (int64_t j = 0; j < tap_count; j++)
+        if (tap_layers[j] < 0 || tap_layers[j] >= m->layers) return -5;
     for (int r = 0, t = 0; r < rows; r++) {
         const int64_t s = desc[4 * r], start = desc[4 * r + 1], count = desc[4 * r + 2], last = desc[4 * r + 3];
         if (s < 0 || s >= m->slots || start < 0 || count < 1 || start + count > m->capacity || last < 0 || last > count)
@@ -595,7 +614,9 @@ int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, cons
                 if (i >= count - last) keep[k++] = t;
             }
         }
-        if (paths) status = forward_tokens(m, (int)n, tokens, tok, (int)kept, keep, logits, threads);
+        const Tap tap = {tap_layers, tap_count, features};
+        if (paths) status = forward_tokens(m, (int)n, tokens, tok, (int)kept, keep, logits, tap_count > 0 ? &tap : NULL,
+                                           threads);
     }
     free(tok); free(keep); free(depth); free(paths);
     return status;

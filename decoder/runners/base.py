@@ -24,6 +24,21 @@ class PassNotApplicable(ValueError):
     """A runner was asked for that cannot run this model here; the message says why."""
 
 
+@dataclass
+class FeatureTap:
+    """A pass's hidden states, asked for alongside its logits (what a draft head reads, decoder/eagle): at every token
+    of every row, the states entering each of ``layers``, in vLLM's numbering (0: the embeddings; j: layer j - 1's
+    output, before the next layer's norm; each below the model's layer count). The pass fills ``rows``: per row
+    [n_i, len(layers) * hidden] float32 on the model's device, its layers side by side in ``layers``' order."""
+
+    layers: tuple[int, ...]
+    rows: list[torch.Tensor] | None = None
+
+    def fill(self, states: list[torch.Tensor]) -> None:
+        """Keep the pass's states ([n_i, len(layers) * hidden] per row) as float32."""
+        self.rows = [state.float() for state in states]
+
+
 @dataclass(frozen=True)
 class RaggedRows:
     """One pass's rows: row i appends ``inputs[i]`` ([n_i] int64) to slot ``slots[i]`` from cache entry
@@ -37,6 +52,7 @@ class RaggedRows:
     starts: list[int]
     counts: list[int]  # n_i
     trees: list[DraftTree | None] | None = None  # per row; None: every row a chain
+    tap: FeatureTap | None = None  # the hidden states asked for; None: logits only
 
     def kept(self, logits_to_keep: int) -> list[int]:
         """The logits rows each row returns: all its tokens', or its last ``logits_to_keep``."""
@@ -92,6 +108,12 @@ class ForwardPass(Protocol):
     @property
     def trees(self) -> bool:
         """Whether ``forward`` takes rows with draft trees (``RaggedRows.trees``); the pool refuses them elsewhere."""
+        ...
+
+    @property
+    def features(self) -> bool:
+        """Whether ``forward`` fills a ``RaggedRows.tap`` (the hidden states a draft head reads); the pool refuses a
+        tap elsewhere."""
         ...
 
     def new_store(self, num_slots: int, capacity: int) -> KVStore:

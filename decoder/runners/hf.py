@@ -66,6 +66,7 @@ class TransformersPass:
 
     kernel = "torch"
     trees = True
+    features = True  # transformers' hidden_states: entry j is the states entering layer j
 
     def new_store(self, num_slots: int, capacity: int) -> SlotCaches:
         return SlotCaches(num_slots)
@@ -76,7 +77,7 @@ class TransformersPass:
     @torch.inference_mode()
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotCaches)
-        logits = []
+        logits, states = [], []
         for row, (slot, input_ids, start) in enumerate(zip(rows.slots, rows.inputs, rows.starts, strict=True)):
             tree = rows.tree(row)
             shape = {} if tree is None else {  # the tree's own mask and positions (decoder/tree.py)
@@ -88,7 +89,12 @@ class TransformersPass:
                 past_key_values=store.at(slot, start),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
+                output_hidden_states=rows.tap is not None,
                 **shape,
             )
             logits.append(out.logits[0])  # [n or logits_to_keep, vocab]
+            if rows.tap is not None:  # [n, layers * hidden]
+                states.append(torch.cat([out.hidden_states[layer][0] for layer in rows.tap.layers], dim=-1))
+        if rows.tap is not None:
+            rows.tap.fill(states)
         return logits

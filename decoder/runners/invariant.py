@@ -45,6 +45,7 @@ class InvariantPass(LlamaTensorPass):
 
     name = "invariant"
     trees = True
+    features = True
 
     def forward(self, store: KVStore, rows: RaggedRows, logits_to_keep: int) -> list[torch.Tensor]:
         assert isinstance(store, SlotTensors)
@@ -198,7 +199,9 @@ def forward_invariant(
     x = by_tiles(lambda t: model.embed_tokens(ids[t]), padded)  # [p, hidden]
     cos, sin = model.rotary_emb(x[None], positions)  # [1, p, d] each: elementwise in the position, row by row
     heads, kv = pass_.shape.heads, pass_.shape.kv_heads
+    tapped: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(model.layers):
+        tapped[i] = x[:real]  # [r, hidden] the states entering layer i
         # (each lambda runs inside by_tiles, within its iteration: B023's late binding cannot bite)
         projected = by_tiles(lambda t: project_qkv(pass_, layer, x[t], cos[:, t], sin[:, t]), padded)  # noqa: B023
         q, k, v = projected[:real].split([heads, kv, kv], dim=1)  # [r, heads | kv | kv, d]
@@ -207,6 +210,9 @@ def forward_invariant(
         attended = attend_one_by_one(pass_, store, i, q, seen, padded)  # [p, heads * d]
         x = by_tiles(lambda t: output_and_mlp(layer, x[t], attended[t]), padded)  # noqa: B023  [p, hidden]
 
+    if rows.tap is not None:
+        states = torch.cat([tapped[layer] for layer in rows.tap.layers], dim=-1)  # [r, layers * hidden]
+        rows.tap.fill(list(states.split(counts)))
     kept = rows.kept(logits_to_keep)
     ends = torch.tensor(counts).cumsum(0).tolist()
     wanted = [row for end, k in zip(ends, kept, strict=True) for row in range(end - k, end)]

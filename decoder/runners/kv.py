@@ -123,6 +123,7 @@ class LlamaTensorPass:
 
     kernel = "torch"
     trees = False  # a pass that verifies draft trees says so (decoder/runners/base.py ForwardPass.trees)
+    features = False  # a pass that fills a feature tap says so (ForwardPass.features)
 
     def new_store(self, num_slots: int, capacity: int) -> SlotTensors:
         return SlotTensors(self.model, num_slots, capacity)

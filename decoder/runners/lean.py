@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from decoder.runners.base import KVStore, RaggedRows
+from decoder.runners.base import FeatureTap, KVStore, RaggedRows
 from decoder.runners.kv import LlamaTensorPass, SlotTensors
 from decoder.tree import DraftTree
 
@@ -64,6 +64,7 @@ class LeanPass(LlamaTensorPass):
 
     name = "lean"
     trees = True
+    features = True
 
     def __init__(self, model: Any, device: torch.device) -> None:
         super().__init__(model, device)
@@ -75,7 +76,7 @@ class LeanPass(LlamaTensorPass):
         assert isinstance(store, SlotTensors)
         if len(rows.slots) == 1:
             slot, ids, start = rows.slots[0], rows.inputs[0], rows.starts[0]
-            return [self._forward_one(store, slot, ids, start, logits_to_keep, rows.tree(0))]
+            return [self._forward_one(store, slot, ids, start, logits_to_keep, rows.tree(0), rows.tap)]
         return self._forward_ragged(store, rows, logits_to_keep)
 
     def _forward_one(
@@ -86,6 +87,7 @@ class LeanPass(LlamaTensorPass):
         start: int,
         logits_to_keep: int,
         tree: DraftTree | None = None,
+        tap: FeatureTap | None = None,
     ) -> torch.Tensor:
         """One sequence: the masks transformers would use, so the logits are bit-identical to its forward."""
         model = self.model.model
@@ -103,7 +105,9 @@ class LeanPass(LlamaTensorPass):
             causal = n > 1 and start == 0
             mask = torch.ones(n, end, dtype=torch.bool, device=x.device).tril(start) if n > 1 and not causal else None
         cos, sin = model.rotary_emb(x, positions)
+        tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(model.layers):
+            tapped[i] = x[0]  # [n, hidden] the states entering layer i
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(1, n, self.num_heads, self.head_dim).transpose(1, 2)  # [1, heads, n, d]
@@ -123,6 +127,8 @@ class LeanPass(LlamaTensorPass):
             )  # [1, heads, n, d]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if tap is not None:
+            tap.fill([torch.cat([tapped[layer] for layer in tap.layers], dim=-1)])
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # the head only where logits are wanted (a prefill needs one row)
         return self.head(model.norm(x))[0]  # [n or logits_to_keep, vocab]
@@ -157,7 +163,9 @@ class LeanPass(LlamaTensorPass):
                 mask[row, 0, :n, first : first + n] = tree.attention_mask(device)
         x = model.embed_tokens(ids)  # [b, w, hidden]
         cos, sin = model.rotary_emb(x, positions)
+        tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(model.layers):
+            tapped[i] = x  # [b, w, hidden] the states entering layer i
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(b, width, self.num_heads, self.head_dim).transpose(1, 2)  # [b, heads, w, d]
@@ -174,6 +182,9 @@ class LeanPass(LlamaTensorPass):
             )  # [b, heads, w, d]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, width, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if rows.tap is not None:
+            states = torch.cat([tapped[layer] for layer in rows.tap.layers], dim=-1)  # [b, w, layers * hidden]
+            rows.tap.fill([states[row, :n] for row, n in enumerate(counts)])
         if logits_to_keep:  # the head only on each row's last real tokens
             kept = [min(n, logits_to_keep) for n in counts]
             first_kept = torch.tensor([n - k for n, k in zip(counts, kept, strict=True)], device=device)  # [b]

@@ -20,6 +20,7 @@ class NativePass:
     name = "native"
     dtype_name = "float32"  # the kernel's arithmetic, whatever the panels hold (decoder/native/llama.py)
     trees = True  # a row may be a draft tree: its tokens' parents go to the kernel
+    features = True  # the kernel copies the states entering the tapped layers
 
     def __init__(self, native: NativeLlama, model: Any) -> None:
         self.native = native
@@ -60,7 +61,12 @@ class NativePass:
             tokens = tokens.to(torch.long).contiguous()
         spans = list(zip(rows.slots, rows.starts, rows.counts, kept, strict=True))
         parents = None if rows.trees is None else tree_parents(rows)
-        logits = self.native.forward(self._binding, spans, tokens, torch.get_num_threads(), parents)  # [sum(kept), V]
+        tap = rows.tap
+        logits, states = self.native.forward(
+            self._binding, spans, tokens, torch.get_num_threads(), parents, tap.layers if tap is not None else ()
+        )  # [sum(kept), vocab], [sum(count), layers * hidden] | None
+        if tap is not None and states is not None:
+            tap.fill(list(states.split(rows.counts)))
         return [logits] if len(spans) == 1 else list(logits.split(kept))
 
 

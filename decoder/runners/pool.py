@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from decoder.models import LoadedModel
-from decoder.runners.base import ForwardPass, KVStore, PassNotApplicable, RaggedRows
+from decoder.runners.base import FeatureTap, ForwardPass, KVStore, PassNotApplicable, RaggedRows
 from decoder.runners.kv import INITIAL_CAPACITY
 from decoder.runners.select import select_pass
 from decoder.tree import DraftTree
@@ -22,6 +22,10 @@ from decoder.tree import DraftTree
 
 class TreesNotVerified(PassNotApplicable):
     """Rows with draft trees were given to a pass that runs chains only; the message names the pass."""
+
+
+class FeaturesNotTapped(PassNotApplicable):
+    """Hidden states were asked of a pass that hands logits only; the message names the pass."""
 
 
 class KVPool:
@@ -66,10 +70,12 @@ class KVPool:
         rows: Sequence[tuple[PooledSequence, torch.Tensor]],
         logits_to_keep: int = 0,
         trees: Sequence[DraftTree | None] | None = None,
+        tap: FeatureTap | None = None,
     ) -> list[torch.Tensor]:
         """Append each row's tokens to its sequence in one pass; return each row's next-token logits. ``trees``:
         per row, None for a chain, or the draft tree its tokens after the first are (a root and the tree's tokens:
-        ``PooledSequence.keep_path`` then keeps the accepted path's entries).
+        ``PooledSequence.keep_path`` then keeps the accepted path's entries). ``tap``: the pass also fills it with
+        every token's hidden states (``FeatureTap``).
 
         # rows[i]: (sequence, input_ids [n_i] int64)  ->  [n_i, vocab] each, or [min(n_i, logits_to_keep), vocab]
         """
@@ -84,12 +90,23 @@ class KVPool:
             self._check_trees(trees, counts)
         else:
             trees = None
+        if tap is not None:
+            self.check_tap(tap)
         self.store.reserve(max(s + n for s, n in zip(starts, counts, strict=True)), self.lengths)
-        ragged = RaggedRows(slots, [ids for _, ids in rows], starts, counts, None if trees is None else list(trees))
+        inputs = [ids for _, ids in rows]
+        ragged = RaggedRows(slots, inputs, starts, counts, None if trees is None else list(trees), tap)
         outputs = self.forward_pass.forward(self.store, ragged, logits_to_keep)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
         return outputs
+
+    def check_tap(self, tap: FeatureTap) -> None:
+        """Refuse a tap this pool's pass cannot fill: a pass without features, a layer outside the model."""
+        if not self.forward_pass.features:
+            raise FeaturesNotTapped(f"{self.lm.name}: the {self.forward_pass.name} pass hands no hidden states")
+        layers = self.lm.num_layers
+        if not tap.layers or any(not 0 <= layer < layers for layer in tap.layers):
+            raise ValueError(f"{self.lm.name}: feature layers {list(tap.layers)} outside 0..{layers - 1}")
 
     def _check_trees(self, trees: Sequence[DraftTree | None], counts: Sequence[int]) -> None:
         if not self.forward_pass.trees:
@@ -120,12 +137,19 @@ class PooledSequence:
     def length(self) -> int:
         return self.pool.lengths[self.slot]
 
-    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0, tree: DraftTree | None = None) -> torch.Tensor:
-        """Append ``input_ids`` and return their next-token logits (``tree``: they are a root and its nodes).
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        logits_to_keep: int = 0,
+        tree: DraftTree | None = None,
+        tap: FeatureTap | None = None,
+    ) -> torch.Tensor:
+        """Append ``input_ids`` and return their next-token logits (``tree``: they are a root and its nodes;
+        ``tap``: filled with their hidden states too).
 
         # input_ids: [n] int64  ->  [n, vocab], or [logits_to_keep, vocab] when > 0
         """
-        return self.pool.forward_many([(self, input_ids)], logits_to_keep, None if tree is None else [tree])[0]
+        return self.pool.forward_many([(self, input_ids)], logits_to_keep, None if tree is None else [tree], tap)[0]
 
     @property
     def verifies_trees(self) -> bool:
