@@ -24,10 +24,12 @@ import torch
 from decoder.drafters import Draft, Drafter, DraftModelDrafter, PromptLookupConfig, SuffixCache
 from decoder.drafters.draft_model import draft_model_of, propose_together
 from decoder.engine import DecodeSession, SpeculativeDecoder
+from decoder.heads import LoadedHead
 from decoder.kv_cache import ModelSequence
 from decoder.models import LoadedModel
 from decoder.request_stop import StopConditions
 from decoder.runners import KVPool, PooledSequence
+from decoder.runners.base import FeatureTap
 from decoder.sampling import SamplingParams, make_generator
 from specd_api.plan import Plan, requested
 from specd_api.speedup import runs_draft_model
@@ -47,8 +49,9 @@ class BatchEngine(SpeculativeDecoder):
         prompt_lookup: PromptLookupConfig | None = None,
         max_batch: int = 16,
         suffix_cache: SuffixCache | None = None,
+        head: LoadedHead | None = None,
     ) -> None:
-        super().__init__(target, draft, prompt_lookup, suffix_cache)
+        super().__init__(target, draft, prompt_lookup, suffix_cache, head)
         self.max_batch = max_batch
         self.target_pool = KVPool(target, max_batch, capacity=target.max_context or 1024)
         self.draft_pool = KVPool(draft, max_batch, capacity=draft.max_context or 1024) if draft else None
@@ -100,15 +103,25 @@ class BatchEngine(SpeculativeDecoder):
         for s, d in zip(sessions, drafts, strict=True):
             assert isinstance(s.target, PooledSequence)
             rows.append((s.target, s.verify_input(d)))
+        taps = [s.feature_tap() for s in sessions]
+        wanted = {tap.layers for tap in taps if tap is not None}
+        assert len(wanted) <= 1, f"one pass taps one set of layers, not {sorted(wanted)}"
+        tap = FeatureTap(wanted.pop()) if wanted else None
         started = time.perf_counter()
-        logits = self.target_pool.forward_many(rows, trees=[d.tree for d in drafts])  # [k_i + 1, vocab] each
-        self._stall(sessions)  # an injected stall lands inside the timed pass, as a real one would
+        logits = self.target_pool.forward_many(rows, trees=[d.tree for d in drafts], tap=tap)  # [k_i + 1, vocab] each
+        self._stall(sessions)
+        states = [
+            tap.rows[i] if tap is not None and tap.rows is not None and mine is not None else None
+            for i, mine in enumerate(taps)
+        ]  # an injected stall lands inside the timed pass, as a real one would
         verify_share = (time.perf_counter() - started) / len(sessions)
         # 3-5. Accept, emit and roll back, each sequence on its own (the greedy ones' argmaxes taken together).
         argmaxes = greedy_argmaxes([s.params.is_greedy for s in sessions], logits)
         return [
-            s.finish_round(k, d, out, seconds, verify_share, len(sessions), argmax)
-            for s, k, d, out, seconds, argmax in zip(sessions, ks, drafts, logits, draft_seconds, argmaxes, strict=True)
+            s.finish_round(k, d, out, seconds, verify_share, len(sessions), argmax, mine)
+            for s, k, d, out, seconds, argmax, mine in zip(
+                sessions, ks, drafts, logits, draft_seconds, argmaxes, states, strict=True
+            )
         ]
 
     def inject_stall(self, session: DecodeSession, seconds: float, at_round: int) -> None:

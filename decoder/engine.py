@@ -38,16 +38,19 @@ from decoder.drafters import (
     SuffixDrafter,
     draft_model_of,
 )
+from decoder.drafters.eagle import EagleDrafter
+from decoder.heads import LoadedHead
 from decoder.kv_cache import ModelSequence, SparePools, open_sequence
 from decoder.models import LoadedModel, check_pair
 from decoder.request_stop import StopConditions, cut_round, draft_budget, trim_stop_string
+from decoder.runners.base import FeatureTap
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.telemetry import RequestStats
 from decoder.tree import DraftTree, TreeVerdict, greedy_path, offered_along, sample_path
 from specd_api.plan import DRAFTER_NAMES, SCORABLE, Plan, offers, requested
 from specd_api.round_policy import RoundPolicy
 from specd_api.rounds import RoundRecord, Scored
-from specd_api.speedup import runs_draft_model
+from specd_api.speedup import runs_draft_model, runs_head
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,10 @@ class DecodeSession:
         """The target's prefill of the prompt; its last logits give the first token, emitted now (returned; empty
         when a stop string cut it). The request may be finished by it (EOS, a stop, max_new_tokens 1)."""
         start = time.perf_counter()
-        logits = self.target.forward(self.context, logits_to_keep=1)  # [1, vocab]: the prompt's last position
+        tap = self.feature_tap()
+        logits = self.target.forward(self.context, logits_to_keep=1, tap=tap)  # [1, vocab]: the prompt's last position
+        if tap is not None and tap.rows is not None:
+            self.drafter.observe(tap.rows[0])  # every prompt token's states
         verdict = self._accept(EMPTY_TOKENS, None, logits)
         emitted = self._emit([verdict.next_token])
         self.stats.prefill_seconds = time.perf_counter() - start
@@ -151,8 +157,15 @@ class DecodeSession:
         draft = self.drafter.propose(self.context, k)
         drafted = time.perf_counter()
         # 2. Verify the last context token and all K drafts (or the tree's nodes) in one target pass.
-        logits = self.target.forward(self.verify_input(draft), tree=draft.tree)  # [k + 1, vocab]
-        return self.finish_round(k, draft, logits, drafted - start, time.perf_counter() - drafted)
+        tap = self.feature_tap()
+        logits = self.target.forward(self.verify_input(draft), tree=draft.tree, tap=tap)  # [k + 1, vocab]
+        states = tap.rows[0] if tap is not None and tap.rows is not None else None
+        return self.finish_round(k, draft, logits, drafted - start, time.perf_counter() - drafted, states=states)
+
+    def feature_tap(self) -> FeatureTap | None:
+        """What the target's next pass must hand this sequence's drafter besides logits (a head's states)."""
+        layers = self.drafter.feature_layers
+        return FeatureTap(layers) if layers else None
 
     def draft_budget(self) -> int:
         """The most tokens the next round may draft before the output budget or the target's context runs out."""
@@ -181,8 +194,10 @@ class DecodeSession:
         verify_seconds: float,
         batch_size: int = 1,
         target_argmax: torch.Tensor | None = None,
+        states: torch.Tensor | None = None,
     ) -> list[int]:
-        """Steps 3-5 of a round, given the target's ``logits`` [K + 1, vocab] on ``verify_input(draft)``.
+        """Steps 3-5 of a round, given the target's ``logits`` [K + 1, vocab] on ``verify_input(draft)`` (and its
+        hidden states there, [K + 1, f], where the drafter reads them: ``feature_tap``).
 
         ``draft_seconds`` and ``verify_seconds`` are this sequence's share of the drafting and of the target pass;
         the time of these steps is added to the verification time. ``target_argmax`` (greedy only, on the host):
@@ -206,9 +221,13 @@ class DecodeSession:
         # 5. Roll both caches back to the accepted prefix (a tree: its path's entries moved into place); the bonus
         # token is fed next round. The round policy learns what the target kept.
         if draft.tree is None:
+            kept_rows = list(range(verdict.num_accepted + 1))
             self.target.truncate(length + verdict.num_accepted)
         else:
-            self.target.keep_path(length - 1, draft.tree.kept_rows(path.path))
+            kept_rows = list(draft.tree.kept_rows(path.path))
+            self.target.keep_path(length - 1, kept_rows)
+        if states is not None:
+            self.drafter.observe(states[kept_rows])
         self.drafter.rollback(self.context)
         self.policy.observe(offered, verdict.num_accepted)
         self.stats.observe(
@@ -282,11 +301,13 @@ class SpeculativeDecoder:
         draft: LoadedModel | None = None,
         prompt_lookup: PromptLookupConfig | None = None,
         suffix_cache: SuffixCache | None = None,
+        head: LoadedHead | None = None,
     ) -> None:
         if draft is not None:
             check_pair(target, draft)
         self.target = target
         self.draft = draft
+        self.head = head
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
         self.spare_target = SparePools(target)  # one-sequence decoding's slots (no pool is made before one is asked)
@@ -295,8 +316,12 @@ class SpeculativeDecoder:
     @property
     def drafters(self) -> tuple[str, ...]:
         """The drafters this worker offers (``specd_api.plan.offers`` reads it): those that run the draft model
-        (draft, chain) only with one."""
-        return tuple(name for name in DRAFTER_NAMES if self.draft is not None or not runs_draft_model(name))
+        (draft, chain) only with one, those that run a head (eagle) only with one."""
+        return tuple(
+            name
+            for name in DRAFTER_NAMES
+            if (self.draft is not None or not runs_draft_model(name)) and (self.head is not None or not runs_head(name))
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -387,11 +412,13 @@ class SpeculativeDecoder:
         ``draft_sequence`` if given; ``trees``: the target's pass verifies draft trees). Raises ValueError for a
         drafter this engine does not offer."""
         if not offers(self.drafters, plan.drafter):
+            if runs_head(plan.drafter):
+                raise ValueError(f"drafter {plan.drafter!r} needs a draft head (--head PATH)")
             if plan.drafter in DRAFTER_NAMES:
                 raise ValueError(f"drafter {plan.drafter!r} needs a draft model (--draft PATH)")
             raise ValueError(f"unknown drafter {plan.drafter[:40]!r}; choose one of {', '.join(DRAFTER_NAMES)}")
         drafter = make_drafter(plan, self.draft, self.prompt_lookup, params, generator, draft_sequence,
-                               self.suffix_cache, trees)  # fmt: skip
+                               self.suffix_cache, trees, self.head)  # fmt: skip
         return RoundPolicy.open(plan, drafter)
 
 
@@ -404,10 +431,12 @@ def make_drafter(
     draft_sequence: ModelSequence | None = None,
     suffix_cache: SuffixCache | None = None,
     trees: bool = False,
+    head: LoadedHead | None = None,
 ) -> Drafter:
     """The drafter ``plan`` names, for one sequence (the draft model's cache in ``draft_sequence`` if given): the
     draft model stops at the plan's threshold, suffix decoding reads ``suffix_cache`` for the plan's segment, prompt
-    lookup proposes trees of ``prompt_lookup.branches`` matches where ``trees`` (the target's pass verifies them).
+    lookup proposes trees of ``prompt_lookup.branches`` matches where ``trees`` (the target's pass verifies them), a
+    head drafts from the target's states (``head``).
     The caller has checked that it is offered (``SpeculativeDecoder.drafters``)."""
     name = plan.drafter
     if runs_draft_model(name):
@@ -416,6 +445,9 @@ def make_drafter(
         return ChainDrafter(PromptLookupDrafter(prompt_lookup), model) if name == "chain" else model
     if name == "prompt_lookup":
         return PromptLookupDrafter(prompt_lookup, trees)
+    if runs_head(name):
+        assert head is not None, f"drafter {name!r} without a draft head"
+        return EagleDrafter(head, params, generator)
     if name == "suffix":
         config = suffix_cache.config if suffix_cache is not None else SuffixConfig()
         return SuffixDrafter(config, suffix_cache, plan.segment)

@@ -9,7 +9,7 @@ from typing import Any
 
 from decoder.choices import DRAFTER_NAMES, DTYPE_NAMES, MAX_BRANCHES, RUNNER_NAMES
 from specd_api.errors import UsageError
-from specd_api.speedup import runs_draft_model
+from specd_api.speedup import runs_draft_model, runs_head
 
 
 def add_parser(commands: Any) -> None:
@@ -17,11 +17,12 @@ def add_parser(commands: Any) -> None:
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text, or - to read it from standard input")
     p.add_argument("--target", required=True, metavar="PATH", help="Hugging Face model folder of the target")
     p.add_argument("--draft", metavar="PATH", help="Hugging Face model folder of the draft model")
+    p.add_argument("--head", metavar="PATH", help="draft head folder, speculators layout (for --drafter eagle)")
     p.add_argument(
         "--drafter",
         choices=DRAFTER_NAMES,
         default=None,
-        help="what proposes tokens (default: draft if --draft is given, else none)",
+        help="what proposes tokens (default: draft if --draft is given, eagle if --head is, else none)",
     )
     p.add_argument("--k", type=int, default=4, metavar="K", help="draft tokens per round (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
@@ -52,13 +53,16 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from decoder.drafters import PromptLookupConfig
     from decoder.engine import SpeculativeDecoder
+    from decoder.heads import load_head
     from decoder.models import load_model, parse_dtype, resolve_device
     from decoder.request_stop import StopConditions
     from decoder.sampling import SamplingParams
 
-    drafter = args.drafter or ("draft" if args.draft else "none")
+    drafter = args.drafter or ("draft" if args.draft else "eagle" if args.head else "none")
     if runs_draft_model(drafter) and not args.draft:
         raise UsageError(f"--drafter {drafter} needs --draft PATH")
+    if runs_head(drafter) and not args.head:
+        raise UsageError(f"--drafter {drafter} needs --head PATH")
     if args.k < 0:
         raise UsageError(f"--k must be >= 0, got {args.k}")
     try:
@@ -73,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype, device)
     target = load_model(args.target, device, dtype, args.runner)
     draft = load_model(args.draft, device, dtype, args.runner) if args.draft and runs_draft_model(drafter) else None
-    decoder = SpeculativeDecoder(target, draft, lookup)
+    head = load_head(args.head, target) if args.head and runs_head(drafter) else None
+    decoder = SpeculativeDecoder(target, draft, lookup, head=head)
     prompt_ids = decoder.encode(prompt)
     if not prompt_ids:
         raise UsageError("the prompt is empty after tokenization")

@@ -52,7 +52,7 @@ def save_checkpoint(cfg: DistillConfig, model: Any, optimizer: torch.optim.Optim
         "optimizer": optimizer.state_dict(),
         "run_state": asdict(state),
         "locked": cfg.locked(),
-        "model_config": model.config.to_dict(),
+        "model_config": model.config.to_dict() if hasattr(model, "config") else asdict(model.shape),  # a head's shape
         "rng": rng_state(),
     }
     tmp = cfg.checkpoint_dir / (STATE_FILE + ".tmp")

@@ -5,6 +5,7 @@ Example::
     specd distill --target models/target --init-draft models/draft --data corpus.jsonl --steps 2000 --out d1
     specd distill ... --steps 3000 --out d1 --resume     # continue from d1/checkpoint (the cosine stretches)
     specd distill --target models/target --draft-config draft.yaml --data docs/*.txt --steps 500 --out d2
+    specd distill --target models/target --head eagle --data corpus.jsonl --steps 400 --out head  # a draft head
 
 Imports nothing heavy at module level: ``specd --help`` must not load torch.
 """
@@ -16,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from decoder.choices import DTYPE_NAMES
-from distill.config import DistillConfig
+from distill.config import HEADS, DistillConfig
 
 
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("distill", help="distill a draft model from its target (raises α)")
     p.add_argument("--target", required=True, type=Path, metavar="PATH", help="Hugging Face model folder of the target")
     start = p.add_mutually_exclusive_group(required=True)
+    start.add_argument("--head", choices=HEADS, help="train a draft head on the target's own states instead")
     start.add_argument("--init-draft", type=Path, metavar="PATH", help="start from this draft (same tokenizer)")
     start.add_argument(
         "--draft-config", type=Path, metavar="FILE", help="start from a fresh draft of this HF config (JSON or YAML)"
@@ -38,6 +40,12 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--steps", required=True, type=int, metavar="N", help="optimizer steps in all")
     p.add_argument("--out", required=True, type=Path, metavar="PATH", help="folder for the draft, report, checkpoint")
     defaults = DistillConfig(target=Path(), data=(Path(),), steps=1, out=Path(), init_draft=Path())
+    p.add_argument("--head-hidden", type=int, default=None, metavar="N",
+                   help="--head: its width (default: the target's)")  # fmt: skip
+    p.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab, metavar="N",
+                   help="--head: the most frequent tokens it drafts (default 2048)")  # fmt: skip
+    p.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps, metavar="N",
+                   help="--head: drafting steps unrolled in training (default 3)")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="N")
     p.add_argument("--seq-len", type=int, default=defaults.seq_len, metavar="N", help="tokens per training block")
     p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate (AdamW, cosine decay)")
@@ -93,11 +101,19 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         threads=args.threads,
         device=args.device,
         dtype=args.dtype,
+        head=args.head,
+        head_hidden=args.head_hidden,
+        draft_vocab=args.draft_vocab,
+        ttt_steps=args.ttt_steps,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # validated before torch is imported
+    if cfg.head is not None:
+        from distill.head_pipeline import distill_head
+
+        return 0 if distill_head(cfg) is not None else 130
     from distill.pipeline import distill
 
     return 0 if distill(cfg) is not None else 130

@@ -13,6 +13,7 @@ EVAL_K = 4  # draft tokens per round when α is measured
 EVAL_PROMPT_TOKENS = 32  # length of each held-out prompt α is measured on
 HELDOUT_FRACTION = 0.1  # share of the documents kept out of training
 MAX_EVAL_BLOCKS = 16  # held-out blocks the KL and top-1 agreement are averaged over
+HEADS = ("eagle",)  # the draft heads ``--head`` trains (decoder/heads)
 
 # Settings a resumed run must share with the checkpoint it continues: what is learned, and from which batches.
 LOCKED_FIELDS = (
@@ -24,12 +25,18 @@ LOCKED_FIELDS = (
     "temperature",
     "self_generated",
     "generation_temperature",
+    "head",
+    "head_hidden",
+    "draft_vocab",
+    "ttt_steps",
 )
 
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """One ``specd distill`` run. ``init_draft`` xor ``draft_config`` says where the draft starts."""
+    """One ``specd distill`` run. ``init_draft`` xor ``draft_config`` says where the draft starts; ``head`` ("eagle")
+    trains a draft head instead (decoder/heads), ``head_hidden`` wide (None: the target's), over the ``draft_vocab``
+    most frequent tokens, unrolled ``ttt_steps`` drafting steps deep."""
 
     target: Path
     data: tuple[Path, ...]
@@ -55,10 +62,23 @@ class DistillConfig:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "float32"
+    head: str | None = None
+    head_hidden: int | None = None
+    draft_vocab: int = 2048
+    ttt_steps: int = 3
 
     def __post_init__(self) -> None:
-        if (self.init_draft is None) == (self.draft_config is None):
-            raise UsageError("give exactly one of --init-draft PATH or --draft-config FILE")
+        if self.head is not None:
+            if self.head not in HEADS:
+                raise UsageError(f"unknown --head {self.head!r}; choose one of {', '.join(HEADS)}")
+            if self.init_draft is not None or self.draft_config is not None:
+                raise UsageError("--head trains a draft head: give neither --init-draft nor --draft-config")
+            _at_least("--draft-vocab", self.draft_vocab, 2)
+            _at_least("--ttt-steps", self.ttt_steps, 1)
+            if self.head_hidden is not None:
+                _at_least("--head-hidden", self.head_hidden, 1)
+        elif (self.init_draft is None) == (self.draft_config is None):
+            raise UsageError("give exactly one of --init-draft PATH or --draft-config FILE, or --head eagle")
         if not self.data:
             raise UsageError("--data needs at least one file")
         _at_least("--steps", self.steps, 1)

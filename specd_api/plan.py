@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from specd_api.v1 import controller_pb2 as pb
 
 # What can speculate ("none" is always possible); chain: prompt lookup, the draft model when lookup finds no match;
-# suffix: the most frequent continuation in the request's text and its segment's earlier outputs.
-DRAFTERS = ("draft", "prompt_lookup", "chain", "suffix")
+# suffix: the most frequent continuation in the request's text and its segment's earlier outputs; eagle: a draft
+# head on the target's own hidden states.
+DRAFTERS = ("draft", "prompt_lookup", "chain", "suffix", "eagle")
 DRAFTER_NAMES = (*DRAFTERS, "none")
 # The one-hot drafters a worker can score counterfactually: replayed over the tokens a request emitted whatever ran,
 # for free (prompt lookup) or nearly (suffix decoding, on a share of requests).

@@ -126,6 +126,14 @@ MODEL_DRAFTERS = ("draft", "chain")  # the drafters that run the draft model (a 
 DRAFT_MODEL = "draft"  # the component every model drafter runs: its cost and calibration are measured under this name
 
 
+HEAD_DRAFTERS = ("eagle",)  # the drafters that run a draft head on the target's hidden states
+
+
+def runs_head(drafter: str) -> bool:
+    """Does ``drafter`` run a draft head (decoder/heads): offered only by a worker given one?"""
+    return drafter in HEAD_DRAFTERS
+
+
 def runs_draft_model(drafter: str) -> bool:
     """Does ``drafter`` run the draft model (its prefill, its stop rule, a proposal at every position)?"""
     return drafter in MODEL_DRAFTERS

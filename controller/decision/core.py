@@ -33,7 +33,7 @@ from controller.decision.timing_histogram import median, total
 from specd_api.lru import LruMemory
 from specd_api.modes import GREEDY, Mode, sampling_mode
 from specd_api.plan import Plan
-from specd_api.speedup import runs_draft_model
+from specd_api.speedup import runs_draft_model, runs_head
 
 TYPICAL_MAX_NEW_TOKENS = 128  # the request that GetSegmentStats's "decision now" is made for
 # What the caches key a segment with no counts by: every such segment's estimates are the same (the priors' alone), so
@@ -174,8 +174,9 @@ class Controller:
             predicted = (
                 prior.predict(d, request.temperature, request.prompt_tokens, request.self_repetition) if prior else None
             )
-            # Prompt lookup can only propose what the prompt repeats; a draft model always proposes.
-            proposal_prior = 1.0 if runs_draft_model(d) else min(max(request.self_repetition, 0.05), 0.95)
+            # Prompt lookup can only propose what the prompt repeats; a draft model or a head always proposes.
+            always = runs_draft_model(d) or runs_head(d)
+            proposal_prior = 1.0 if always else min(max(request.self_repetition, 0.05), 0.95)
             alpha = predicted or self.fleet_alpha(d, s.prior_alpha, settings.prior_strength, mode)
             fleet = calibration_factor(*self.learner.fleet_calibration(d, mode))
             inputs.append((d, round(alpha, 3), round(proposal_prior, 2), round(fleet, 2)))

@@ -34,9 +34,9 @@ from specd_api.yaml_config import (
 MAX_RULES = 1_000  # segment rules in one policy file
 RESOLVED_SEGMENTS = 10_000  # segments whose settings a policy remembers (the controller's segment cap is 1,000)
 
-DrafterName = Literal["draft", "prompt_lookup", "chain", "suffix"]
+DrafterName = Literal["draft", "prompt_lookup", "chain", "suffix", "eagle"]
 # specd_api.plan.DRAFTERS, typed for pydantic
-DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain", "suffix")
+DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain", "suffix", "eagle")
 
 
 class PolicyModel(Strict):
@@ -81,6 +81,8 @@ def _default_drafters() -> dict[DrafterName, DrafterSettings]:
         "chain": DrafterSettings(k_min=1, k_max=8, prior_alpha=0.5, cost_ratio=0.05),
         # model-free like lookup (c ≈ 0); its proposals stop where the matched continuation's frequency falls
         "suffix": DrafterSettings(k_min=1, k_max=16, prior_alpha=0.3, cost_ratio=0.0),
+        # a draft head on the target's states: one layer of the target's width, no prefill of its own
+        "eagle": DrafterSettings(k_min=1, k_max=8, prior_alpha=0.6, cost_ratio=0.15),
     }
 
 
@@ -113,7 +115,7 @@ class Settings(PolicyModel):
     counterfactual: bool = Field(
         True, description="score prompt lookup (every request) and suffix decoding (a share) whatever drafter runs"
     )
-    force: Literal["draft", "prompt_lookup", "chain", "suffix", "none"] | None = None
+    force: Literal["draft", "prompt_lookup", "chain", "suffix", "eagle", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64, description="K when force names a drafter")
     drafters: dict[DrafterName, DrafterSettings] = Field(default_factory=_default_drafters)
 
@@ -147,7 +149,7 @@ class SettingsOverride(PolicyModel):
     probe_rounds: int | None = Field(None, ge=0, le=64)
     k_headroom: int | None = Field(None, ge=0, le=64)
     counterfactual: bool | None = None
-    force: Literal["draft", "prompt_lookup", "chain", "suffix", "none"] | None = None
+    force: Literal["draft", "prompt_lookup", "chain", "suffix", "eagle", "none"] | None = None
     force_k: int | None = Field(None, ge=1, le=64)
     drafters: dict[DrafterName, DrafterOverride] = Field(default_factory=dict)
 

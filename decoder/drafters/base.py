@@ -49,6 +49,15 @@ class Drafter(ABC):
     def rollback(self, context: torch.Tensor) -> None:  # noqa: B027 (stateless drafters keep nothing)
         """After verification: forget whatever is not a prefix of the new ``context``.  # [t] int64 on CPU"""
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose entering states this drafter reads (``observe``); none for most drafters."""
+        return ()
+
+    def observe(self, states: torch.Tensor) -> None:  # noqa: B027 (only a head reads the target's states)
+        """The target's states (at ``feature_layers``) of the tokens its last pass kept, in context order: every
+        context token's but the last, over the rounds.  # states: [m, layers * hidden]"""
+
     def drafts_with_model(self, context: torch.Tensor, k: int) -> bool:
         """Would ``propose(context, k)`` draft with its draft model this round (``draft_model_of``)? An engine that
         batches the draft model across sequences (``propose_together``) drafts those rounds itself, and calls

@@ -81,16 +81,8 @@ class DraftModelDrafter(Drafter, RunsDraftModel):
         return k if max_context is None else min(k, max_context - context.shape[0] + 1)
 
     def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The next draft token from ``logits`` [1, vocab], and q when it was sampled; None when the stop rule
-        ends the round here.  # -> [1], [1, vocab]"""
-        if self.params.is_greedy:
-            if self.stop_threshold > 0 and confidence(logits.float().softmax(dim=-1)) < self.stop_threshold:
-                return None
-            return logits.argmax(dim=-1), None
-        q = logits_to_probs(logits, self.params)
-        if self.stop_threshold > 0 and confidence(q) < self.stop_threshold:
-            return None
-        return sample(q, self.generator), q
+        """The next draft token from ``logits`` [1, vocab] (``pick_token``).  # -> [1], [1, vocab]"""
+        return pick_token(logits, self.params, self.generator, self.stop_threshold)
 
     def rollback(self, context: torch.Tensor) -> None:
         # Keep the longest prefix the cache shares with the verified context, and always leave the last
@@ -143,6 +135,22 @@ def propose_together(
             continue
         drafts.append(Draft(drafted, torch.cat(probs[i]) if probs[i] else None))
     return drafts
+
+
+def pick_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, stop_threshold: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A drafter's next token from its ``logits`` [1, vocab], and q when it was sampled (greedy: the argmax, q
+    one-hot); None when the stop rule ends the round here (its confidence under ``stop_threshold``, 0: never).
+    # -> [1], [1, vocab] | None"""
+    if params.is_greedy:
+        if stop_threshold > 0 and confidence(logits.float().softmax(dim=-1)) < stop_threshold:
+            return None
+        return logits.argmax(dim=-1), None
+    q = logits_to_probs(logits, params)
+    if stop_threshold > 0 and confidence(q) < stop_threshold:
+        return None
+    return sample(q, generator), q
 
 
 def confidence(probs: torch.Tensor) -> float:

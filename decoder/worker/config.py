@@ -261,6 +261,9 @@ class WorkerConfig(Strict):
     worker_id: str | None = Field(None, description="reported to the controller; default: hostname:port")
     target: Path = Path("../models/reference/target")
     draft: Path | None = Path("../models/reference/draft")
+    head: Path | None = Field(
+        None, description="a draft head for the target (speculators layout, decoder/heads): offers the eagle drafter"
+    )
     model_name: str = Field("specd-reference", min_length=1, description="the name /v1/models lists")
     device: str = "auto"
     dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = Field(
@@ -321,6 +324,7 @@ class WorkerConfig(Strict):
             update={
                 "target": base / self.target.expanduser(),
                 "draft": base / self.draft.expanduser() if self.draft is not None else None,
+                "head": base / self.head.expanduser() if self.head is not None else None,
                 "telemetry": self.telemetry.resolve(base),
             }
         )

@@ -52,7 +52,7 @@ class SpeculationChoice(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    drafter: Literal["draft", "prompt_lookup", "chain", "suffix", "none"]  # specd_api.plan.DRAFTER_NAMES
+    drafter: Literal["draft", "prompt_lookup", "chain", "suffix", "eagle", "none"]  # specd_api.plan.DRAFTER_NAMES
     k: int = Field(0, ge=0, le=64)
     report: bool = True
 

@@ -28,6 +28,7 @@ from decoder.batch_engine import BatchEngine
 from decoder.calibration import CALIBRATION_SEGMENT, TimedSequence, calibration_prompt, measure_costs
 from decoder.drafters import PromptLookupConfig, SuffixCache
 from decoder.engine import GenerationResult
+from decoder.heads import load_head
 from decoder.models import load_model, parse_dtype, resolve_device
 from decoder.request_stop import StopConditions
 from decoder.sampling import SamplingParams
@@ -208,7 +209,8 @@ class WorkerService:
             cfg.prompt_lookup.min_ngram, cfg.prompt_lookup.max_ngram, cfg.prompt_lookup.branches
         )
         cache = SuffixCache(cfg.suffix.config())  # one per worker: filled by ``_share`` as requests finish
-        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache)
+        head = load_head(cfg.head, target) if cfg.head is not None else None
+        engine = BatchEngine(target, draft, lookup, max_batch=cfg.max_batch, suffix_cache=cache, head=head)
         if cfg.warm_up:
             started = time.perf_counter()
             captured = engine.capture_graphs()  # before any round: the warm-up's rounds then replay them

@@ -12,7 +12,10 @@ from matplotlib.figure import Figure
 
 from specd.bench.measure import ADAPTIVE, STATIC_ARMS, Sample
 
-COLOURS = {"draft": "#2a9d8f", "prompt_lookup": "#e76f51", "chain": "#6a4c93", "suffix": "#e9c46a", "none": "#8d99ae"}
+COLOURS = {
+    "draft": "#2a9d8f", "prompt_lookup": "#e76f51", "chain": "#6a4c93", "suffix": "#e9c46a", "eagle": "#264653",
+    "none": "#8d99ae",
+}  # fmt: skip
 
 
 def plot_speedups(segments: dict[str, dict[str, Any]], path: Path) -> Path:

@@ -223,5 +223,5 @@ def test_an_unknown_drafter_name_is_quoted_short():
         parse_policy(f"defaults:\n  drafters:\n    {name}: {{k_max: 2}}\n", "p.yaml")
     assert str(caught.value) == (
         f"p.yaml:3: defaults.drafters.{'d' * 64!r}... (1000 characters)[key]: Input should be 'draft', "
-        "'prompt_lookup', 'chain' or 'suffix'"
+        "'prompt_lookup', 'chain', 'suffix' or 'eagle'"
     )

@@ -1,0 +1,72 @@
+"""The ``eagle`` drafter: an EAGLE-3 head (decoder/heads) drafting from the target's own hidden states.
+
+The target's passes hand it the states of every token they keep (``observe``: the engine taps the prefill and each
+verification pass, decoder.runners.base.FeatureTap), so it runs no target pass of its own: row p of ``features``
+is the target's states at context token p, known for every token but the context's last. Its cache's entries
+0..``fed`` - 1 are built from those; a round first feeds the entries the last verification made known (entry p:
+token p's states with token p + 1, one batch), then drafts one token per entry from its own output. Rollback drops
+every entry built from its own output and the states of tokens no longer in the context.
+
+Exact as any drafter: greedy drafts are the head's argmax, sampled ones are drawn from q (its probabilities over
+the target's vocabulary, 0 off its draft vocabulary) and carried with the draft for rejection sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter
+from decoder.drafters.draft_model import pick_token
+from decoder.heads import HeadCache, LoadedHead
+from decoder.sampling import SamplingParams
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+
+    def __init__(self, loaded: LoadedHead, params: SamplingParams, generator: torch.Generator | None) -> None:
+        self.head = loaded.head
+        self.params, self.generator = params, generator
+        self.cache = HeadCache(self.head)
+        weight = self.head.fc.weight
+        self.features = torch.empty(0, self.head.shape.features, dtype=weight.dtype, device=weight.device)  # [t-1, f]
+        self.fed = 0  # cache entries built from the target's states
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.shape.aux_layers
+
+    def observe(self, states: torch.Tensor) -> None:
+        """The target's states of the tokens its last pass kept, in context order.  # [m, f]"""
+        self.features = torch.cat([self.features, states.to(self.features.dtype)])
+
+    @torch.inference_mode()
+    def propose(self, context: torch.Tensor, k: int) -> Draft:
+        t = int(context.shape[0])
+        if k < 1 or t < 2 or self.features.shape[0] < t - 1:
+            return Draft(EMPTY_TOKENS)  # no states for the context (the target's pass handed none)
+        start = min(self.fed, t - 2)  # at least the last known entry: its output drafts the first token
+        self.cache.truncate(start)
+        device = self.features.device
+        fused = self.head.fc(self.features[start : t - 1])  # [t - 1 - start, hidden]
+        out = self.cache.forward(fused, context[start + 1 : t].to(device))[-1:]  # [1, hidden]
+        self.fed = t - 1
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for position in range(k):
+            picked = pick_token(self.head.target_logits(out), self.params, self.generator)
+            assert picked is not None  # no stop rule: every position drafts
+            token, q = picked
+            tokens.append(token)
+            if q is not None:
+                probs.append(q)
+            if position + 1 < k:
+                out = self.cache.forward(out, token.to(device))
+        drafted = torch.cat(tokens).cpu()
+        return Draft(drafted, torch.cat(probs) if probs else None)
+
+    def rollback(self, context: torch.Tensor) -> None:
+        known = int(context.shape[0]) - 1
+        self.features = self.features[:known]
+        self.fed = min(self.fed, known)
+        self.cache.truncate(self.fed)

@@ -1,0 +1,155 @@
+"""The ``eagle`` drafter (decoder/drafters/eagle.py) over a tiny Llama and a random EAGLE-3 head.
+
+- Exact: greedy output with ``eagle`` equals target-only on every pass that hands states (native, lean, invariant,
+  transformers), alone and in a batch; a head trained on the target's own text drafts tokens it accepts.
+- The head's incremental cache drafts what a fresh head fed every state at once drafts, round after round (the
+  states the verification passes hand are the right ones, and rollback drops exactly the drafted entries).
+- Its folder (speculators layout) round-trips, and a head for another target is refused by name and by size.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decoder.batch_engine import BatchEngine
+from decoder.drafters.eagle import EagleDrafter
+from decoder.engine import SpeculativeDecoder
+from decoder.heads import EagleHead, HeadShape, LoadedHead, load_head, save_head
+from decoder.models import LoadedModel, from_objects
+from decoder.request_stop import StopConditions
+from decoder.runners import KVPool
+from decoder.runners.base import FeatureTap
+from decoder.sampling import SamplingParams
+from decoder.tiny import build_model
+from specd_api.errors import ModelLoadError
+
+VOCAB = 48
+PASSES = ("native", "lean", "invariant", "transformers")
+PROMPT = [3, 7, 1, 9, 4, 11, 2, 5, 3, 7, 1]
+
+
+def words() -> object:
+    """Token i is the word "t{i}"."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+
+
+def target(runner: str = "lean", name: str = "tiny-target") -> LoadedModel:
+    model = build_model("llama", VOCAB, seed=11, hidden=64, layers=4).eval()
+    loaded = from_objects(model, words(), f"models/{name}", runner=runner)
+    if runner == "native" and KVPool(loaded, 1).forward_pass.name != "native":
+        pytest.skip("the native pass does not run here (no gcc or no AVX2)")
+    return loaded
+
+
+def random_head(seed: int = 0, draft_vocab: int = 32) -> LoadedHead:
+    shape = HeadShape(
+        hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=VOCAB, draft_vocab=draft_vocab,
+        target_hidden=64, aux_layers=(0, 2, 3),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    head = EagleHead(shape)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.3)
+        ids = torch.randperm(VOCAB)[:draft_vocab].sort().values  # the draft vocabulary: target ids, ascending
+        head.d2t.copy_(ids - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    return LoadedHead(head.eval(), "models/tiny-target", "random")
+
+
+def rules(n: int = 24) -> StopConditions:
+    return StopConditions(max_new_tokens=n)
+
+
+@pytest.mark.parametrize("runner", PASSES)
+def test_greedy_eagle_equals_target_only(runner):
+    lm = target(runner)
+    decoder = SpeculativeDecoder(lm, head=random_head())
+    plain = decoder.generate(PROMPT, "none", 0, SamplingParams(), rules())
+    for k in (1, 3, 5):
+        spec = decoder.generate(PROMPT, "eagle", k, SamplingParams(), rules())
+        assert spec.token_ids == plain.token_ids, (runner, k)
+        assert spec.stats.num_drafted > 0
+
+
+def test_a_batch_of_eagle_sequences_equals_each_alone():
+    lm = target("native")
+    engine = BatchEngine(lm, max_batch=3, head=random_head())
+    prompts = [PROMPT, PROMPT[:5], [9, 9, 4, 2, 7, 30, 31, 2]]
+    alone = [engine.generate(p, "none", 0, SamplingParams(), rules()).token_ids for p in prompts]
+    from specd_api.plan import requested
+
+    sessions = [engine.open(p, SamplingParams(), rules(), requested("eagle", 4)) for p in prompts]
+    while any(s.finish_reason is None for s in sessions):
+        engine.step([s for s in sessions if s.finish_reason is None])
+    assert [s.generated for s in sessions] == alone
+    for s in sessions:
+        engine.close(s)
+
+
+def fresh_draft(lm: LoadedModel, head: LoadedHead, context: torch.Tensor, k: int) -> list[int]:
+    """What a head that has seen nothing drafts after ``context``, given the states of all but its last token."""
+    tap = FeatureTap(head.shape.aux_layers)
+    with torch.inference_mode():
+        KVPool(lm, 1).open().forward(context[:-1], tap=tap)
+    drafter = EagleDrafter(head, SamplingParams(), None)
+    assert tap.rows is not None
+    drafter.observe(tap.rows[0])
+    return drafter.propose(context, k).tokens.tolist()
+
+
+@pytest.mark.parametrize("runner", ("native", "transformers"))
+def test_each_round_drafts_what_a_fresh_head_drafts(runner):
+    lm = target(runner)
+    head = random_head(seed=3)
+    decoder = SpeculativeDecoder(lm, head=head)
+    from specd_api.plan import requested
+
+    session = decoder.session(PROMPT, SamplingParams(), rules(30), requested("eagle", 4))
+    session.prefill()
+    rounds = 0
+    while session.finish_reason is None:
+        expected = fresh_draft(lm, head, session.context, 4)
+        drafted = session.drafter.propose(session.context, 4).tokens.tolist()
+        assert drafted == expected, f"round {rounds}"
+        session.drafter.rollback(session.context)  # the probe's drafted entries go, as a verified round's do
+        session.step()
+        rounds += 1
+    assert rounds > 3
+
+
+def test_the_head_folder_round_trips_and_refuses_another_target(tmp_path):
+    lm = target("lean")
+    head = random_head(seed=5)
+    save_head(head.head, tmp_path / "head", "models/tiny-target", ["LlamaForCausalLM"])
+    loaded = load_head(tmp_path / "head", lm)
+    context = torch.tensor(PROMPT)
+    assert fresh_draft(lm, loaded, context, 5) == fresh_draft(lm, bf16_rounded(head), context, 5)
+
+    with pytest.raises(ModelLoadError, match=r"verifier.name_or_path: the head was trained for 'models/tiny-target'"):
+        load_head(tmp_path / "head", target("lean", name="another"))
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config["target_hidden_size"] = 128
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"field target_hidden_size: the head has 128, the target .* 64"):
+        load_head(tmp_path / "head", lm)
+    config["speculators_config"]["algorithm"] = "medusa"
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"speculators_config.algorithm: 'medusa' is not 'eagle3'"):
+        load_head(tmp_path / "head", lm)
+
+
+def bf16_rounded(loaded: LoadedHead) -> LoadedHead:
+    """The head as its folder stores it: weights rounded to bfloat16, computed in float32."""
+    head = EagleHead(loaded.shape)
+    head.load_state_dict({n: v.bfloat16().float() if v.is_floating_point() else v
+                          for n, v in loaded.head.state_dict().items()})  # fmt: skip
+    return LoadedHead(head.eval(), loaded.verifier, loaded.name)
