@@ -153,3 +153,84 @@ def bf16_rounded(loaded: LoadedHead) -> LoadedHead:
     head.load_state_dict({n: v.bfloat16().float() if v.is_floating_point() else v
                           for n, v in loaded.head.state_dict().items()})  # fmt: skip
     return LoadedHead(head.eval(), loaded.verifier, loaded.name)
+
+
+# -- sampled: the target's distribution, whatever the head drafts ------------------------------------------------
+
+
+def small_vocab_head() -> LoadedHead:
+    """A random head over distribution.py's 6-token target (2 layers): it drafts 5 of the 6 tokens, so q is 0 on one
+    token the target may still emit."""
+    from tests.decoder.distribution import VOCAB as SMALL
+
+    shape = HeadShape(hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, vocab=SMALL, draft_vocab=SMALL - 1,
+                      target_hidden=64, aux_layers=(0, 1, 1))  # fmt: skip
+    torch.manual_seed(7)
+    head = EagleHead(shape).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0.0, 0.5)
+        ids = torch.tensor([0, 1, 2, 4, 5])
+        head.d2t.copy_(ids - torch.arange(SMALL - 1))
+        head.t2d.zero_()
+        head.t2d[ids] = True
+    return LoadedHead(head.eval(), "target", "random")
+
+
+def sampled_after_first(decoder: SpeculativeDecoder, samples: int = 1000) -> list[tuple[int, ...]]:
+    from tests.decoder.distribution import PROMPT as SMALL_PROMPT
+
+    rules = StopConditions(max_new_tokens=4)
+    return [
+        tuple(decoder.generate(list(SMALL_PROMPT), "eagle", 3, SamplingParams(temperature=1.0, seed=s), rules)
+              .token_ids[1:3])
+        for s in range(samples)
+    ]  # fmt: skip
+
+
+def test_sampled_eagle_keeps_the_targets_distribution():
+    from tests.decoder.distribution import (
+        PROMPT as SMALL_PROMPT,
+    )
+    from tests.decoder.distribution import (
+        REJECT_BELOW,
+        chi_square_pvalue,
+        exact_after_first,
+        small_vocab_lm,
+        small_vocab_tokenizer,
+    )
+
+    small = small_vocab_lm(small_vocab_tokenizer(), 0, "target")
+    decoder = SpeculativeDecoder(small, head=small_vocab_head())
+    exact = exact_after_first(small, SMALL_PROMPT, SamplingParams(temperature=1.0), 2)
+    pvalue = chi_square_pvalue(sampled_after_first(decoder), exact)
+    assert pvalue > REJECT_BELOW, f"eagle's samples do not follow the target's distribution (p = {pvalue:.2e})"
+
+
+def test_a_head_whose_q_is_off_by_one_id_is_detected(monkeypatch):
+    # q carried one id off the tokens it was drawn from (a draft-to-target id mapping applied to the token only):
+    # rejection sampling then accepts by the wrong ratio. (A q dropped altogether, one-hot, stays exact.)
+    import decoder.drafters.eagle as eagle
+    from tests.decoder.distribution import (
+        PROMPT as SMALL_PROMPT,
+    )
+    from tests.decoder.distribution import (
+        REJECT_BELOW,
+        chi_square_pvalue,
+        exact_after_first,
+        small_vocab_lm,
+        small_vocab_tokenizer,
+    )
+
+    real = eagle.pick_token
+
+    def shifted(*args, **kwargs):
+        token, q = real(*args, **kwargs)  # type: ignore[misc]
+        return token, q.roll(1, dims=-1)
+
+    monkeypatch.setattr(eagle, "pick_token", shifted)
+    small = small_vocab_lm(small_vocab_tokenizer(), 0, "target")
+    decoder = SpeculativeDecoder(small, head=small_vocab_head())
+    exact = exact_after_first(small, SMALL_PROMPT, SamplingParams(temperature=1.0), 2)
+    pvalue = chi_square_pvalue(sampled_after_first(decoder), exact)
+    assert pvalue < REJECT_BELOW, f"the test cannot tell a q one id off (p = {pvalue:.2e})"

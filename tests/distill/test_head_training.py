@@ -58,6 +58,45 @@ def test_training_time_test_computes_what_drafting_computes():
             torch.testing.assert_close(head.draft_logits(second)[0], logits[2][0, p], rtol=0, atol=1e-12)
 
 
+def test_the_drafter_drafts_what_training_predicts():
+    # The serving drafter against training's own computation: from the states of a context, each drafted token is
+    # the unrolled step's argmax at its entry, mapped by the draft vocabulary built here (not by the head's own map).
+    from decoder.drafters.eagle import EagleDrafter
+    from decoder.heads import LoadedHead
+    from decoder.models import from_objects
+    from decoder.runners import KVPool
+    from decoder.runners.base import FeatureTap
+    from decoder.sampling import SamplingParams
+
+    target, head = shapes()
+    ids = torch.tensor([1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27,
+                        28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 40, 41, 44, 47])  # fmt: skip
+    with torch.no_grad():
+        head.d2t.copy_(ids - torch.arange(40))
+    lm = from_objects(target, None, "models/tiny", runner="lean")
+    context = torch.tensor([3, 7, 1, 9, 4, 11, 2, 5, 3, 7, 1, 30])
+    tap = FeatureTap(head.shape.aux_layers)
+    with torch.inference_mode():
+        KVPool(lm, 1).open().forward(context[:-1], tap=tap)
+    assert tap.rows is not None
+    t = context.shape[0]
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=5)):  # greedy tokens; sampled: q itself
+        drafter = EagleDrafter(LoadedHead(head, "models/tiny", "random"), params, torch.Generator().manual_seed(5))
+        drafter.observe(tap.rows[0])
+        draft = drafter.propose(context, 3)
+        batch = torch.cat([context, draft.tokens[:2]])[None]  # the drafted tokens stand where training reads true ones
+        states, _ = target_states(target, batch, head.shape.aux_layers)
+        with torch.no_grad():
+            logits = [unrolled_logits(head, states.double(), batch, 3)[step][0, t - 2 + step] for step in range(3)]
+        if params.is_greedy:
+            assert draft.tokens.tolist() == [int(ids[step.argmax()]) for step in logits]
+        else:
+            assert draft.probs is not None
+            for step, q in zip(logits, draft.probs, strict=True):
+                torch.testing.assert_close(q[ids].double(), step.softmax(-1), rtol=0, atol=1e-6)  # q in float32
+                assert float(q.sum() - q[ids].sum()) == 0.0  # nothing off the draft vocabulary
+
+
 def test_the_draft_vocabulary_and_the_loss():
     stream = torch.tensor([5, 5, 5, 2, 2, 9, 9, 1, 7])
     assert draft_vocabulary(stream, 12, 3).tolist() == [2, 5, 9]  # the 3 most frequent, ascending
