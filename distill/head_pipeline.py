@@ -90,7 +90,7 @@ def distill_head(
 
     after = evaluate_head(target, head, heldout, cfg)
     architectures = list(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
-    save_head(head, cfg.out, str(cfg.target), architectures)
+    save_head(head, cfg.out, str(cfg.target), architectures, shares_embeddings=shape.hidden == shape.target_hidden)
     report = Report(before=before, after=after, steps=state.step, tokens=state.step * cfg.tokens_per_step,
                     seconds=state.seconds, eval_prompts=len(heldout.prompts), eval_tokens=cfg.eval_tokens)  # fmt: skip
     report.write(cfg.report_path)

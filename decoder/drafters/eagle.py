@@ -17,7 +17,8 @@ import torch
 
 from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter
 from decoder.drafters.draft_model import pick_token
-from decoder.heads import HeadCache, LoadedHead
+from decoder.heads import LoadedHead
+from decoder.heads.runner import runner_for
 from decoder.sampling import SamplingParams
 
 
@@ -27,7 +28,7 @@ class EagleDrafter(Drafter):
     def __init__(self, loaded: LoadedHead, params: SamplingParams, generator: torch.Generator | None) -> None:
         self.head = loaded.head
         self.params, self.generator = params, generator
-        self.cache = HeadCache(self.head)
+        self.runner = runner_for(self.head)  # the head's layer for this sequence: native where it applies
         weight = self.head.fc.weight
         self.features = torch.empty(0, self.head.shape.features, dtype=weight.dtype, device=weight.device)  # [t-1, f]
         self.fed = 0  # cache entries built from the target's states
@@ -46,27 +47,33 @@ class EagleDrafter(Drafter):
         if k < 1 or t < 2 or self.features.shape[0] < t - 1:
             return Draft(EMPTY_TOKENS)  # no states for the context (the target's pass handed none)
         start = min(self.fed, t - 2)  # at least the last known entry: its output drafts the first token
-        self.cache.truncate(start)
+        self.runner.truncate(start)
         device = self.features.device
-        fused = self.head.fc(self.features[start : t - 1])  # [t - 1 - start, hidden]
-        out = self.cache.forward(fused, context[start + 1 : t].to(device))[-1:]  # [1, hidden]
+        out, logits = self.runner.feed(self.features[start : t - 1], context[start + 1 : t].to(device))
         self.fed = t - 1
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for position in range(k):
-            picked = pick_token(self.head.target_logits(out), self.params, self.generator)
-            assert picked is not None  # no stop rule: every position drafts
-            token, q = picked
+            token, q = self.pick(logits)
             tokens.append(token)
             if q is not None:
                 probs.append(q)
             if position + 1 < k:
-                out = self.cache.forward(out, token.to(device))
+                out, logits = self.runner.step(out, token.to(device))
         drafted = torch.cat(tokens).cpu()
         return Draft(drafted, torch.cat(probs) if probs else None)
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next token from the head's draft-vocabulary ``logits`` [1, draft_vocab], as a target id, and q over
+        the target's vocabulary when sampled.  # -> [1], [1, vocab] | None"""
+        if self.params.is_greedy:  # the argmax, mapped: no logits over the whole vocabulary needed
+            return self.head.target_ids()[logits.argmax(dim=-1)].cpu(), None
+        picked = pick_token(self.head.spread(logits), self.params, self.generator)
+        assert picked is not None  # no stop rule: every position drafts
+        return picked
 
     def rollback(self, context: torch.Tensor) -> None:
         known = int(context.shape[0]) - 1
         self.features = self.features[:known]
         self.fed = min(self.fed, known)
-        self.cache.truncate(self.fed)
+        self.runner.truncate(self.fed)

@@ -23,6 +23,7 @@ from specd_api.errors import ModelLoadError
 
 ALGORITHM = "eagle3"
 WEIGHTS = "model.safetensors"
+EMBEDDINGS = "embed_tokens.weight"  # left out of a head that shares its verifier's: the target's are taken
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,11 @@ def head_config(shape: HeadShape, verifier: str, architectures: list[str], k: in
     }
 
 
-def save_head(head: EagleHead, folder: Path, verifier: str, architectures: list[str]) -> None:
-    """Write ``head`` into ``folder`` in the speculators layout, its weights in bfloat16 (as the targets ship)."""
+def save_head(
+    head: EagleHead, folder: Path, verifier: str, architectures: list[str], shares_embeddings: bool = False
+) -> None:
+    """Write ``head`` into ``folder`` in the speculators layout, its weights in bfloat16 (as the targets ship);
+    ``shares_embeddings``: its embeddings are the verifier's own, left out (a loader takes the target's)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -84,6 +88,7 @@ def save_head(head: EagleHead, folder: Path, verifier: str, architectures: list[
     state = {
         name: (value.bfloat16() if value.is_floating_point() else value).detach().contiguous().cpu()
         for name, value in head.state_dict().items()
+        if not (shares_embeddings and name == EMBEDDINGS)
     }
     save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
 
@@ -102,7 +107,7 @@ def load_head(folder: str | Path, target: LoadedModel) -> LoadedHead:
     shape, verifier = parse_config(config, config_file, target.num_layers)
     check_verifier(shape, verifier, target, config_file)
     head = EagleHead(shape)
-    load_weights(head, path / WEIGHTS)
+    load_weights(head, path / WEIGHTS, target)
     dtype = torch.float32 if target.device.type == "cpu" else next(target.model.parameters()).dtype
     head = head.to(device=target.device, dtype=dtype).eval()
     return LoadedHead(head, verifier, str(path))
@@ -171,8 +176,9 @@ def check_verifier(shape: HeadShape, verifier: str, target: LoadedModel, where: 
         raise ModelLoadError(f"{where}: field {field}: the head has {ours}, the target {target.name!r} {theirs}")
 
 
-def load_weights(head: EagleHead, file: Path) -> None:
-    """Fill ``head`` from ``file``: every weight it has, of its shape; a missing or misshapen one is named."""
+def load_weights(head: EagleHead, file: Path, target: LoadedModel) -> None:
+    """Fill ``head`` from ``file``: every weight it has, of its shape; a missing or misshapen one is named. Missing
+    embeddings are the target's (a head of the target's width shares them)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -181,6 +187,8 @@ def load_weights(head: EagleHead, file: Path) -> None:
     except (OSError, SafetensorError) as e:
         raise ModelLoadError(f"{file}: cannot read the weights: {e}") from None
     own = head.state_dict()
+    if EMBEDDINGS not in state and head.shape.hidden == target.hidden_size:
+        state[EMBEDDINGS] = target.model.get_input_embeddings().weight.detach().float().cpu()
     for name, value in own.items():
         if name not in state:
             raise ModelLoadError(f"{file}: tensor {name!r} is missing")

@@ -152,9 +152,9 @@ class EagleHead(nn.Module):
         """The head's logits over its draft vocabulary.  # out: [n, hidden] -> [n, draft_vocab]"""
         return self.lm_head(self.norm(out))
 
-    def target_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """The logits over the target's vocabulary: -inf off the draft vocabulary.  # [n, hidden] -> [n, vocab]"""
-        small = self.draft_logits(out)
+    def spread(self, small: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits over the target's vocabulary: -inf off the draft vocabulary.
+        # [n, draft_vocab] -> [n, vocab]"""
         logits = small.new_full((small.shape[0], self.shape.vocab), float("-inf"))
         logits[:, self.target_ids()] = small
         return logits

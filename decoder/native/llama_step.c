@@ -621,3 +621,114 @@ int specd_llama_forward_rows(const Model *m, int rows, const int64_t *desc, cons
     free(tok); free(keep); free(depth); free(paths);
     return status;
 }
+
+/* ---- an EAGLE-3 draft head (decoder/heads/model.py) ------------------------------------------------------------- */
+
+/* One head's weights (packed like a layer's) and one sequence's cache of its layer ([kv_heads, capacity, head_dim]). */
+typedef struct {
+    int32_t hidden, heads, kv_heads, head_dim, inter, draft_vocab, features;
+    int32_t bf16, norm_before_residual;
+    float eps, scale;
+    const void *fc;      /* [hidden, features] */
+    const float *fc_bias; /* [hidden] */
+    const void *wqkv;    /* [(heads + 2 kv_heads) head_dim, 2 hidden]: q, k, v stacked */
+    const void *wo;      /* [hidden, heads head_dim] */
+    const void *wgu;     /* [2 inter, hidden] */
+    const void *wdown;   /* [hidden, inter] */
+    const float *ln_in, *ln_hidden, *ln_post, *norm; /* [hidden] each */
+    const void *head;    /* [draft_vocab, hidden] */
+    const float *embed;  /* [vocab, hidden] float32 */
+    const float *cos, *sin; /* [capacity, head_dim] */
+    float *keys, *values;   /* [kv_heads, capacity, head_dim] */
+    int64_t capacity;
+} Head;
+
+/* Append `n` entries at cache entries start.. (rotary positions the same): entry t joins `tokens[t]`'s embedding with
+ * `features[t]` projected by fc (NULL: with `fused[t]`, the head's own output, as drafting feeds it). Writes every
+ * entry's layer output to `out` ([n, hidden]) and the last entry's draft-vocabulary logits to `logits`. Returns 0,
+ * or -1 when scratch memory is short. Batch-invariant like the pass: each entry by the same instructions. */
+int specd_eagle_forward(const Head *m, int n, const int64_t *tokens, const float *features, const float *fused,
+                        int64_t start, float *out, float *logits, int threads) {
+    const int hidden = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads, inter = m->inter;
+    const int qkv_width = (heads + 2 * kvh) * d, group = heads / kvh;
+    float *residual = malloc(sizeof(float) * (size_t)n * hidden);
+    float *a = malloc(sizeof(float) * (size_t)n * 2 * hidden);
+    float *qkv = malloc(sizeof(float) * (size_t)n * qkv_width);
+    float *att = malloc(sizeof(float) * (size_t)n * heads * d);
+    float *h = malloc(sizeof(float) * (size_t)n * hidden);
+    float *gu = malloc(sizeof(float) * (size_t)n * 2 * inter);
+    float *act = malloc(sizeof(float) * (size_t)n * inter);
+    float *scores = malloc(sizeof(float) * (size_t)threads * (start + n));
+    float *tail = malloc(sizeof(float) * hidden);
+    const int in_most = m->features > 2 * hidden ? m->features : 2 * hidden;
+    const int widest = in_most > inter ? in_most : inter;
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)n * widest);
+    int failed = !residual || !a || !qkv || !att || !h || !gu || !act || !scores || !tail || !xb;
+    if (!failed) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *my_scores = scores + (int64_t)omp_get_thread_num() * (start + n);
+            if (features) {
+                matmul(m->fc, m->bf16, hidden, m->features, features, m->features, n, residual, hidden, xb);
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++)
+                    for (int i = 0; i < hidden; i++) residual[(int64_t)t * hidden + i] += m->fc_bias[i];
+            } else {
+#pragma omp for schedule(static)
+                for (int t = 0; t < n; t++)
+                    memcpy(residual + (int64_t)t * hidden, fused + (int64_t)t * hidden, sizeof(float) * hidden);
+            }
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                float *row = a + (int64_t)t * 2 * hidden, *res = residual + (int64_t)t * hidden;
+                rms_norm(m->embed + tokens[t] * hidden, m->ln_in, hidden, m->eps, row);
+                rms_norm(res, m->ln_hidden, hidden, m->eps, row + hidden);
+                if (m->norm_before_residual) memcpy(res, row + hidden, sizeof(float) * hidden);
+            }
+            matmul(m->wqkv, m->bf16, qkv_width, 2 * hidden, a, 2 * hidden, n, qkv, qkv_width, xb);
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                float *row = qkv + (int64_t)t * qkv_width;
+                const float *c = m->cos + (start + t) * d, *s = m->sin + (start + t) * d;
+                for (int hd = 0; hd < heads + kvh; hd++) rope(row + hd * d, c, s, d);
+                for (int g = 0; g < kvh; g++) {
+                    int64_t at = (int64_t)g * m->capacity * d + (start + t) * d;
+                    memcpy(m->keys + at, row + (heads + g) * d, sizeof(float) * d);
+                    memcpy(m->values + at, row + (heads + kvh + g) * d, sizeof(float) * d);
+                }
+            }
+#pragma omp for schedule(static) collapse(2)
+            for (int t = 0; t < n; t++)
+                for (int hd = 0; hd < heads; hd++) {
+                    int64_t base = (int64_t)(hd / group) * m->capacity * d;
+                    attend(qkv + (int64_t)t * qkv_width + hd * d, m->keys + base, m->values + base, start + t + 1,
+                           NULL, 0, d, m->scale, my_scores, att + ((int64_t)t * heads + hd) * d);
+                }
+            matmul(m->wo, m->bf16, hidden, heads * d, att, heads * d, n, h, hidden, xb);
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                float *xr = out + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
+                const float *rr = residual + (int64_t)t * hidden;
+                for (int i = 0; i < hidden; i++) xr[i] = rr[i] + hr[i];
+                rms_norm(xr, m->ln_post, hidden, m->eps, hr);
+            }
+            matmul(m->wgu, m->bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter, xb);
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                const float *g = gu + (int64_t)t * 2 * inter;
+                silu_mul(g, g + inter, inter, act + (int64_t)t * inter);
+            }
+            matmul(m->wdown, m->bf16, hidden, inter, act, inter, n, h, hidden, xb);
+#pragma omp for schedule(static)
+            for (int t = 0; t < n; t++) {
+                float *xr = out + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
+                for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
+            }
+#pragma omp single
+            rms_norm(out + (int64_t)(n - 1) * hidden, m->norm, hidden, m->eps, tail);
+            matmul(m->head, m->bf16, m->draft_vocab, hidden, tail, hidden, 1, logits, m->draft_vocab, xb);
+        }
+    }
+    free(residual); free(a); free(qkv); free(att); free(h); free(gu); free(act); free(scores); free(tail); free(xb);
+    return failed ? -1 : 0;
+}

@@ -65,6 +65,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--drift", action="store_true", help="also run the drift scenario (high-α then low-α traffic)")
     p.add_argument("--target", type=Path, default=REFERENCE / "target")
     p.add_argument("--draft", type=Path, default=REFERENCE / "draft")
+    p.add_argument("--head", type=Path, default=None, metavar="PATH",
+                   help="a draft head for the target (e.g. models/reference/eagle): adds the eagle arms")  # fmt: skip
     p.add_argument("--policy", type=Path, default=ROOT / "policies" / "default.yaml")
     p.add_argument("--seed", type=int, default=0, help="which prompts (default 0)")
     p.add_argument("--out", type=Path, required=True, metavar="DIR")
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from specd.bench.run import BenchError, BenchOptions, run_bench
 
     workloads = tuple(args.workload) if args.workload else default_workloads()
-    for name in ("target", "draft"):
+    for name in ("target", "draft", *(("head",) if args.head is not None else ())):
         if not (getattr(args, name) / "config.json").is_file():
             raise BenchError(f"--{name}: {getattr(args, name)} is not a model folder (no config.json)")
     if not args.policy.is_file():
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         workloads=workloads, out=args.out, prompts_per_segment=args.prompts_per_segment,
         max_new_tokens=args.max_new_tokens, dtype=args.dtype, repeats=args.repeats, batches=args.batch,
         drift=args.drift, target=args.target, draft=args.draft, policy=args.policy, seed=args.seed, noise=args.noise,
+        head=args.head,
     )  # fmt: skip
     console = Console() if sys.stdout.isatty() else Console(width=120)
     return run_bench(options, console)

@@ -37,12 +37,14 @@ DRAFT_KS = (1, 2, 3, 4, 6, 8)
 LOOKUP_KS = (2, 4, 8, 12)
 CHAIN_KS = (2, 4)  # run only where the worker offers the chain (``static_arms``)
 SUFFIX_KS = (4, 8)
+EAGLE_KS = (2, 4, 6)  # run only where the worker offers a head (``static_arms``; ``specd bench --head``)
 STATIC_ARMS = (
     NONE,
     *(f"draft:{k}" for k in DRAFT_KS),
     *(f"prompt_lookup:{k}" for k in LOOKUP_KS),
     *(f"chain:{k}" for k in CHAIN_KS),
     *(f"suffix:{k}" for k in SUFFIX_KS),
+    *(f"eagle:{k}" for k in EAGLE_KS),
 )
 WARM_BASELINE = "none-warm"  # none again, beside the warm pass (the machine may have changed since the first)
 # The A/A pass: the controlled worker with every decision none (its aa/* segments), beside the uncontrolled one's none

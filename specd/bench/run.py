@@ -81,6 +81,7 @@ class BenchOptions:
     target: Path
     draft: Path
     policy: Path
+    head: Path | None = None  # a draft head: the worker offers eagle
     seed: int = 0
     noise: StallNoise | None = None  # stalls the worker puts into its own rounds (--noise)
 
@@ -471,6 +472,7 @@ def start_services(options: BenchOptions, paths: DemoPaths, services: dict[str, 
     for name, what in (("worker", "the controlled worker"), ("baseline", "the uncontrolled worker")):
         worker = worker_config(paths, name, options.target, options.draft)
         worker.update(dtype=options.dtype, speculation_max_batch=cap, max_batch=max(16, cap))
+        worker["head"] = str(options.head.resolve()) if options.head is not None else None
         worker["telemetry"] = {"exporter": "none"}
         if options.noise is not None:
             worker["fault_injection"] = options.noise.worker_setting(seed + (UNCONTROLLED_SEED if name == "baseline"

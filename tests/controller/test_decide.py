@@ -334,3 +334,22 @@ def test_the_plan_asks_every_scorable_drafter_the_worker_offers_scored():
     plan = run_suffix(counts(draft=(0.9, 1.0)), with_(), 0, drafters=("draft", "prompt_lookup", "suffix"))
     assert plan.counterfactual_ks == (("prompt_lookup", 10), ("suffix", 16))  # each at its k_max
     assert run_suffix(counts(draft=(0.9, 1.0)), with_(), 0, drafters=("draft",)).counterfactual_ks == ()
+
+
+def test_a_draft_head_is_chosen_by_what_it_costs_and_accepts():
+    # eagle is an arm like any other: chosen where its α at its c pays most, never where the worker lacks a head,
+    # and dropped when its drafting is dear (a head run in PyTorch on a CPU cost ~2 target steps per token).
+    seg = counts(draft=(0.6, 1.0), eagle=(0.85, 1.0), prompt_lookup=(0.1, 0.1))
+    settings = Settings(exploration_rate=0.0)
+
+    def plan(c_eagle: float, drafters: tuple[str, ...]) -> Plan:
+        req = Request(segment="s", batch_size=1, drafters=drafters, max_new_tokens=128)
+        estimates = {
+            d: estimate_drafter(seg, d, settings.drafter(d).k_max, 0.5, 0.5, settings.prior_strength, c)
+            for d, c in (("draft", 0.1), ("prompt_lookup", 0.0), ("eagle", c_eagle))
+        }
+        return decide(settings, "v1", req, estimates, GPU, None, random.Random(0))
+
+    assert plan(0.1, (*BOTH, "eagle")).drafter == "eagle"
+    assert plan(0.1, BOTH).drafter == "draft"  # no head on this worker
+    assert plan(2.0, (*BOTH, "eagle")).drafter == "draft"

@@ -48,10 +48,10 @@ def target(runner: str = "lean", name: str = "tiny-target") -> LoadedModel:
     return loaded
 
 
-def random_head(seed: int = 0, draft_vocab: int = 32) -> LoadedHead:
+def random_head(seed: int = 0, draft_vocab: int = 32, norm_before_residual: bool = False) -> LoadedHead:
     shape = HeadShape(
         hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=VOCAB, draft_vocab=draft_vocab,
-        target_hidden=64, aux_layers=(0, 2, 3),
+        target_hidden=64, aux_layers=(0, 2, 3), norm_before_residual=norm_before_residual,
     )  # fmt: skip
     torch.manual_seed(seed)
     head = EagleHead(shape)
@@ -234,3 +234,54 @@ def test_a_head_whose_q_is_off_by_one_id_is_detected(monkeypatch):
     exact = exact_after_first(small, SMALL_PROMPT, SamplingParams(temperature=1.0), 2)
     pvalue = chi_square_pvalue(sampled_after_first(decoder), exact)
     assert pvalue < REJECT_BELOW, f"the test cannot tell a q one id off (p = {pvalue:.2e})"
+
+
+# -- the native kernel's head against PyTorch's ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stored", "norm_first"), [(False, False), (True, False), (False, True)],
+    ids=["float32-weights", "bf16-weights", "norm-before-residual"],
+)  # fmt: skip
+def test_the_native_head_computes_what_pytorch_computes(stored, norm_first):
+    from decoder.heads.runner import NativeHead, NativeRunner, TorchRunner
+    from decoder.native import build
+
+    head = random_head(seed=9, norm_before_residual=norm_first).head
+    if stored:
+        head = bf16_rounded(LoadedHead(head, "", "")).head
+    native = NativeHead.create(head)
+    if native is None:
+        pytest.skip(f"the native kernel does not run here: {build.why_not() or 'not covered'}")
+    dot_products = stored and build.selected_isa() == "avx512bf16"  # inputs rounded to bfloat16 by the products
+    tolerance = 5e-2 if dot_products else 1e-4
+    torch.manual_seed(1)
+    features = torch.randn(12, head.shape.features)
+    tokens = torch.randint(0, VOCAB, (12,))
+    runners = [NativeRunner(native), TorchRunner(head)]
+    with torch.inference_mode():
+        outs = [r.feed(features[:9], tokens[:9]) for r in runners]
+        for step in range(3):
+            torch.testing.assert_close(outs[0][0], outs[1][0], rtol=tolerance, atol=tolerance, msg=f"out {step}")
+            torch.testing.assert_close(outs[0][1], outs[1][1], rtol=tolerance, atol=tolerance, msg=f"logits {step}")
+            outs = [r.step(out, tokens[9 + step : 10 + step]) for r, (out, _) in zip(runners, outs, strict=True)]
+        for r in runners:  # a rollback, then entries fed again from the target's states
+            r.truncate(4)
+        again = [r.feed(features[4:12], tokens[4:12]) for r in runners]
+    assert runners[0].length == runners[1].length == 12
+    torch.testing.assert_close(again[0][1], again[1][1], rtol=tolerance, atol=tolerance)
+
+
+def test_a_head_trained_in_place_is_packed_again():
+    from decoder.heads.runner import NativeRunner, TorchRunner, runner_for
+
+    head = random_head(seed=2).head
+    if not isinstance(runner_for(head), NativeRunner):
+        pytest.skip("the native kernel does not run here")
+    features, tokens = torch.randn(5, head.shape.features), torch.randint(0, VOCAB, (5,))
+    with torch.no_grad():
+        head.lm_head.weight.mul_(-2.0)  # as an optimizer step does: in place
+    with torch.inference_mode():
+        _, native = runner_for(head).feed(features, tokens)
+        _, reference = TorchRunner(head).feed(features, tokens)
+    torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)

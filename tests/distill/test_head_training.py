@@ -133,6 +133,12 @@ def test_distill_head_trains_a_head_that_loads_and_drafts(workspace, tmp_path): 
     target = load_model(workspace / "target", torch.device("cpu"), torch.float32)
     head = load_head(out, target)
     assert head.shape.target_hidden == target.hidden_size
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as stored:  # the embeddings are the target's: left out
+        names = set(stored.keys())
+    assert "embed_tokens.weight" not in names and "fc.weight" in names
+    assert torch.equal(head.head.embed_tokens.weight, target.model.get_input_embeddings().weight)
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,8 @@ def test_static_arms_follow_what_the_worker_offers():
     assert {"chain:2", "chain:4"} <= set(static_arms(("draft", "prompt_lookup", "chain")))
     assert not any(a.startswith("suffix") for a in static_arms(("draft", "prompt_lookup")))
     assert {"suffix:4", "suffix:8"} <= set(static_arms(("prompt_lookup", "suffix")))
+    assert not any(a.startswith("eagle") for a in static_arms(("draft", "prompt_lookup", "chain", "suffix")))
+    assert {"eagle:2", "eagle:4", "eagle:6"} <= set(static_arms(("eagle",)))
     assert static_arms(()) == (NONE,)
 
 
