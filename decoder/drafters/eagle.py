@@ -1,8 +1,8 @@
 """The ``eagle`` drafter: an EAGLE-3 head (decoder/heads) drafting from the target's own hidden states.
 
 The target's passes hand it the states of every token they keep (``observe``: the engine taps the prefill and each
-verification pass, decoder.runners.base.FeatureTap), so it runs no target pass of its own: row p of ``features``
-is the target's states at context token p, known for every token but the context's last. Its cache's entries
+verification pass, decoder.runners.base.FeatureTap), so it runs no target pass of its own: row p of its states is
+the target's at context token p, known for every token but the context's last. Its cache's entries
 0..``fed`` - 1 are built from those; a round first feeds the entries the last verification made known (entry p:
 token p's states with token p + 1, one batch), then drafts one token per entry from its own output. Rollback drops
 every entry built from its own output and the states of tokens no longer in the context.
@@ -30,7 +30,9 @@ class EagleDrafter(Drafter):
         self.params, self.generator = params, generator
         self.runner = runner_for(self.head)  # the head's layer for this sequence: native where it applies
         weight = self.head.fc.weight
-        self.features = torch.empty(0, self.head.shape.features, dtype=weight.dtype, device=weight.device)  # [t-1, f]
+        # rows 0..known-1: the target's states at context tokens 0..known-1 (grown by doubling, never copied per round)
+        self._states = torch.empty(256, self.head.shape.features, dtype=weight.dtype, device=weight.device)
+        self.known = 0
         self.fed = 0  # cache entries built from the target's states
 
     @property
@@ -39,17 +41,23 @@ class EagleDrafter(Drafter):
 
     def observe(self, states: torch.Tensor) -> None:
         """The target's states of the tokens its last pass kept, in context order.  # [m, f]"""
-        self.features = torch.cat([self.features, states.to(self.features.dtype)])
+        end = self.known + int(states.shape[0])
+        if end > self._states.shape[0]:
+            grown = self._states.new_empty(max(end, 2 * self._states.shape[0]), self._states.shape[1])
+            grown[: self.known] = self._states[: self.known]
+            self._states = grown
+        self._states[self.known : end] = states
+        self.known = end
 
     @torch.inference_mode()
     def propose(self, context: torch.Tensor, k: int) -> Draft:
         t = int(context.shape[0])
-        if k < 1 or t < 2 or self.features.shape[0] < t - 1:
+        if k < 1 or t < 2 or self.known < t - 1:
             return Draft(EMPTY_TOKENS)  # no states for the context (the target's pass handed none)
         start = min(self.fed, t - 2)  # at least the last known entry: its output drafts the first token
         self.runner.truncate(start)
-        device = self.features.device
-        out, logits = self.runner.feed(self.features[start : t - 1], context[start + 1 : t].to(device))
+        device = self._states.device
+        out, logits = self.runner.feed(self._states[start : t - 1], context[start + 1 : t].to(device))
         self.fed = t - 1
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
@@ -73,7 +81,6 @@ class EagleDrafter(Drafter):
         return picked
 
     def rollback(self, context: torch.Tensor) -> None:
-        known = int(context.shape[0]) - 1
-        self.features = self.features[:known]
-        self.fed = min(self.fed, known)
+        self.known = min(self.known, int(context.shape[0]) - 1)
+        self.fed = min(self.fed, self.known)
         self.runner.truncate(self.fed)
