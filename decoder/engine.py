@@ -47,6 +47,7 @@ from decoder.runners.base import FeatureTap
 from decoder.sampling import SamplingParams, logits_to_probs, make_generator
 from decoder.telemetry import RequestStats
 from decoder.tree import DraftTree, TreeVerdict, greedy_path, offered_along, sample_path
+from specd_api.errors import ModelLoadError
 from specd_api.plan import DRAFTER_NAMES, SCORABLE, Plan, offers, requested
 from specd_api.round_policy import RoundPolicy
 from specd_api.rounds import RoundRecord, Scored
@@ -311,7 +312,20 @@ class SpeculativeDecoder:
         self.prompt_lookup = prompt_lookup or PromptLookupConfig()
         self.suffix_cache = suffix_cache if suffix_cache is not None else SuffixCache()
         self.spare_target = SparePools(target)  # one-sequence decoding's slots (no pool is made before one is asked)
+        if head is not None:
+            self._check_features(head)
         self.spare_draft = SparePools(draft) if draft is not None else None
+
+    def _check_features(self, head: LoadedHead) -> None:
+        """Refuse a head whose target runs on a pass that hands no hidden states (the graphs pass)."""
+        seq = self.spare_target.open()
+        forward_pass = seq.pool.forward_pass
+        self.spare_target.release(seq)
+        if not forward_pass.features:
+            raise ModelLoadError(
+                f"head {head.name!r}: the target's {forward_pass.name} pass hands no hidden states for it to draft "
+                "from; run the target with runner lean, invariant or transformers"
+            )
 
     @property
     def drafters(self) -> tuple[str, ...]:

@@ -285,3 +285,9 @@ def test_a_head_trained_in_place_is_packed_again():
         _, native = runner_for(head).feed(features, tokens)
         _, reference = TorchRunner(head).feed(features, tokens)
     torch.testing.assert_close(native, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_on_a_pass_without_states_is_refused_by_name():
+    lm = from_objects(target("lean").model, words(), "models/tiny-target", runner="graphs")
+    with pytest.raises(ModelLoadError, match="the target's graphs pass hands no hidden states"):
+        SpeculativeDecoder(lm, head=random_head())
