@@ -20,7 +20,7 @@ from specd_api.segments import validate_segment
 from specd_api.v1 import controller_pb2 as pb
 
 MAX_K = 64
-# A request's list of drafters names each one once (DRAFTER_NAMES has 5): a list bounded only by the message size
+# A request's list of drafters names each one once (DRAFTER_NAMES has 6): a list bounded only by the message size
 # (120,000 names in 840 KB) takes 27 ms of the interpreter to check, at once, in a Decide handler
 MAX_DRAFTERS_LISTED = 16
 MAX_AGGREGATES = 1_000  # per report: twice the client's default batch (500)
