@@ -5,7 +5,6 @@ speculators layout (decoder/heads/layout.py) with the report beside it."""
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -13,7 +12,6 @@ from decoder.heads import EagleHead, HeadShape, LoadedHead, save_head
 from decoder.heads.layout import default_aux_layers
 from decoder.models import LoadedModel, parse_dtype, resolve_device
 from distill.batches import BatchSource
-from distill.checkpoint import save_checkpoint
 from distill.config import EVAL_K, HELDOUT_FRACTION, DistillConfig
 from distill.data import read_documents, split_documents
 from distill.evaluate import EVAL_BATCH, Evaluation, HeldOut
@@ -22,7 +20,7 @@ from distill.models import load_target
 from distill.pipeline import prepare_streams, start_state
 from distill.progress import Progress
 from distill.report import Report
-from distill.trainer import DivergedError, StopRequest, learning_rate, make_optimizer
+from distill.trainer import StopRequest, Trainer, make_optimizer
 
 
 def distill_head(
@@ -54,37 +52,28 @@ def distill_head(
     before = Evaluation.from_json(state.before)
     print(f"before: {before.describe()}", flush=True)
 
-    batches = BatchSource(train_stream, cfg, target.model, device)
+    ids = draft_ids.to(device)
+
+    def step(batch: torch.Tensor, lr: float) -> float:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        states, target_logits = target_states(target.model, batch, shape.aux_layers)
+        loss = head_loss(unrolled_logits(head, states, batch, cfg.ttt_steps), target_logits, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    trainer = Trainer(cfg, head, optimizer, BatchSource(train_stream, cfg, target.model, device), state, step)
     stop = stop or StopRequest()
     progress = progress or Progress(cfg.steps, state.step)
-    ids = draft_ids.to(device)
     try:
         with stop.installed():
-            head.train()
-            while state.step < cfg.steps and not stop.requested:
-                started = time.perf_counter()
-                lr = learning_rate(state.step, cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                batch, _ = batches.batch(state.step)
-                states, target_logits = target_states(target.model, batch, shape.aux_layers)
-                loss = head_loss(unrolled_logits(head, states, batch, cfg.ttt_steps), target_logits, ids)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                value = float(loss.item())
-                if not math.isfinite(value):
-                    raise DivergedError(f"the loss is {value} at step {state.step}; lower --lr and --resume")
-                state.step += 1
-                state.seconds += time.perf_counter() - started
-                progress.update(state.step, value, lr)
-                if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
-                    save_checkpoint(cfg, head, optimizer, state)
+            finished = trainer.run(stop, progress)
     finally:
         progress.close()
-    if state.step < cfg.steps:
-        save_checkpoint(cfg, head, optimizer, state)
+    if not finished:
         print(f"stopped at step {state.step}; continue with --resume", flush=True)
         return None
 

@@ -6,7 +6,7 @@ import contextlib
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,35 +96,46 @@ class StopRequest:
         self.requested = True
 
 
+# One optimizer step: (batch [b, n] int64, learning rate) -> the loss it minimised
+Step = Callable[[torch.Tensor, float], float]
+
+
+def draft_step(
+    draft_model: Any, target_model: Any, optimizer: torch.optim.Optimizer, cfg: DistillConfig, precision: Any
+) -> Step:
+    """A draft model's step (``train_step``), for ``Trainer``."""
+    return lambda batch, lr: train_step(draft_model, target_model, optimizer, batch, lr, cfg, precision)
+
+
 @dataclass
 class Trainer:
+    """The loop any distillation trains by: ``step`` on each step's batch at its learning rate, ``model`` (what is
+    trained: a draft, or a head) checkpointed every ``cfg.checkpoint_every`` steps and at the end."""
+
     cfg: DistillConfig
-    draft_model: Any
-    target_model: Any
+    model: Any
     optimizer: torch.optim.Optimizer
     batches: BatchSource
     state: RunState
-    dtype: torch.dtype
-    device: torch.device
+    step: Step
 
     def run(self, stop: StopRequest, progress: Progress) -> bool:
         """Train up to ``cfg.steps``; True when finished, False when stopped early (checkpoint written)."""
         cfg = self.cfg
-        precision = autocast(self.device, self.dtype)
-        self.draft_model.train()
+        self.model.train()
         while self.state.step < cfg.steps and not stop.requested:
             started = time.perf_counter()
             lr = learning_rate(self.state.step, cfg)
             batch, _ = self.batches.batch(self.state.step)
-            loss = train_step(self.draft_model, self.target_model, self.optimizer, batch, lr, cfg, precision)
+            loss = self.step(batch, lr)
             if not math.isfinite(loss):
                 raise DivergedError(f"the loss is {loss} at step {self.state.step}; lower --lr and --resume")
             self.state.step += 1
             self.state.seconds += time.perf_counter() - started
             progress.update(self.state.step, loss, lr)
             if self.state.step % cfg.checkpoint_every == 0 or self.state.step == cfg.steps:
-                save_checkpoint(cfg, self.draft_model, self.optimizer, self.state)
+                save_checkpoint(cfg, self.model, self.optimizer, self.state)
         if self.state.step < cfg.steps:
-            save_checkpoint(cfg, self.draft_model, self.optimizer, self.state)
+            save_checkpoint(cfg, self.model, self.optimizer, self.state)
             return False
         return True

@@ -49,3 +49,18 @@ def test_speculative_greedy_equals_target_only(pair, drafter):
     got = decoder.generate(prompt, drafter, 4, SamplingParams(), rules)
     assert got.token_ids == expected.token_ids
     assert expected.text.strip(), "the target produced no text"
+
+
+def test_the_shipped_head_loads_for_the_target_and_drafts_what_it_accepts(pair):
+    from decoder.heads import load_head
+
+    target, _ = pair
+    torch.set_num_threads(1)
+    head = load_head(REFERENCE / "eagle", target)
+    decoder = SpeculativeDecoder(target, head=head)
+    prompt = decoder.encode("def read_config(path):\n    with open(path) as f:\n")
+    rules = StopConditions(32, target.eos_token_ids)
+    expected = decoder.generate(prompt, "none", 0, SamplingParams(), rules)
+    got = decoder.generate(prompt, "eagle", 3, SamplingParams(), rules)
+    assert got.token_ids == expected.token_ids
+    assert got.stats.alpha is not None and got.stats.alpha > 0.3, got.stats.alpha  # trained: it agrees often
