@@ -29,6 +29,7 @@ class EagleDrafter(Drafter):
         self.head = loaded.head
         self.params, self.generator = params, generator
         self.runner = runner_for(self.head)  # the head's layer for this sequence: native where it applies
+        self.target_ids = self.head.target_ids()  # [draft_vocab] each draft row's target id
         weight = self.head.fc.weight
         # rows 0..known-1: the target's states at context tokens 0..known-1 (grown by doubling, never copied per round)
         self._states = torch.empty(256, self.head.shape.features, dtype=weight.dtype, device=weight.device)
@@ -75,7 +76,7 @@ class EagleDrafter(Drafter):
         """The next token from the head's draft-vocabulary ``logits`` [1, draft_vocab], as a target id, and q over
         the target's vocabulary when sampled.  # -> [1], [1, vocab] | None"""
         if self.params.is_greedy:  # the argmax, mapped: no logits over the whole vocabulary needed
-            return self.head.target_ids()[logits.argmax(dim=-1)].cpu(), None
+            return self.target_ids[logits.argmax(dim=-1)].cpu(), None
         picked = pick_token(self.head.spread(logits), self.params, self.generator)
         assert picked is not None  # no stop rule: every position drafts
         return picked

@@ -141,15 +141,8 @@ class NativeHead:
         given = given.float().contiguous()
         out = torch.empty(n, self.hidden)
         logits = torch.empty(1, self.draft_vocab)
-        weights = _Head.from_buffer_copy(self.weights)
-        weights.cos, weights.sin = runner.cos.data_ptr(), runner.sin.data_ptr()
-        weights.keys, weights.values, weights.capacity = (
-            runner.keys.data_ptr(),
-            runner.values.data_ptr(),
-            runner.capacity,
-        )
         status = self._call(
-            ctypes.byref(weights), n, tokens.data_ptr(),
+            ctypes.byref(runner.weights), n, tokens.data_ptr(),
             given.data_ptr() if features is not None else None, given.data_ptr() if fused is not None else None,
             runner.length, out.data_ptr(), logits.data_ptr(), max(1, torch.get_num_threads()),
         )  # fmt: skip
@@ -185,6 +178,10 @@ class NativeRunner:
         self.keys, self.values, self.capacity = keys, values, capacity
         cos, sin = self.native.head.rotary(torch.arange(capacity))
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
+        weights = _Head.from_buffer_copy(self.native.weights)  # the shared weights, this sequence's cache
+        weights.cos, weights.sin = self.cos.data_ptr(), self.sin.data_ptr()
+        weights.keys, weights.values, weights.capacity = self.keys.data_ptr(), self.values.data_ptr(), capacity
+        self.weights = weights
 
     def feed(self, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.native.forward(self, tokens, features, None)
