@@ -20,7 +20,7 @@ from distill.models import load_target
 from distill.pipeline import prepare_streams, start_state
 from distill.progress import Progress
 from distill.report import Report
-from distill.trainer import StopRequest, Trainer, make_optimizer
+from distill.trainer import StopRequest, Trainer, make_optimizer, train
 
 
 def distill_head(
@@ -65,16 +65,8 @@ def distill_head(
         optimizer.zero_grad(set_to_none=True)
         return float(loss.item())
 
-    trainer = Trainer(cfg, head, optimizer, BatchSource(train_stream, cfg, target.model, device), state, step)
-    stop = stop or StopRequest()
-    progress = progress or Progress(cfg.steps, state.step)
-    try:
-        with stop.installed():
-            finished = trainer.run(stop, progress)
-    finally:
-        progress.close()
-    if not finished:
-        print(f"stopped at step {state.step}; continue with --resume", flush=True)
+    if not train(Trainer(cfg, head, optimizer, BatchSource(train_stream, cfg, target.model, device), state, step),
+                 stop, progress):  # fmt: skip
         return None
 
     after = evaluate_head(target, head, heldout, cfg)

@@ -13,7 +13,7 @@ from distill.evaluate import Evaluation, HeldOut, evaluate, held_out
 from distill.models import check_lengths, load_draft, load_target, save_draft
 from distill.progress import Progress
 from distill.report import Report
-from distill.trainer import StopRequest, Trainer, autocast, draft_step, make_optimizer
+from distill.trainer import StopRequest, Trainer, autocast, draft_step, make_optimizer, train
 from specd_api.errors import UsageError
 
 
@@ -46,16 +46,7 @@ def distill(cfg: DistillConfig, stop: StopRequest | None = None, progress: Progr
     # 5. Train.
     batches = BatchSource(train_stream, cfg, target.model, device)
     step = draft_step(draft.model, target.model, optimizer, cfg, autocast(device, dtype))
-    trainer = Trainer(cfg, draft.model, optimizer, batches, state, step)
-    stop = stop or StopRequest()
-    progress = progress or Progress(cfg.steps, state.step)
-    try:
-        with stop.installed():
-            finished = trainer.run(stop, progress)
-    finally:
-        progress.close()
-    if not finished:
-        print(f"stopped at step {state.step}; continue with --resume", flush=True)
+    if not train(Trainer(cfg, draft.model, optimizer, batches, state, step), stop, progress):
         return None
 
     # 6. Evaluate, save, report.

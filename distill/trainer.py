@@ -74,6 +74,20 @@ def train_step(
     return float(loss.item())
 
 
+def train(trainer: Trainer, stop: StopRequest | None = None, progress: Progress | None = None) -> bool:
+    """``trainer.run`` under SIGINT/SIGTERM with a progress bar; False, and how to continue, when stopped early."""
+    stop = stop or StopRequest()
+    progress = progress or Progress(trainer.cfg.steps, trainer.state.step)
+    try:
+        with stop.installed():
+            finished = trainer.run(stop, progress)
+    finally:
+        progress.close()
+    if not finished:
+        print(f"stopped at step {trainer.state.step}; continue with --resume", flush=True)
+    return finished
+
+
 class StopRequest:
     """Set by SIGINT/SIGTERM, so the loop checkpoints and stops cleanly after the current step."""
 

@@ -435,6 +435,24 @@ static void attend(const float *q, const float *keys, const float *values, int64
     }
 }
 
+/* The SiLU MLP of `n` tokens onto their residual stream: x += down(silu(gate(h)) * up(h)), `h` each token's normed
+ * states ([n, hidden]; overwritten), `gu` and `act` scratch. Call inside a parallel region, from every thread. */
+static void mlp_onto(const void *wgu, const void *wdown, int bf16, int hidden, int inter, int n, float *h, float *gu,
+                     float *act, float *x, uint16_t *xb) {
+    matmul(wgu, bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter, xb);
+#pragma omp for schedule(static)
+    for (int t = 0; t < n; t++) {
+        const float *g = gu + (int64_t)t * 2 * inter;
+        silu_mul(g, g + inter, inter, act + (int64_t)t * inter);
+    }
+    matmul(wdown, bf16, hidden, inter, act, inter, n, h, hidden, xb);
+#pragma omp for schedule(static)
+    for (int t = 0; t < n; t++) {
+        float *xr = x + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
+        for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
+    }
+}
+
 /* ---- the pass ---------------------------------------------------------------------------------------------- */
 
 /* Where one token of a pass goes and what it sees: its slot, its rotary position, its cache entry, and the entries
@@ -519,18 +537,7 @@ static int forward_tokens(const Model *m, int n, const int64_t *tokens, const To
                     for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
                     rms_norm(xr, L->ln2, hidden, m->eps, hr);
                 }
-                matmul(L->wgu, m->bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter, xb);
-#pragma omp for schedule(static)
-                for (int t = 0; t < n; t++) {
-                    const float *g = gu + (int64_t)t * 2 * inter;
-                    silu_mul(g, g + inter, inter, act + (int64_t)t * inter);
-                }
-                matmul(L->wdown, m->bf16, hidden, inter, act, inter, n, h, hidden, xb);
-#pragma omp for schedule(static)
-                for (int t = 0; t < n; t++) {
-                    float *xr = x + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
-                    for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
-                }
+                mlp_onto(L->wgu, L->wdown, m->bf16, hidden, inter, n, h, gu, act, x, xb);
             }
 #pragma omp for schedule(static)
             for (int o = 0; o < kept; o++) rms_norm(x + keep[o] * hidden, m->norm, hidden, m->eps, tail + (int64_t)o * hidden);
@@ -712,18 +719,7 @@ int specd_eagle_forward(const Head *m, int n, const int64_t *tokens, const float
                 for (int i = 0; i < hidden; i++) xr[i] = rr[i] + hr[i];
                 rms_norm(xr, m->ln_post, hidden, m->eps, hr);
             }
-            matmul(m->wgu, m->bf16, 2 * inter, hidden, h, hidden, n, gu, 2 * inter, xb);
-#pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                const float *g = gu + (int64_t)t * 2 * inter;
-                silu_mul(g, g + inter, inter, act + (int64_t)t * inter);
-            }
-            matmul(m->wdown, m->bf16, hidden, inter, act, inter, n, h, hidden, xb);
-#pragma omp for schedule(static)
-            for (int t = 0; t < n; t++) {
-                float *xr = out + (int64_t)t * hidden, *hr = h + (int64_t)t * hidden;
-                for (int i = 0; i < hidden; i++) xr[i] = xr[i] + hr[i];
-            }
+            mlp_onto(m->wgu, m->wdown, m->bf16, hidden, inter, n, h, gu, act, out, xb);
 #pragma omp single
             rms_norm(out + (int64_t)(n - 1) * hidden, m->norm, hidden, m->eps, tail);
             matmul(m->head, m->bf16, m->draft_vocab, hidden, tail, hidden, 1, logits, m->draft_vocab, xb);

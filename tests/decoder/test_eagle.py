@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+import decoder.drafters.eagle as eagle
 from decoder.batch_engine import BatchEngine
 from decoder.drafters.eagle import EagleDrafter
 from decoder.engine import SpeculativeDecoder
@@ -25,6 +26,15 @@ from decoder.runners.base import FeatureTap
 from decoder.sampling import SamplingParams
 from decoder.tiny import build_model
 from specd_api.errors import ModelLoadError
+from tests.decoder.distribution import PROMPT as SMALL_PROMPT
+from tests.decoder.distribution import (
+    REJECT_BELOW,
+    chi_square_pvalue,
+    exact_after_first,
+    small_vocab_lm,
+    small_vocab_tokenizer,
+)
+from tests.decoder.distribution import VOCAB as SMALL
 
 VOCAB = 48
 PASSES = ("native", "lean", "invariant", "transformers")
@@ -161,8 +171,6 @@ def bf16_rounded(loaded: LoadedHead) -> LoadedHead:
 def small_vocab_head() -> LoadedHead:
     """A random head over distribution.py's 6-token target (2 layers): it drafts 5 of the 6 tokens, so q is 0 on one
     token the target may still emit."""
-    from tests.decoder.distribution import VOCAB as SMALL
-
     shape = HeadShape(hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, vocab=SMALL, draft_vocab=SMALL - 1,
                       target_hidden=64, aux_layers=(0, 1, 1))  # fmt: skip
     torch.manual_seed(7)
@@ -178,8 +186,6 @@ def small_vocab_head() -> LoadedHead:
 
 
 def sampled_after_first(decoder: SpeculativeDecoder, samples: int = 1000) -> list[tuple[int, ...]]:
-    from tests.decoder.distribution import PROMPT as SMALL_PROMPT
-
     rules = StopConditions(max_new_tokens=4)
     return [
         tuple(decoder.generate(list(SMALL_PROMPT), "eagle", 3, SamplingParams(temperature=1.0, seed=s), rules)
@@ -189,17 +195,6 @@ def sampled_after_first(decoder: SpeculativeDecoder, samples: int = 1000) -> lis
 
 
 def test_sampled_eagle_keeps_the_targets_distribution():
-    from tests.decoder.distribution import (
-        PROMPT as SMALL_PROMPT,
-    )
-    from tests.decoder.distribution import (
-        REJECT_BELOW,
-        chi_square_pvalue,
-        exact_after_first,
-        small_vocab_lm,
-        small_vocab_tokenizer,
-    )
-
     small = small_vocab_lm(small_vocab_tokenizer(), 0, "target")
     decoder = SpeculativeDecoder(small, head=small_vocab_head())
     exact = exact_after_first(small, SMALL_PROMPT, SamplingParams(temperature=1.0), 2)
@@ -210,18 +205,6 @@ def test_sampled_eagle_keeps_the_targets_distribution():
 def test_a_head_whose_q_is_off_by_one_id_is_detected(monkeypatch):
     # q carried one id off the tokens it was drawn from (a draft-to-target id mapping applied to the token only):
     # rejection sampling then accepts by the wrong ratio. (A q dropped altogether, one-hot, stays exact.)
-    import decoder.drafters.eagle as eagle
-    from tests.decoder.distribution import (
-        PROMPT as SMALL_PROMPT,
-    )
-    from tests.decoder.distribution import (
-        REJECT_BELOW,
-        chi_square_pvalue,
-        exact_after_first,
-        small_vocab_lm,
-        small_vocab_tokenizer,
-    )
-
     real = eagle.pick_token
 
     def shifted(*args, **kwargs):
