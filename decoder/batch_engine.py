@@ -109,11 +109,11 @@ class BatchEngine(SpeculativeDecoder):
         tap = FeatureTap(wanted.pop()) if wanted else None
         started = time.perf_counter()
         logits = self.target_pool.forward_many(rows, trees=[d.tree for d in drafts], tap=tap)  # [k_i + 1, vocab] each
-        self._stall(sessions)
-        states = [
+        self._stall(sessions)  # an injected stall lands inside the timed pass, as a real one would
+        states = [  # each sequence's states where its drafter reads them: [k_i + 1, f] each, or None
             tap.rows[i] if tap is not None and tap.rows is not None and mine is not None else None
             for i, mine in enumerate(taps)
-        ]  # an injected stall lands inside the timed pass, as a real one would
+        ]
         verify_share = (time.perf_counter() - started) / len(sessions)
         # 3-5. Accept, emit and roll back, each sequence on its own (the greedy ones' argmaxes taken together).
         argmaxes = greedy_argmaxes([s.params.is_greedy for s in sessions], logits)
