@@ -26,7 +26,7 @@ class PassNotApplicable(ValueError):
 
 @dataclass
 class FeatureTap:
-    """A pass's hidden states, asked for alongside its logits (what a draft head reads, decoder/eagle): at every token
+    """A pass's hidden states, asked for alongside its logits (what a draft head reads, decoder/heads): at every token
     of every row, the states entering each of ``layers``, in vLLM's numbering (0: the embeddings; j: layer j - 1's
     output, before the next layer's norm; each below the model's layer count). The pass fills ``rows``: per row
     [n_i, len(layers) * hidden] float32 on the model's device, its layers side by side in ``layers``' order."""
