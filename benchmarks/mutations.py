@@ -406,6 +406,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a head whose weights changed (in training) drafts from its first packed copy",
     ),
     Mutation(
+        "segment-view-offers-every-drafter",
+        "controller/decision/core.py",
+        "return tuple(d for d in DRAFTERS if d in self._offered) or tuple(d for d in DRAFTERS if not runs_head(d))",
+        "return DRAFTERS",
+        ("tests/controller/test_offered_drafters.py",),
+        "a segment's view decides among drafters no worker offered (eagle without a head)",
+    ),
+    Mutation(
         "head-maps-draft-ids-unshifted",
         "decoder/heads/model.py",
         "return torch.arange(self.shape.draft_vocab, device=self.d2t.device) + self.d2t",

@@ -74,6 +74,7 @@ class Controller:
         self._inputs: dict[tuple[object, ...], tuple[tuple[str, float, float, float], ...]] = {}
         self._inputs_version: object = None  # the learner's version the kept inputs were made at
         self._drift_announced: LruMemory[bool] = LruMemory(max_remembered)  # alarms already put on a Decide span
+        self._offered: set[str] = set()  # the drafters some worker has offered in a Decide or a table's watch
 
     def rng(self) -> random.Random:
         """This thread's source of the decisions' random draws (Thompson sampling, probes)."""
@@ -190,7 +191,13 @@ class Controller:
         accepted, verified = self.learner.fleet_acceptance(drafter, mode)
         return (accepted + strength * prior_alpha) / (verified + strength) if verified + strength > 0 else prior_alpha
 
+    def offered(self) -> tuple[str, ...]:
+        """The drafters a segment's view decides among: those some worker has offered, in policy order; before any
+        worker asked, every drafter that needs no head (a head is offered only by a worker given one)."""
+        return tuple(d for d in DRAFTERS if d in self._offered) or tuple(d for d in DRAFTERS if not runs_head(d))
+
     def decide(self, request: Request) -> Plan:
+        self._offered.update(d for d in request.drafters if d in DRAFTERS)
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
         tracked = self.learner.tracked_segment(request.segment)
@@ -215,6 +222,7 @@ class Controller:
         instead, each with its share of such requests (the share of ``draws`` decisions, drawn with ``rng``, that
         probed it). With ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers
         its batch-1 plan only, so that its other buckets do not move the segment's memory at every refresh)."""
+        self._offered.update(d for d in request.drafters if d in DRAFTERS)
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
         costs = self.learner.costs_at(request.batch_size, request.segment)
@@ -250,11 +258,13 @@ class Controller:
     def segment_view(self, segment: str, max_new_tokens: int = 0, prompt_tokens: int = 0) -> SegmentView:
         """What GetSegmentStats shows of the learning segment ``segment`` (the overflow segment's past the cap): its
         counts, estimates, costs at batch 1, the decision Decide would make now for a request of ``max_new_tokens``
-        (0: TYPICAL_MAX_NEW_TOKENS) after a prompt of ``prompt_tokens``, and its drift alarms."""
+        (0: TYPICAL_MAX_NEW_TOKENS) after a prompt of ``prompt_tokens`` from a worker offering ``offered()``, and its
+        drift alarms."""
         segment = self.learner.tracked_segment(segment)
         counts = self.learner.segment_counts(segment)
         request = replace(
-            Request.neutral(segment, 1, DRAFTERS, max_new_tokens or TYPICAL_MAX_NEW_TOKENS), prompt_tokens=prompt_tokens
+            Request.neutral(segment, 1, self.offered(), max_new_tokens or TYPICAL_MAX_NEW_TOKENS),
+            prompt_tokens=prompt_tokens,
         )
         settings = self.policies.current.for_segment(segment)
         costs = self.learner.costs_at(1, segment)
@@ -262,7 +272,7 @@ class Controller:
         decision = self.decide_quietly(request, settings, estimates, costs)
         arms: dict[str, Arm] = {
             d: mean_arm(estimates[d], s.k_min, min(s.k_max, request.max_new_tokens - 1), costs)
-            for d in DRAFTERS
+            for d in request.drafters
             if d in estimates and (s := settings.drafter(d)).enabled and s.k_min <= request.max_new_tokens - 1
         }
         return SegmentView(segment, counts, estimates, costs, decision, arms, self.learner.drift(segment),
