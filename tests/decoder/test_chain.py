@@ -192,9 +192,9 @@ def test_batched_chain_rounds_join_the_draft_pass_and_equal_single_sequence_roun
     passes: list[set[int]] = []  # the draft slots of each draft-model pass
     forward_many = pool.forward_many
 
-    def spied(rows, logits_to_keep=0, trees=None):
+    def spied(rows, logits_to_keep=0, trees=None, tap=None):
         passes.append({seq.slot for seq, _ in rows})
-        return forward_many(rows, logits_to_keep, trees)
+        return forward_many(rows, logits_to_keep, trees, tap)
 
     pool.forward_many = spied  # type: ignore[method-assign]
     sessions = [engine.open(p, GREEDY, rules, requested(d, k)) for p, d, k in zip(prompts, drafters, ks, strict=True)]

@@ -42,9 +42,9 @@ def slow_passes(monkeypatch) -> Iterator[dict[tuple[str, int, int], list[float]]
     real = KVPool.forward_many
     compute: dict[tuple[str, int, int], list[float]] = {}
 
-    def forward_many(self, rows, logits_to_keep=0, trees=None):
+    def forward_many(self, rows, logits_to_keep=0, trees=None, tap=None):
         start = time.perf_counter()
-        out = real(self, rows, logits_to_keep, trees)
+        out = real(self, rows, logits_to_keep, trees, tap)
         took = time.perf_counter() - start
         width = max(int(ids.shape[0]) for _, ids in rows)
         if "draft" in Path(self.lm.name).name:
