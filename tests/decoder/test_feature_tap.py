@@ -16,21 +16,15 @@ from decoder.models import LoadedModel, from_objects
 from decoder.runners import KVPool
 from decoder.runners.base import FeatureTap
 from decoder.runners.pool import FeaturesNotTapped
-from decoder.tiny import build_model
 from decoder.tree import ROOT, DraftTree
+from tests.decoder.test_tree_pass import lm as tree_pass_lm
 
 LAYERS = (0, 2, 3)  # the embeddings, and the states entering the last two of 4 layers
 TAP_PASSES = ("native", "lean", "invariant", "transformers")
 
 
 def lm(runner: str) -> LoadedModel:
-    model = build_model("llama", 48, seed=11, hidden=64, layers=4).eval()
-    if runner != "native":  # the kernel runs float32 models
-        model = model.double()
-    loaded = from_objects(model, None, f"tiny-{runner}", runner=runner)
-    if runner == "native" and KVPool(loaded, 1).forward_pass.name != "native":
-        pytest.skip("the native pass does not run here (no gcc or no AVX2)")
-    return loaded
+    return tree_pass_lm(runner, vocab=48, seed=11, layers=4)
 
 
 def reference(model: LoadedModel, tokens: list[int]) -> torch.Tensor:

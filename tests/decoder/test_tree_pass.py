@@ -24,8 +24,10 @@ TREE_PASSES = ("native", "lean", "invariant", "transformers")
 TOLERANCE = {"native": 0.0, "invariant": 0.0, "lean": 1e-10, "transformers": 1e-10}  # 0: the chain's bits
 
 
-def lm(runner: str) -> LoadedModel:
-    model = build_model("llama", 32, seed=5, hidden=64, layers=2).eval()
+def lm(runner: str, vocab: int = 32, seed: int = 5, layers: int = 2) -> LoadedModel:
+    """A tiny Llama for ``runner`` (float64 but on the native kernel, which runs float32); skipped where the native
+    pass does not run."""
+    model = build_model("llama", vocab, seed=seed, hidden=64, layers=layers).eval()
     if runner != "native":  # the kernel runs float32 models
         model = model.double()
     loaded = from_objects(model, None, f"tiny-{runner}", runner=runner)
