@@ -222,13 +222,12 @@ class DecodeSession:
         # 5. Roll both caches back to the accepted prefix (a tree: its path's entries moved into place); the bonus
         # token is fed next round. The round policy learns what the target kept.
         if draft.tree is None:
-            kept_rows = list(range(verdict.num_accepted + 1))
             self.target.truncate(length + verdict.num_accepted)
         else:
-            kept_rows = list(draft.tree.kept_rows(path.path))
-            self.target.keep_path(length - 1, kept_rows)
-        if states is not None:
-            self.drafter.observe(states[kept_rows])
+            self.target.keep_path(length - 1, draft.tree.kept_rows(path.path))
+        if states is not None:  # the kept rows' states: the root's and the accepted tokens'
+            rows = range(verdict.num_accepted + 1) if draft.tree is None else draft.tree.kept_rows(path.path)
+            self.drafter.observe(states[list(rows)])
         self.drafter.rollback(self.context)
         self.policy.observe(offered, verdict.num_accepted)
         self.stats.observe(

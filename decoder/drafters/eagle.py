@@ -19,6 +19,7 @@ from decoder.drafters.base import EMPTY_TOKENS, Draft, Drafter
 from decoder.drafters.draft_model import pick_token
 from decoder.heads import LoadedHead
 from decoder.heads.runner import runner_for
+from decoder.runners.kv import INITIAL_CAPACITY, grown_capacity
 from decoder.sampling import SamplingParams
 
 
@@ -32,7 +33,7 @@ class EagleDrafter(Drafter):
         self.target_ids = self.head.target_ids()  # [draft_vocab] each draft row's target id
         weight = self.head.fc.weight
         # rows 0..known-1: the target's states at context tokens 0..known-1 (grown by doubling, never copied per round)
-        self._states = torch.empty(256, self.head.shape.features, dtype=weight.dtype, device=weight.device)
+        self._states = torch.empty(INITIAL_CAPACITY, self.head.shape.features, dtype=weight.dtype, device=weight.device)
         self.known = 0
         self.fed = 0  # cache entries built from the target's states
 
@@ -44,7 +45,7 @@ class EagleDrafter(Drafter):
         """The target's states of the tokens its last pass kept, in context order.  # [m, f]"""
         end = self.known + int(states.shape[0])
         if end > self._states.shape[0]:
-            grown = self._states.new_empty(max(end, 2 * self._states.shape[0]), self._states.shape[1])
+            grown = self._states.new_empty(grown_capacity(self._states.shape[0], end), self._states.shape[1])
             grown[: self.known] = self._states[: self.known]
             self._states = grown
         self._states[self.known : end] = states

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoder.runners.kv import INITIAL_CAPACITY, grown_capacity
+
 
 @dataclass(frozen=True)
 class HeadShape:
@@ -170,7 +172,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class HeadCache:
     """One sequence's keys and values of the head's layer, entry p at row p; a rollback is a length change."""
 
-    def __init__(self, head: EagleHead, capacity: int = 256) -> None:
+    def __init__(self, head: EagleHead, capacity: int = INITIAL_CAPACITY) -> None:
         s = head.shape
         weight = head.fc.weight
         self.head = head
@@ -183,7 +185,7 @@ class HeadCache:
         entries before it and itself.  # fused: [n, hidden], tokens: [n] -> [n, hidden]"""
         n, start = int(tokens.shape[0]), self.length
         end = start + n
-        self._reserve(end)
+        self.reserve(end)
         positions = torch.arange(start, end, device=fused.device)
         q, k, v, residual = self.head.qkv(fused, tokens.to(fused.device), positions)
         self.keys[:, start:end], self.values[:, start:end] = k, v
@@ -200,12 +202,15 @@ class HeadCache:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
-    def _reserve(self, needed: int) -> None:
-        capacity = self.keys.shape[1]
-        if needed <= capacity:
+    @property
+    def capacity(self) -> int:
+        return int(self.keys.shape[1])
+
+    def reserve(self, needed: int) -> None:
+        """Room for ``needed`` entries; the ones held are copied when it grows."""
+        if needed <= self.capacity:
             return
-        while capacity < needed:
-            capacity *= 2
+        capacity = grown_capacity(self.capacity, needed)
         for name in ("keys", "values"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[0], capacity, old.shape[2])

@@ -21,9 +21,7 @@ import torch
 
 from decoder.heads.model import EagleHead, HeadCache
 from decoder.native import build
-from decoder.native.llama import _exactly_bf16, _signature, pack_pair_panels, pack_panels
-
-INITIAL_CAPACITY = 256
+from decoder.native.llama import MAX_HEAD_DIM, _exactly_bf16, _signature, pack_pair_panels, pack_panels
 
 
 class HeadRunner(Protocol):
@@ -115,12 +113,12 @@ class NativeHead:
     @classmethod
     def create(cls, head: EagleHead) -> NativeHead | None:
         """The packed head, or None where the kernel does not cover it (not float32 on a CPU, sizes not multiples
-        of 8, a head dim over 64, no native library)."""
+        of 8, a head dim over the kernel's rotary scratch, no native library)."""
         s = head.shape
         weight = head.fc.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return None
-        if any(size % 8 for size in (s.hidden, s.head_dim, s.intermediate, s.features)) or s.head_dim > 64:
+        if any(size % 8 for size in (s.hidden, s.head_dim, s.intermediate, s.features)) or s.head_dim > MAX_HEAD_DIM:
             return None
         library = build.load()
         return None if library is None else cls(library, head)
@@ -153,34 +151,36 @@ class NativeHead:
 
 
 class NativeRunner:
-    """One sequence's cache of the head's layer, run by the kernel."""
+    """One sequence's cache of the head's layer (a ``HeadCache``'s tensors), run by the kernel."""
 
     def __init__(self, native: NativeHead) -> None:
         self.native = native
-        self.length = 0
-        self.capacity = 0
-        self.keys = self.values = self.cos = self.sin = torch.empty(0)
-        self.reserve(INITIAL_CAPACITY)
+        self.cache = HeadCache(native.head)
+        self._bind()
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @length.setter
+    def length(self, length: int) -> None:
+        self.cache.length = length
 
     def reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        capacity = max(INITIAL_CAPACITY, self.capacity)
-        while capacity < needed:
-            capacity *= 2
-        s = self.native.head.shape
-        keys, values = (torch.zeros(s.kv_heads, capacity, s.head_dim) for _ in range(2))
-        if self.length:
-            keys[:, : self.length], values[:, : self.length] = (
-                self.keys[:, : self.length],
-                self.values[:, : self.length],
-            )
-        self.keys, self.values, self.capacity = keys, values, capacity
-        cos, sin = self.native.head.rotary(torch.arange(capacity))
+        """Room for ``needed`` entries; the kernel's arguments follow the cache when it grows."""
+        if needed > self.cache.capacity:
+            self.cache.reserve(needed)
+            self._bind()
+
+    def _bind(self) -> None:
+        """The kernel's arguments: the shared weights, this sequence's cache and rotary tables for its capacity."""
+        cache = self.cache
+        cos, sin = self.native.head.rotary(torch.arange(cache.capacity))
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
-        weights = _Head.from_buffer_copy(self.native.weights)  # the shared weights, this sequence's cache
+        weights = _Head.from_buffer_copy(self.native.weights)
         weights.cos, weights.sin = self.cos.data_ptr(), self.sin.data_ptr()
-        weights.keys, weights.values, weights.capacity = self.keys.data_ptr(), self.values.data_ptr(), capacity
+        weights.keys, weights.values = cache.keys.data_ptr(), cache.values.data_ptr()
+        weights.capacity = cache.capacity
         self.weights = weights
 
     def feed(self, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,8 +190,7 @@ class NativeRunner:
         return self.native.forward(self, token, None, out)
 
     def truncate(self, length: int) -> None:
-        assert 0 <= length <= self.length, (length, self.length)
-        self.length = length
+        self.cache.truncate(length)
 
 
 # per head: its weights' signature when packed, and the packed copy (None: the kernel does not cover it)

@@ -53,6 +53,15 @@ class LlamaShape:
         return cls(len(model.model.layers), heads, config.num_key_value_heads, head_dim)
 
 
+def grown_capacity(capacity: int, needed: int, floor: int = INITIAL_CAPACITY) -> int:
+    """What a buffer of ``capacity`` positions grows to for ``needed``: doubled, from ``floor`` at least, until it
+    holds them (a sequence that grows one token at a time copies its buffer O(log length) times)."""
+    capacity = max(floor, capacity)
+    while capacity < needed:
+        capacity *= 2
+    return capacity
+
+
 class SlotTensors:
     """Keys and values of ``num_slots`` sequences: ``keys[layer, slot, :, position]`` is one token's key."""
 
@@ -78,9 +87,7 @@ class SlotTensors:
         if needed <= self.capacity:
             return
         keep = max(lengths)
-        new_capacity = max(INITIAL_CAPACITY, self.capacity)
-        while new_capacity < needed:
-            new_capacity *= 2
+        new_capacity = grown_capacity(self.capacity, needed)
         keys, values = self._allocate(new_capacity), self._allocate(new_capacity)
         keys[:, :, :, :keep] = self.keys[:, :, :, :keep]
         values[:, :, :, :keep] = self.values[:, :, :, :keep]

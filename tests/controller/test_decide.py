@@ -338,7 +338,7 @@ def test_the_plan_asks_every_scorable_drafter_the_worker_offers_scored():
 
 def test_a_draft_head_is_chosen_by_what_it_costs_and_accepts():
     # eagle is an arm like any other: chosen where its α at its c pays most, never where the worker lacks a head,
-    # and dropped when its drafting is dear (a head run in PyTorch on a CPU cost ~2 target steps per token).
+    # and dropped when its drafting costs more than its acceptance repays (c 2.0: two target steps per token).
     seg = counts(draft=(0.6, 1.0), eagle=(0.85, 1.0), prompt_lookup=(0.1, 0.1))
     settings = Settings(exploration_rate=0.0)
 

@@ -274,3 +274,23 @@ def test_a_head_on_a_pass_without_states_is_refused_by_name():
     lm = from_objects(target("lean").model, words(), "models/tiny-target", runner="graphs")
     with pytest.raises(ModelLoadError, match="the target's graphs pass hands no hidden states"):
         SpeculativeDecoder(lm, head=random_head())
+
+
+def test_the_native_heads_cache_grows_past_its_first_capacity():
+    from decoder.heads.runner import NativeRunner, TorchRunner, runner_for
+    from decoder.runners.kv import INITIAL_CAPACITY
+
+    head = random_head(seed=4).head
+    native = runner_for(head)
+    if not isinstance(native, NativeRunner):
+        pytest.skip("the native kernel does not run here")
+    torch.manual_seed(2)
+    n = INITIAL_CAPACITY + 40
+    features, tokens = torch.randn(n, head.shape.features), torch.randint(0, VOCAB, (n,))
+    reference = TorchRunner(head)
+    with torch.inference_mode():
+        for runner in (native, reference):
+            runner.feed(features[:200], tokens[:200])
+        outs = [runner.feed(features[200:], tokens[200:]) for runner in (native, reference)]  # past 256 entries
+    assert native.length == n and native.cache.capacity >= n
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-4)
