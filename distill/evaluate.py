@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from decoder.models import LoadedModel, from_objects
 from distill.config import EVAL_K, EVAL_PROMPT_TOKENS, MAX_EVAL_BLOCKS
 from distill.loss import forward_kl, top1_agreement
+
+if TYPE_CHECKING:
+    from decoder.engine import SpeculativeDecoder
 
 EVAL_BATCH = 8  # held-out blocks per forward pass
 
@@ -64,20 +67,22 @@ def evaluate(target: LoadedModel, draft_model: Any, data: HeldOut, eval_tokens: 
 
     forget(draft_model)  # trained in place since any earlier evaluation: no packed copy of old weights
     draft = from_objects(draft_model, target.tokenizer, "draft")
-    kl, agreement = logit_match(target.model, draft.model, data.blocks)
-    return Evaluation(alpha=greedy_alpha(target, draft, data.prompts, eval_tokens), kl=kl, agreement=agreement)
-
-
-def greedy_alpha(target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], eval_tokens: int) -> float:
-    """Accepted / proposed over greedy speculative decoding of every prompt (pooled, not a mean of ratios)."""
     from decoder.engine import SpeculativeDecoder
+
+    kl, agreement = logit_match(target.model, draft.model, data.blocks)
+    alpha = greedy_alpha(SpeculativeDecoder(target, draft), "draft", data.prompts, eval_tokens)
+    return Evaluation(alpha=alpha, kl=kl, agreement=agreement)
+
+
+def greedy_alpha(decoder: SpeculativeDecoder, drafter: str, prompts: list[list[int]], eval_tokens: int) -> float:
+    """Accepted / proposed over greedy speculative decoding of every prompt by ``drafter`` at K = EVAL_K (pooled, not
+    a mean of ratios)."""
     from decoder.request_stop import StopConditions
     from decoder.sampling import SamplingParams
 
-    decoder = SpeculativeDecoder(target, draft)
     accepted = proposed = 0
     for prompt_ids in prompts:
-        stats = decoder.generate(prompt_ids, "draft", EVAL_K, SamplingParams(), StopConditions(eval_tokens)).stats
+        stats = decoder.generate(prompt_ids, drafter, EVAL_K, SamplingParams(), StopConditions(eval_tokens)).stats
         accepted, proposed = accepted + stats.num_accepted, proposed + stats.num_drafted
     return accepted / proposed if proposed else 0.0
 

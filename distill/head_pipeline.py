@@ -12,9 +12,9 @@ from decoder.heads import EagleHead, HeadShape, LoadedHead, save_head
 from decoder.heads.layout import default_aux_layers
 from decoder.models import LoadedModel, parse_dtype, resolve_device
 from distill.batches import BatchSource
-from distill.config import EVAL_K, HELDOUT_FRACTION, DistillConfig
+from distill.config import HELDOUT_FRACTION, DistillConfig
 from distill.data import read_documents, split_documents
-from distill.evaluate import EVAL_BATCH, Evaluation, HeldOut
+from distill.evaluate import EVAL_BATCH, Evaluation, HeldOut, greedy_alpha
 from distill.head_training import draft_vocabulary, head_loss, new_head, target_states, unrolled_logits
 from distill.models import load_target
 from distill.pipeline import prepare_streams, start_state
@@ -82,26 +82,20 @@ def distill_head(
 
 @torch.no_grad()
 def evaluate_head(target: LoadedModel, head: EagleHead, data: HeldOut, cfg: DistillConfig) -> Evaluation:
-    """Greedy α of the ``eagle`` drafter at K = EVAL_K over the held-out prompts, and the first drafting step's KL
-    and top-1 agreement against the target over the held-out blocks (its draft vocabulary's share of the target's
-    distribution, renormalised)."""
+    """Greedy α of the ``eagle`` drafter at K = EVAL_K over the held-out prompts (``greedy_alpha``), and the first
+    drafting step's KL and top-1 agreement against the target over the held-out blocks (its draft vocabulary's
+    share of the target's distribution, renormalised), each block weighing the same as in ``logit_match``."""
     from decoder.engine import SpeculativeDecoder
-    from decoder.request_stop import StopConditions
-    from decoder.sampling import SamplingParams
 
     head.eval()
     decoder = SpeculativeDecoder(target, head=LoadedHead(head, str(cfg.target), "training"))
-    accepted = proposed = 0
-    for prompt in data.prompts:
-        stats = decoder.generate(prompt, "eagle", EVAL_K, SamplingParams(), StopConditions(cfg.eval_tokens)).stats
-        accepted, proposed = accepted + stats.num_accepted, proposed + stats.num_drafted
+    alpha = greedy_alpha(decoder, "eagle", data.prompts, cfg.eval_tokens)
     ids = head.target_ids()
     kl_sum = agree_sum = 0.0
     for batch in data.blocks.split(EVAL_BATCH):
         batch = batch.to(ids.device)
         states, target_logits = target_states(target.model, batch, head.shape.aux_layers)
         draft = unrolled_logits(head, states, batch, 1)[0]  # [b, m, draft_vocab]
-        kl_sum += float(head_loss([draft], target_logits, ids))
-        agree_sum += float((ids[draft.argmax(-1)] == target_logits[:, 1:].argmax(-1)).float().mean())
-    blocks = max(1, len(data.blocks.split(EVAL_BATCH)))
-    return Evaluation(alpha=accepted / proposed if proposed else 0.0, kl=kl_sum / blocks, agreement=agree_sum / blocks)
+        kl_sum += float(head_loss([draft], target_logits, ids)) * len(batch)
+        agree_sum += float((ids[draft.argmax(-1)] == target_logits[:, 1:].argmax(-1)).float().mean()) * len(batch)
+    return Evaluation(alpha=alpha, kl=kl_sum / len(data.blocks), agreement=agree_sum / len(data.blocks))
