@@ -15,6 +15,7 @@ Shapes in the notation of ``decoder/__init__.py``: ``t`` the context, ``k`` the 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from decoder.acceptance import Verdict, greedy_accept, rejection_sample
+from decoder.capped_encoding import CappedEncoder, PromptTooLong, TooLong
 from decoder.counterfactual import replay
 from decoder.drafters import (
     EMPTY_TOKENS,
@@ -336,8 +338,22 @@ class SpeculativeDecoder:
             if (self.draft is not None or not runs_draft_model(name)) and (self.head is not None or not runs_head(name))
         )
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, cap: int | None = None) -> list[int]:
+        """``text``'s token ids, special tokens added; with ``cap``, raises ``PromptTooLong`` for a text of more
+        than ``cap`` tokens, and the tokenizer's work stops there where ``decoder.capped_encoding`` reproduces it."""
+        if cap is not None and self._capped is not None:
+            capped = self._capped.encode(text, cap)
+            if isinstance(capped, TooLong):
+                raise PromptTooLong(capped.at_least, cap)
+            return capped
+        ids = list(self.target.tokenizer(text, add_special_tokens=True)["input_ids"])
+        if cap is not None and len(ids) > cap:
+            raise PromptTooLong(len(ids), cap)
+        return ids
+
+    @functools.cached_property
+    def _capped(self) -> CappedEncoder | None:
+        return CappedEncoder.of(self.target.tokenizer)
 
     def session(
         self, prompt_ids: list[int], params: SamplingParams, rules: StopConditions, plan: Plan

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
 from starlette.exceptions import HTTPException
 
+from decoder.capped_encoding import PromptTooLong
 from decoder.sampling import SamplingParams
 from decoder.worker.auth import TENANT_STATE, ApiKeyCheck
 from decoder.worker.client_segments import SegmentRefused
@@ -60,8 +61,13 @@ def build_app(service: WorkerService) -> FastAPI:
     # at a time and holds up neither small prompts nor other hosts' prompts.
     tokenizing = Tokenizing()
 
-    async def off_loop(request: Request, chars: int, work: Callable[[], list[int]]) -> list[int]:
-        return await tokenizing.run(chars, request_host(request), work)
+    async def tokenized(request: Request, chars: int, param: str, work: Callable[[int], list[int]]) -> list[int]:
+        """``work(cap)`` (tokenizing a prompt of ``chars`` characters, stopping past ``cap`` tokens) in its lane."""
+        try:
+            return await tokenizing.run(chars, request_host(request), lambda: work(limits.max_prompt_tokens))
+        except PromptTooLong as e:
+            raise BadRequest(param, f"at least {e.at_least} tokens is above this worker's limit of {e.cap} "
+                                    "(limits.max_prompt_tokens)") from None  # fmt: skip
 
     app = FastAPI(title="specd worker", docs_url=None, redoc_url=None)
     app.add_middleware(
@@ -134,7 +140,7 @@ def build_app(service: WorkerService) -> FastAPI:
                 return None, bounded([int(t) for t in body.prompt], "prompt")
             text = body.prompt if isinstance(body.prompt, str) else str(body.prompt[0])
             check_chars(len(text), "prompt")
-            return text, bounded(await off_loop(request, len(text), lambda: service.encode(text)), "prompt")
+            return text, await tokenized(request, len(text), "prompt", lambda cap: service.encode(text, cap))
 
         return await serve(service, body, request, prompt, completion_shapes)
 
@@ -145,12 +151,12 @@ def build_app(service: WorkerService) -> FastAPI:
             check_chars(chars, "messages")
             text = ""
 
-            def render_and_encode() -> list[int]:
+            def render_and_encode(cap: int) -> list[int]:
                 nonlocal text
                 text = render_chat(body.messages, service.tokenizer)  # a chat template can be slow too
-                return service.encode(text)
+                return service.encode(text, cap)
 
-            ids = bounded(await off_loop(request, chars, render_and_encode), "messages")
+            ids = await tokenized(request, chars, "messages", render_and_encode)
             return text, ids
 
         return await serve(service, body, request, prompt, chat_shapes)

@@ -249,9 +249,10 @@ class WorkerService:
     def model_name(self) -> str:
         return self.cfg.model_name
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, cap: int | None = None) -> list[int]:
+        """``Engine.encode``: raises ``PromptTooLong`` past ``cap`` tokens."""
         assert self.engine is not None
-        return self.engine.encode(text)
+        return self.engine.encode(text, cap)
 
     @property
     def vocab_size(self) -> int:

@@ -18,6 +18,7 @@ MAX_BODY = 4 << 20
 MAX_CHARS = 2_500_000
 MAX_TOKENS = 300
 MAX_SEGMENTS = 5
+WIDE_TOKENS = 1_500_000  # a token limit that 2.4 MB of prose passes only after a second of tokenizing
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +28,15 @@ def worker(launcher) -> Worker:
         limits={"max_request_bytes": MAX_BODY, "max_prompt_chars": MAX_CHARS, "max_prompt_tokens": MAX_TOKENS},
         metrics={"max_segments": MAX_SEGMENTS},
         client_segments={"max_names": 0},  # the metrics' own bound is tested here: every name a client sends
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wide(launcher) -> Worker:
+    """A worker whose token limit is far enough that refusing a large prompt takes a second of tokenizing."""
+    return launcher.start(
+        "limits-wide", draft=None, segment_classifier="none",
+        limits={"max_request_bytes": MAX_BODY, "max_prompt_chars": MAX_CHARS, "max_prompt_tokens": WIDE_TOKENS},
     )  # fmt: skip
 
 
@@ -155,7 +165,20 @@ def test_the_token_limit(worker: Worker, prompt: list[int] | str, status: int, w
                                          "(limits.max_prompt_tokens)"), why  # fmt: skip
 
 
-def test_health_answers_while_a_large_prompt_is_tokenized(worker: Worker):
+def test_a_long_prompt_is_refused_where_tokenizing_passes_the_limit(worker: Worker):
+    """240,000 characters are 80,000 tokens; the worker stops tokenizing one batch of text (16,384 characters) past
+    the limit, and the count it names is where it stopped."""
+    response = worker.post("/v1/completions", {"prompt": "hello " * 40_000, "max_tokens": 1})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("prompt: at least ") and message.endswith(
+        f"tokens is above this worker's limit of {MAX_TOKENS} (limits.max_prompt_tokens)"
+    ), message
+    counted = int(message.removeprefix("prompt: at least ").split(" ", 1)[0])
+    assert MAX_TOKENS < counted <= 8_000, message
+
+
+def test_health_answers_while_a_large_prompt_is_tokenized(wide: Worker):
     """A 2.4 MB prompt (within the character limit) keeps the tokenizer busy for seconds before the token limit
     refuses it. Tokenized on the event loop, /health stalled for all of that (5 MB: 9.3 s); off it, /health
     answers throughout (the GIL is held only while transformers turns the ids into Python lists)."""
@@ -165,11 +188,11 @@ def test_health_answers_while_a_large_prompt_is_tokenized(worker: Worker):
 
     def send() -> None:
         started = time.perf_counter()
-        response = httpx.post(worker.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+        response = httpx.post(wide.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
         result.update(status=response.status_code, seconds=time.perf_counter() - started)
 
     sender = threading.Thread(target=send)
-    with worker.client(timeout=60) as client:
+    with wide.client(timeout=60) as client:
         sender.start()
         while sender.is_alive():
             started = time.perf_counter()
@@ -209,7 +232,7 @@ def _timed_posts(worker: Worker, sends: list[tuple[float, str, str]]) -> dict[st
 FLOOD = ("The quick brown fox jumps over the lazy dog. " * 60_000)[: MAX_CHARS - 100_000]
 
 
-def test_one_hosts_large_prompts_hold_up_neither_small_prompts_nor_other_hosts(worker: Worker):
+def test_one_hosts_large_prompts_hold_up_neither_small_prompts_nor_other_hosts(wide: Worker):
     """Three 2.4 MB prompts from one host (each tokenized for a second or more, then refused for its token count)
     are in the tokenizer when a small prompt from the same host and a 20,000-character one from another host
     arrive. The small one waits for no large one; the other host's waits for at most the one running, not the
@@ -217,7 +240,7 @@ def test_one_hosts_large_prompts_hold_up_neither_small_prompts_nor_other_hosts(w
     other = "Pack my box with five dozen liquor jugs. " * 500  # 20,500 characters: the large lane, but quick
     sends = [(0.0, "127.0.0.1", FLOOD), (0.05, "127.0.0.1", FLOOD), (0.1, "127.0.0.1", FLOOD),
              (0.6, "127.0.0.1", "hello"), (0.6, "127.0.0.2", other)]  # fmt: skip
-    results = _timed_posts(worker, sends)
+    results = _timed_posts(wide, sends)
     flood = [results[str(i)][1] for i in range(3)]
     assert [results[str(i)][0] for i in range(3)] == [400, 400, 400]
     one = min(flood) - 0.1  # at least one tokenization: the first's own time, less its delay
