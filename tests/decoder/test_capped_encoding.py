@@ -4,6 +4,7 @@ cap however long the text, and a tokenizer the module cannot reproduce is tokeni
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,15 @@ def test_the_engine_refuses_past_the_cap_with_or_without_the_capped_path(referen
     with pytest.raises(PromptTooLong) as whole:
         engine.encode(text, n - 1)
     assert whole.value.at_least == n
+
+
+def test_the_benchmark_compares_both_on_each_text_and_cap(tmp_path):
+    from benchmarks.capped_tokenizing import main
+
+    out = tmp_path / "capped.json"
+    assert main(["--chars", "20000", "--caps", "300,1000", "--runs", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["text"], r["cap"]) for r in rows] == [("cjk", 300), ("cjk", 1000), ("prose", 300), ("prose", 1000)]
+    for row in rows:
+        assert row["tokens"] > row["cap"] < row["counted_at_refusal"]
+        assert row["ratio_min"] <= row["whole_over_capped"] <= row["ratio_max"]
