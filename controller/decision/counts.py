@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -105,6 +105,10 @@ class SegmentCounts:
         not know (a newer schema's, or corrupt) is ignored: stored data never breaks a read. A bucket's counters of
         one position (or one K) are made consistent before they count (``consistent``): a hand-edited or corrupt
         bucket with more proposals than offers never makes a rate above 1 or a Beta with negative failures."""
+        self._add(values, weight, _number)
+
+    def _add(self, values: Mapping[str, float], weight: float, number: Callable[[object], float]) -> None:
+        """``add_fields``, each value read by ``number``."""
         # this bucket's counters per (table, drafter, index), in the dataclasses' field order, before they count
         bucket: dict[tuple[int, str, int], list[float]] = {}
         for name, value in values.items():
@@ -115,13 +119,13 @@ class SegmentCounts:
                 key = (SCORED_TABLE if f.counterfactual else SERVED_TABLE, f.drafter, f.position)
                 slot = POSITION_SLOTS[f.counter]
             elif isinstance(f, schema.CalibrationField):
-                self.calibration[f.drafter][f.bin] += weight * _number(value)
+                self.calibration[f.drafter][f.bin] += weight * number(value)
                 continue
             elif isinstance(f, schema.PlainStepField):
-                self.plain_step[f.batch_bucket][f.bin] += weight * _number(value)
+                self.plain_step[f.batch_bucket][f.bin] += weight * number(value)
                 continue
             elif isinstance(f, schema.RealisedField):
-                self.realised[(f.drafter, f.batch_bucket)][f.bin] += weight * _number(value)
+                self.realised[(f.drafter, f.batch_bucket)][f.bin] += weight * number(value)
                 continue
             elif isinstance(f, schema.UpdatedField):
                 with contextlib.suppress(ValueError):  # not a time: ignored
@@ -132,7 +136,7 @@ class SegmentCounts:
             counters = bucket.get(key)
             if counters is None:
                 counters = bucket[key] = [0.0] * (len(K_SLOTS) if key[0] == K_TABLE else len(POSITION_SLOTS))
-            counters[slot] += _number(value)
+            counters[slot] += number(value)
         tables = (self.by_k, self.positions, self.counterfactual)
         for (table, drafter, i), counters in bucket.items():
             consistent(counters, table == K_TABLE)
@@ -140,6 +144,64 @@ class SegmentCounts:
             for name, v in zip(K_SLOTS if table == K_TABLE else POSITION_SLOTS, counters, strict=True):
                 if v:
                     setattr(into, name, getattr(into, name) + weight * v)
+
+    def add_buckets(self, buckets: Iterable[tuple[Mapping[str, float], float]]) -> None:
+        """Add buckets' fields, each scaled by its weight, in one pass: their weighted values summed per field name,
+        then read as one bucket. Equal, bit for bit, to ``add_fields`` of each in turn when every bucket is clean
+        (``clean_bucket``: the store cleans each as it reads it), since the same products are added in the same
+        order (sums of clean buckets stay consistent: rounding is monotone); a window's recount then reads each field
+        name once, not once a bucket."""
+        merged: dict[str, float] = {}
+        get = merged.get
+        for values, weight in buckets:
+            for name, value in values.items():
+                merged[name] = get(name, 0.0) + weight * value
+            updated = values.get(schema.UPDATED)
+            if updated is not None:
+                self.last_update = max(self.last_update, updated)
+        merged.pop(schema.UPDATED, None)
+        self._add(merged, 1.0, float)  # type: ignore[arg-type]
+
+
+def clean_bucket(values: dict[str, float]) -> dict[str, float]:
+    """A segment bucket's fields as ``add_fields`` counts them, so that weighted sums of clean buckets count as the
+    buckets one by one (``add_buckets``): each counter under its one name (``schema.field_name``: two names the schema
+    reads as one counter, "01" and "1", summed under it), a usable number (``_number``), and each position's or K's
+    counters consistent (``consistent``); a field the schema does not read, and the update time, kept as they are.
+    ``values`` itself when it is clean (what a worker writes always is), else a cleaned copy."""
+    parsed = [(name, value, schema.segment_field(name)) for name, value in values.items()]
+    if any(
+        f is not None and f is not schema.UPDATED_FIELD and (_number(v) != v or schema.field_name(f) != name)
+        for name, v, f in parsed
+    ):  # the counters summed under their one name, as add_fields sums them, in the same order
+        cleaned: dict[str, float] = {}
+        for name, value, f in parsed:
+            if f is None or f is schema.UPDATED_FIELD:
+                cleaned[name] = value
+            else:
+                canonical = schema.field_name(f)
+                cleaned[canonical] = cleaned.get(canonical, 0.0) + _number(value)
+        parsed = [(name, value, schema.segment_field(name)) for name, value in cleaned.items()]
+    else:
+        cleaned = values
+    groups: dict[tuple[int, str, int], list[tuple[str, int]]] = {}  # (table, drafter, index) -> (name, slot)
+    for name, _, f in parsed:
+        if isinstance(f, schema.KField):
+            groups.setdefault((K_TABLE, f.drafter, f.k), []).append((name, K_SLOTS[f.counter]))
+        elif isinstance(f, schema.PositionField):
+            key = (SCORED_TABLE if f.counterfactual else SERVED_TABLE, f.drafter, f.position)
+            groups.setdefault(key, []).append((name, POSITION_SLOTS[f.counter]))
+    for (table, _, _), names in groups.items():
+        counters = [0.0] * (len(K_SLOTS) if table == K_TABLE else len(POSITION_SLOTS))
+        for name, slot in names:
+            counters[slot] = cleaned[name]
+        consistent(counters, table == K_TABLE)
+        for name, slot in names:
+            if cleaned[name] != counters[slot]:
+                if cleaned is values:
+                    cleaned = dict(values)
+                cleaned[name] = counters[slot]
+    return cleaned
 
 
 K_TABLE, SERVED_TABLE, SCORED_TABLE = 0, 1, 2

@@ -207,6 +207,21 @@ def realised_field(drafter: str, batch_bucket: int, b: int) -> str:
     return f"{REALISED}|{drafter}|{batch_bucket}|{b}"
 
 
+def field_name(f: SegmentField) -> str:
+    """The name a worker's report writes ``f`` under: one name per counter (``segment_field`` also reads "01" as 1)."""
+    if isinstance(f, KField):
+        return k_field(f.drafter, f.k, f.counter)
+    if isinstance(f, PositionField):
+        return position_field(f.drafter, f.position, f.counter, f.counterfactual)
+    if isinstance(f, CalibrationField):
+        return calibration_field(f.drafter, f.bin)
+    if isinstance(f, PlainStepField):
+        return plain_step_field(f.batch_bucket, f.bin)
+    if isinstance(f, RealisedField):
+        return realised_field(f.drafter, f.batch_bucket, f.bin)
+    return UPDATED
+
+
 # A refresh parses every field of every bucket of the window, and the same few thousand names recur in all of them:
 # each name is parsed once (the fields are immutable), in a bounded cache (names nobody writes cannot grow it).
 _PARSED_NAMES = 2**14

@@ -37,7 +37,7 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from controller.decision.counts import Aggregate, CostCounts, SegmentCounts, decay_weight
+from controller.decision.counts import Aggregate, CostCounts, SegmentCounts, clean_bucket, decay_weight
 from controller.pacing import Pacer, no_pause
 from controller.storage.redis_schema import Keys, encode_sample, first_position, sample_row, stored_json
 from controller.storage.report_increments import cost_increments, segment_increments
@@ -481,9 +481,11 @@ class TelemetryStore:
             for b in range(first, current + 1)
         }
 
-        def read(key: Callable[[int], str], start: int) -> BucketFields:
-            """The non-empty buckets read, from ``start`` to the current one."""
-            return tuple((b, f) for b in range(start, current + 1) if (f := fields[key(b)]))
+        def read(
+            key: Callable[[int], str], start: int, clean: Callable[[dict[str, float]], dict[str, float]]
+        ) -> BucketFields:
+            """The non-empty buckets read, from ``start`` to the current one, each ``clean``ed."""
+            return tuple((b, clean(f)) for b in range(start, current + 1) if (f := fields[key(b)]))
 
         def kept_from(earlier: BucketFields) -> BucketFields:
             """``previous``'s buckets still in the window and not read again."""
@@ -495,14 +497,15 @@ class TelemetryStore:
             snapshot.segments[s], snapshot.series[s] = before.segments[s], before.series[s]
         for s in whole:
             pace()
-            made_of = read(functools.partial(self.keys.segment_bucket, s), first)
-            self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous)
+            made_of = read(functools.partial(self.keys.segment_bucket, s), first, clean_bucket)
+            self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous, first)
         for s in partial:
             pace()
-            made_of = kept_from(before.sources[s][2]) + read(functools.partial(self.keys.segment_bucket, s), fresh_from)
-            self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous)
+            fresh = read(functools.partial(self.keys.segment_bucket, s), fresh_from, clean_bucket)
+            made_of = kept_from(before.sources[s][2]) + fresh
+            self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous, fresh_from)
         costs_made_of = kept_from(before.cost_sources[1] if before.cost_sources else ())
-        snapshot.cost_sources = (decay_at, costs_made_of + read(self.keys.cost_bucket, fresh_from))
+        snapshot.cost_sources = (decay_at, costs_made_of + read(self.keys.cost_bucket, fresh_from, _as_read))
         if previous is not None and previous.cost_sources == snapshot.cost_sources:
             snapshot.costs = previous.costs
         else:
@@ -553,21 +556,32 @@ class TelemetryStore:
         source: tuple[float, int | None, BucketFields],
         weights: Mapping[int, float],
         previous: Snapshot | None,
+        fresh_from: int,
     ) -> None:
         """The segment's counts and series from its buckets' fields (``source``), or ``previous``'s when they were
-        made of the same."""
+        made of the same. The series of the buckets before ``fresh_from`` (``previous``'s fields, kept) is
+        ``previous``'s: a series is not decayed, so a decay step moves none of its entries."""
         snapshot.sources[segment] = source
         if previous is not None and previous.sources.get(segment) == source:
             snapshot.segments[segment], snapshot.series[segment] = previous.segments[segment], previous.series[segment]
             return
         _, regime, read = source
         counts = SegmentCounts()
+        counts.add_buckets((f, weights[b]) for b, f in read if regime is None or b >= regime)  # in time order
+        earlier = previous.series.get(segment, {}) if previous is not None else {}
+        kept = {b for b, _ in read if b < fresh_from}  # buckets whose fields are previous's
         series: dict[str, list[tuple[int, float, float]]] = {}
-        for b, bucket_fields in read:  # in time order; an empty bucket adds nothing
-            if regime is None or b >= regime:
-                counts.add_fields(bucket_fields, weights[b])
-            for drafter, accepted, verified in first_position(bucket_fields):
-                series.setdefault(drafter, []).append((b, accepted, verified))
+        for drafter, entries in earlier.items():
+            still = [e for e in entries if e[0] in kept]
+            if still:  # the same object when none left: the drift test is not run again on an unmoved series
+                series[drafter] = entries if len(still) == len(entries) else still
+        for b, bucket_fields in read:
+            if b >= fresh_from:
+                for drafter, accepted, verified in first_position(bucket_fields):
+                    entries = series.setdefault(drafter, [])
+                    if entries is earlier.get(drafter):
+                        entries = series[drafter] = list(entries)  # previous's list is previous's
+                    entries.append((b, accepted, verified))
         snapshot.segments[segment] = counts
         snapshot.series[segment] = series
 
@@ -656,6 +670,10 @@ def _text(value: object) -> str | None:
         except UnicodeDecodeError:
             return None
     return str(value)
+
+
+def _as_read(fields: dict[str, float]) -> dict[str, float]:
+    return fields
 
 
 def _numbers(raw: Mapping[object, object]) -> dict[str, float]:
