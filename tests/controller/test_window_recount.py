@@ -6,6 +6,7 @@ once a segment, not once a bucket."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import redis
@@ -128,3 +129,13 @@ def test_a_refresh_leaves_the_snapshot_before_it_as_it_was(redis_client, prefix)
     assert after.series["a"]["draft"][:-1] == series["a"]["draft"]
     assert after.series["a"]["draft"][-1][0] == T0 // BUCKET_S + 5
     assert after.series["b"]["draft"] is before.series["b"]["draft"]  # untouched: the same object
+
+
+def test_the_benchmark_recounts_side_by_side(tmp_path):
+    from benchmarks.decay_recount import main
+
+    out = tmp_path / "recount.json"
+    assert main(["--segments", "5", "--runs", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["segments"] == 5 and result["buckets"] == 60
+    assert result["ratio_min"] <= result["one_by_one_over_one_pass"] <= result["ratio_max"]
