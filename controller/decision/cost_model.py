@@ -68,6 +68,29 @@ class BucketCosts:
 
 
 DEFAULT_BUCKET = BucketCosts(bucket=1, step_seconds=0.0)
+COSTS_TOLERANCE = 0.01  # a point cost that moved less than this share moves no decision table (their own tolerance)
+
+
+def costs_moved(before: CostModel, after: CostModel, tolerance: float = COSTS_TOLERANCE) -> bool:
+    """Whether a cost decisions read moved from ``before`` to ``after`` by more than ``tolerance`` of itself: a
+    bucket measured or not, a drafter's c known or not, a step time, a c or a v(n) moved past it. The rounds behind
+    each v(n), and the timings behind each median, do not count. A decay step moves every weighted median a little:
+    compared with the model of the last move, small moves add up until they count."""
+    if before.buckets.keys() != after.buckets.keys():
+        return True
+    for key, new in after.buckets.items():
+        old = before.buckets[key]
+        if (old.measured, old.cost_ratio.keys(), len(old.verify)) != (
+            new.measured,
+            new.cost_ratio.keys(),
+            len(new.verify),
+        ):
+            return True
+        pairs = [(old.step_seconds, new.step_seconds), *zip(old.verify, new.verify, strict=True)]
+        pairs += [(old.cost_ratio[d], new.cost_ratio[d]) for d in new.cost_ratio]
+        if any(not math.isclose(x, y, rel_tol=tolerance) for x, y in pairs):
+            return True
+    return False
 
 
 @dataclass(frozen=True)

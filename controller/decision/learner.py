@@ -20,13 +20,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry
 
-from controller.decision.cost_model import BucketCosts, CostModel, build_cost_model
+from controller.decision.cost_model import BucketCosts, CostModel, build_cost_model, costs_moved
 from controller.decision.counts import Aggregate, CostCounts, SegmentCounts
 from controller.decision.decide import component_histogram
 from controller.decision.drift_watch import DriftAlarm, DriftWatch
@@ -73,6 +73,7 @@ class Learner:
         self._last_prior_fit = 0.0
         self.last_refit: object | None = None  # where the last refit ran: another process's answer, or this one
         self.cost_model = CostModel()
+        self._versioned_costs = self.cost_model  # the model when ``costs_version`` last moved
         # Versions move only when what decisions read moved (a refresh that read the same data leaves them): the
         # learner's as a whole, each segment's counts, and the cost model. Caches and decision tables key on them.
         self.version = 0
@@ -241,13 +242,15 @@ class Learner:
 
     def _install_cost_model(self) -> bool:
         """Rebuild the cost model from the counts; True (and a new ``costs_version``) if a cost that decisions read
-        changed. The rounds behind each v(n) grow with every report, and only GetCosts shows them; the timings behind
-        each median (what a Thompson draw reads its spread from) count as changed when the median does."""
+        moved past ``COSTS_TOLERANCE`` since the version last moved (``costs_moved``): the tables are rebuilt then,
+        and ``Decide`` reads the model rebuilt every time. The timings behind each median (what a Thompson draw reads
+        its spread from) count as moved when the median does."""
         model = build_cost_model(self.costs())
-        moved = _point_costs(model) != _point_costs(self.cost_model)
         self.cost_model = model
+        moved = costs_moved(self._versioned_costs, model)
         if moved:
             self.costs_version += 1
+            self._versioned_costs = model
         return moved
 
     def drift(self, segment: str) -> list[DriftAlarm]:
@@ -367,10 +370,6 @@ class Learner:
             merged.add(self._snapshot.costs)
             merged.add(self._journaled.costs())
         return merged
-
-
-def _point_costs(model: CostModel) -> dict[tuple[Mode, int], BucketCosts]:
-    return {b: replace(costs, rounds=()) for b, costs in model.buckets.items()}
 
 
 def _steps_between(before: float | None, after: float | None, step_seconds: float) -> int:
