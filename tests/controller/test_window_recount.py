@@ -9,6 +9,7 @@ import copy
 import json
 import math
 
+import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,8 +61,8 @@ def test_a_clean_bucket_is_kept_as_it_is_and_cleaning_is_idempotent(bucket):
     assert clean_bucket(writer) is writer  # what a worker writes is clean: no copy
 
 
-def test_a_recount_reads_each_field_name_once(monkeypatch):
-    """60 buckets of the same 20 names: 20 names read, not 1,200 (the parse is cached, its call is not free)."""
+def names_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The field names the schema is asked to read from now on, in order."""
     read: list[str] = []
     parse = schema.segment_field
 
@@ -70,6 +71,12 @@ def test_a_recount_reads_each_field_name_once(monkeypatch):
         return parse(name)
 
     monkeypatch.setattr(schema, "segment_field", counted)
+    return read
+
+
+def test_a_recount_reads_each_field_name_once(monkeypatch):
+    """60 buckets of the same 20 names: 20 names read, not 1,200 (the parse is cached, its call is not free)."""
+    read = names_read(monkeypatch)
     bucket = {name: 1.0 for name in NAMES[:20]}
     window = [(bucket, 0.5**b) for b in range(60)]
     counts = SegmentCounts()
@@ -97,14 +104,7 @@ def test_a_decay_step_recounts_each_segment_reading_each_field_name_once(redis_c
     step); only the buckets read afresh (a write may have reached them) are read one by one."""
     store, clock = a_store(redis_client, prefix, 12)
     before = store.read_snapshot(store.active_segments())
-    read: list[str] = []
-    parse = schema.segment_field
-
-    def counted(name: str) -> object:
-        read.append(name)
-        return parse(name)
-
-    monkeypatch.setattr(schema, "segment_field", counted)
+    read = names_read(monkeypatch)
     clock.now += BUCKET_S  # the next decay step: nothing new reported
     after = store.read_snapshot(store.active_segments(), previous=before)
     fresh_from = (before.taken_at - BUCKET_S) // BUCKET_S  # a bucket a late write may still reach: read again
