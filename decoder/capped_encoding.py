@@ -110,7 +110,6 @@ class CappedEncoder:
             reason = encoder._learn_specials()
             if reason is None and encoder._check((1, 3, 8, 24, window)) is not None:
                 encoder.window = None  # a pre-tokenizer that reads a window's start as the text's (a prefix mark)
-            if reason is None:
                 reason = encoder._check((None,))
         if reason is not None:
             log.info("prompts are tokenized whole, not capped: %s", reason)
