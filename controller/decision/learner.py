@@ -380,9 +380,16 @@ def _steps_between(before: float | None, after: float | None, step_seconds: floa
 
 
 def _decayed_only(old: Snapshot, new: Snapshot, segment: str) -> bool:
-    """Are the segment's counts in ``new`` made of the same buckets' fields as in ``old``, decayed to another step?"""
+    """Did only the segment's age move from ``old`` to ``new``: its counts decayed to another step, made of the same
+    buckets' fields less those that left the window at its old end? A bucket leaves at a decay step, as the
+    oldest and least weighted in the window (2^-(window / half-life) of a current one: 1/64 at the defaults), and
+    with every bucket of the window filled, every segment loses one at every step. One that loses its last bucket
+    has changed (it has no counts left)."""
     before, after = old.sources.get(segment), new.sources.get(segment)
-    return before is not None and after is not None and before[0] != after[0] and before[1:] == after[1:]
+    if before is None or after is None or before[0] == after[0] or before[1] != after[1]:
+        return False
+    kept, earlier = after[2], before[2]
+    return bool(kept) and len(kept) <= len(earlier) and earlier[len(earlier) - len(kept) :] == kept
 
 
 def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:

@@ -488,8 +488,9 @@ class TelemetryStore:
             return tuple((b, clean(f)) for b in range(start, current + 1) if (f := fields[key(b)]))
 
         def kept_from(earlier: BucketFields) -> BucketFields:
-            """``previous``'s buckets still in the window and not read again."""
-            return tuple((b, f) for b, f in earlier if first <= b < fresh_from)
+            """``previous``'s buckets still in the window and not read again: the same pairs, not copies (1,000
+            segments × 60 buckets of new pairs at every refresh would wake the cyclic collector's full pass)."""
+            return tuple(pair for pair in earlier if first <= pair[0] < fresh_from)
 
         before = previous or Snapshot()
         for s in kept:

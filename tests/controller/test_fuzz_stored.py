@@ -33,7 +33,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from controller.decision.core import Controller
-from controller.decision.decide import Request
+from controller.decision.decide import Request, beta_mean
 from controller.decision.learner import Learner
 from controller.decision.policy import DRAFTERS, PolicyStore, load_policy
 from controller.serving.views import cost_model, segment_stats
@@ -244,9 +244,9 @@ def check_everything_answers(controller: Controller, policies: PolicyStore) -> N
                 check_plan(controller.decide(request), learner.tracked_segment(segment), policies)
         view = controller.segment_view(segment)
         for estimate in view.estimates.values():  # the posteriors every figure is drawn from: finite, 0 <= mean <= 1
-            for beta in (*estimate.conditional, *estimate.proposal):
-                assert 0 <= beta.successes < math.inf and 0 <= beta.failures < math.inf, (segment, estimate)
-                assert 0 <= beta.mean <= 1, (segment, estimate)
+            for successes, failures in (*estimate.conditional, *estimate.proposal):
+                assert 0 <= successes < math.inf and 0 <= failures < math.inf, (segment, estimate)
+                assert 0 <= beta_mean((successes, failures)) <= 1, (segment, estimate)
             assert math.isfinite(estimate.calibration) and math.isfinite(estimate.cost_ratio), estimate
         stats = segment_stats(view)
         assert stats.ByteSize() < 64 << 10, f"{segment}: {stats.ByteSize()} bytes of statistics"

@@ -93,9 +93,11 @@ BUCKET = 10.0
 SEGMENTS = [f"epoch-{i:02d}" for i in range(24)]
 
 
-def real(redis_client: redis.Redis, prefix: str) -> tuple[FakeClock, Learner, Controller]:
+def real(redis_client: redis.Redis, prefix: str, window: int = 60) -> tuple[FakeClock, Learner, Controller]:
     clock = FakeClock(T0 + 1)
-    store = make_store(redis_client, prefix, clock, bucket_seconds=BUCKET, decay_step_seconds=BUCKET, window_buckets=60)
+    store = make_store(
+        redis_client, prefix, clock, bucket_seconds=BUCKET, decay_step_seconds=BUCKET, window_buckets=window
+    )
     journal = Journal(Path(tempfile.mkdtemp()) / "journal.jsonl", 1000)
     learner = Learner(store, journal, clock, prior_retrain_seconds=1e9)
     return clock, learner, Controller(learner, PolicyStore(parse_policy("{}")))
@@ -141,6 +143,32 @@ def test_a_decay_step_moves_a_segments_counts_but_not_its_data_version(redis_cli
     clock.now += BUCKET  # a report and a decay step, one refresh: the report is what counts
     learner.refresh()
     assert learner.data_version("b") > b_data
+
+
+def test_a_bucket_leaving_a_full_window_at_a_decay_step_is_ageing_not_new_data(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """With every bucket of the window filled, every segment loses its oldest bucket at every decay step: that is
+    ageing, like the decay (its table follows at its epoch), or all 1,000 tables would be recomputed at every step.
+    A segment that loses its last bucket, or gains one, has new data."""
+    clock, learner, _ = real(redis_client, prefix, window=3)
+    for n in range(3):  # "full" in each bucket of the window; "once" in its first only
+        teach(learner, ["full", *(["once"] if n == 0 else [])], f"fill-{n}")
+        learner.refresh()
+        clock.now += BUCKET
+    clock.now -= BUCKET
+    learner.refresh()
+    data = {s: learner.data_version(s) for s in ("full", "once")}
+    counts = learner.segment_counts("full")
+    clock.now += BUCKET  # a decay step: the first bucket leaves the window, "once"'s only one with it
+    learner.refresh()
+    assert learner.segment_counts("full") is not counts, "its counts moved: a bucket less, and decayed"
+    assert learner.data_version("full") == data["full"], "ageing: the oldest bucket left, nothing came"
+    assert learner.data_version("once") > data["once"], "its last bucket left: it has no counts now"
+    teach(learner, ["full"], "after")
+    clock.now += BUCKET  # a step and a report in one refresh: the report is new data
+    learner.refresh()
+    assert learner.data_version("full") > data["full"]
 
 
 def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
