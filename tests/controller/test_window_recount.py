@@ -113,6 +113,10 @@ def test_a_decay_step_recounts_each_segment_reading_each_field_name_once(redis_c
     one_by_one = sum(len(fields) for s in after.segments for _, fields in after.sources[s][2])
     assert all(after.segments[s] != before.segments[s] for s in after.segments)  # recounted: every weight moved
     assert len(read) <= union + 2 * fresh < one_by_one, (len(read), union, fresh, one_by_one)
+    for s in after.segments:  # the kept buckets are the earlier snapshot's pairs, not new ones for the collector
+        earlier = {pair[0]: pair for pair in before.sources[s][2]}
+        kept = [pair for pair in after.sources[s][2] if pair[0] < fresh_from]
+        assert kept and all(pair is earlier[pair[0]] for pair in kept), s
 
 
 def test_a_refresh_leaves_the_snapshot_before_it_as_it_was(redis_client, prefix):
