@@ -17,6 +17,7 @@ from controller.decision.decide import (
     Arm,
     DrafterEstimate,
     Request,
+    SharedDraws,
     calibration_factor,
     component_histogram,
     decide,
@@ -216,12 +217,14 @@ class Controller:
         return plan
 
     def table_decisions(
-        self, request: Request, draws: int, rng: random.Random, remember: bool = False
-    ) -> tuple[Plan, list[tuple[Plan, float]]]:
+        self, request: Request, draws: int, rng: random.Random, remember: bool = False,
+        shared: SharedDraws | None = None,
+    ) -> tuple[Plan, list[tuple[Plan, float]]]:  # fmt: skip
         """For a decision table: the plan Decide gives ``request`` when it does not probe, and the probes it sends
         instead, each with its share of such requests (the share of ``draws`` decisions, drawn with ``rng``, that
-        probed it). With ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers
-        its batch-1 plan only, so that its other buckets do not move the segment's memory at every refresh)."""
+        probed it; with ``shared``, the table's draws its buckets share, at least ``draws`` of them). With
+        ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers its batch-1 plan
+        only, so that its other buckets do not move the segment's memory at every refresh)."""
         self._offered.update(d for d in request.drafters if d in DRAFTERS)
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
@@ -234,8 +237,8 @@ class Controller:
             self._previous.remember(request.segment, plan)
         probes: dict[str, Plan] = {}  # a drafter's probe plan is the same whichever draw chose it
         times: Counter[str] = Counter()
-        for _ in range(draws if deliberation.may_probe else 0):
-            drawn = deliberation.draw(rng)
+        for index in range(draws if deliberation.may_probe else 0):
+            drawn = deliberation.draw(rng, None if shared is None else (shared, index))
             if drawn.exploration:
                 probes[drawn.drafter] = drawn
                 times[drawn.drafter] += 1

@@ -268,6 +268,28 @@ def decide(
     return deliberate(settings, policy_version, request, estimates, costs, previous).draw(rng)
 
 
+class SharedDraws:
+    """The random part of a decision table's decisions that its batch buckets share (common random numbers): for
+    each of its ``count`` decisions, the uniform that gates exploration and each drafter's posterior draw, drawn once
+    for all buckets instead of once a bucket. A bucket's decisions stay independent draws of ``Deliberation.draw``
+    (its probe shares unbiased, their spread the same); only across buckets are they correlated, which nothing
+    reads. The posteriors do not move with the batch size, so a table's buckets sample each drafter's posterior a
+    fifth as often. Drawn from ``rng`` in the order asked, so a table's inputs give the same draws."""
+
+    def __init__(self, rng: random.Random, count: int) -> None:
+        self._rng = rng
+        self.gates = [rng.random() for _ in range(count)]
+        self._rates: dict[tuple[int, str, tuple[Beta, ...], tuple[Beta, ...]], tuple[list[float], list[float]]] = {}
+
+    def rates(self, index: int, estimate: DrafterEstimate) -> tuple[list[float], list[float]]:
+        """Decision ``index``'s draw of ``estimate``'s posterior: drawn once, whichever bucket asks first."""
+        key = (index, estimate.drafter, estimate.conditional, estimate.proposal)
+        drawn = self._rates.get(key)
+        if drawn is None:
+            drawn = self._rates[key] = estimate.sample(self._rng)
+        return drawn
+
+
 @dataclass(frozen=True)
 class Deliberation:
     """A decision before its random part: the plan when the request does not probe (``exploit``), and what a
@@ -292,14 +314,16 @@ class Deliberation:
         others = any(d != self.exploit.drafter for d in self.measurable)
         return others or (not self.exploit.speculates and min(self.settings.min_exploration_rate, rate) > 0)
 
-    def draw(self, rng: random.Random) -> Plan:
-        """The plan for one request: ``exploit``, or a probe when the request's posterior draw says so."""
+    def draw(self, rng: random.Random, shared: tuple[SharedDraws, int] | None = None) -> Plan:
+        """The plan for one request: ``exploit``, or a probe when the request's posterior draw says so. With
+        ``shared`` (a table's draws and this decision's index in them), the exploration gate and the posterior draws
+        are that decision's, and ``rng`` draws the rest."""
         if self.make is None:
             return self.exploit
         make = self.make
         probe = _thompson(
             list(self.bounds), self.probeable, make.estimates, self.bounds, make.costs, self.exploit, self.settings,
-            rng, self.arms, self.measurable,
+            rng, self.arms, self.measurable, shared,
         )  # fmt: skip
         if probe is None:
             return self.exploit
@@ -484,6 +508,7 @@ def _thompson(
     rng: random.Random,
     arms: Sequence[Arm] = (),
     measurable: Sequence[str] | None = None,
+    shared: tuple[SharedDraws, int] | None = None,
 ) -> str | None:
     """The drafter to probe, or None. One posterior draw per usable drafter, of its rates and of the costs (a cost
     measured by few requests is uncertain too; plain decoding scores min_speedup): when the draw's winner is a
@@ -507,10 +532,12 @@ def _thompson(
             drawn_costs = costs.draw(rng)
             for d in usable:
                 estimate = replace(estimates[d], cost_ratio=_drawn_c(d, estimates[d], costs, drawn_costs))
-                drawn[d] = best_arm(estimate, estimates[d].sample(rng), *bounds[d], drawn_costs)
+                rates = estimates[d].sample(rng) if shared is None else shared[0].rates(shared[1], estimates[d])
+                drawn[d] = best_arm(estimate, rates, *bounds[d], drawn_costs)
         return drawn
 
-    if rng.random() < settings.exploration_rate:
+    gate = rng.random() if shared is None else shared[0].gates[shared[1]]
+    if gate < settings.exploration_rate:
         winner = max(draws().values(), key=lambda a: a.speedup)
         if winner.drafter in measurable and winner.drafter != exploit.drafter and winner.speedup > settings.min_speedup:
             return winner.drafter

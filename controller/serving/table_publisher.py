@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from controller.decision.decide import Request
+from controller.decision.decide import Request, SharedDraws
 from controller.decision.policy import DRAFTERS, Settings
 from controller.pacing import Pacer
 from controller.serving.report_budget import SHARED_PEER
@@ -138,7 +138,8 @@ def segment_table(
     controller: Controller, segment: str, drafters: Drafters, draws: int = PROBE_DRAWS
 ) -> pb.SegmentTable | None:
     """The segment's table for workers that run ``drafters``, or None while its own data is thin. The probe
-    shares are drawn from a generator seeded by the segment and bucket: the same inputs give the same bytes."""
+    shares are drawn from generators seeded by the segment and bucket, and the buckets share the exploration gates
+    and posterior draws (``SharedDraws``, seeded by the segment): the same inputs give the same bytes."""
     settings = controller.policies.current.for_segment(segment)
     if controller.learner.segment_counts(segment).rounds < settings.prior_strength:
         return None
@@ -147,11 +148,12 @@ def segment_table(
         segment=segment, max_batch_size=settings.max_batch_size, min_new_tokens=new_tokens,
         prefill_cost_per_token=settings.prefill_cost_per_token,
     )  # fmt: skip
+    shared = SharedDraws(random.Random(f"{segment}|{','.join(drafters)}"), draws)
     bucket = 1
     while bucket // 2 + 1 <= settings.max_batch_size:  # a bucket's smallest batch size is allowed to speculate
         request = Request.neutral(segment, bucket // 2 + 1, drafters, new_tokens)
         rng = random.Random(f"{segment}|{bucket}|{','.join(drafters)}")
-        plan, probes = controller.table_decisions(request, draws, rng, remember=bucket == 1)
+        plan, probes = controller.table_decisions(request, draws, rng, remember=bucket == 1, shared=shared)
         entry = table.buckets.add(batch_bucket=bucket, plan=plan.to_proto())
         for probe, share in probes:
             entry.probes.add(plan=probe.to_proto(), probability=share)

@@ -9,7 +9,9 @@ import pytest
 from controller.decision.cost_model import BucketCosts
 from controller.decision.counts import PositionCounts, SegmentCounts
 from controller.decision.decide import (
+    DrafterEstimate,
     Request,
+    SharedDraws,
     best_arm,
     beta_draw,
     beta_mean,
@@ -237,6 +239,59 @@ def test_a_decision_draws_the_posterior_only_when_it_may_probe():
         drew += rng.betas > 0
     assert 0 < probed <= drew, (probed, drew)
     assert drew <= 0.1 * 2000 + 3 * (2000 * 0.1 * 0.9) ** 0.5, drew  # about exploration_rate of them, not all
+
+
+def test_a_tables_buckets_share_their_draws_and_each_probes_at_its_own_rate(monkeypatch: pytest.MonkeyPatch):
+    """A decision table's batch buckets share each decision's exploration gate and posterior draws (common random
+    numbers, ``SharedDraws``): the posteriors are drawn once per decision, not once per bucket, and each bucket
+    still probes at the rate its own independent draws give (the shares stay unbiased)."""
+    settings = with_(exploration_rate=0.3, min_exploration_rate=0.0)
+    estimates = {
+        d: estimate_drafter(SegmentCounts(), d, 8, 0.5, 0.5, settings.prior_strength, 0.4)
+        for d in ("draft", "prompt_lookup")
+    }  # fmt: skip
+    buckets = [deliberate(settings, "v1", Request("s", b, ("draft", "prompt_lookup"), 128), estimates, GPU, None)
+               for b in (1, 2, 4)]  # fmt: skip
+    assert all(d.may_probe for d in buckets)
+    sampled = []
+    sample = DrafterEstimate.sample
+    monkeypatch.setattr(DrafterEstimate, "sample", lambda self, rng: sampled.append(self.drafter) or sample(self, rng))
+    draws, tables = 64, 40
+    shared_probes, own_probes = [0] * len(buckets), [0] * len(buckets)
+    for table in range(tables):  # each bucket's probe rate, with the table's shared draws and with its own
+        shared = SharedDraws(random.Random(table), draws)
+        for b, deliberation in enumerate(buckets):
+            rng, own = random.Random(f"{table}|{b}"), random.Random(f"own|{table}|{b}")
+            for index in range(draws):
+                shared_probes[b] += deliberation.draw(rng, (shared, index)).exploration
+                own_probes[b] += deliberation.draw(own).exploration
+    sampled.clear()  # one table: each drafter's posterior sampled at most once per decision, whatever the buckets
+    shared = SharedDraws(random.Random(0), draws)
+    for b, deliberation in enumerate(buckets):
+        for index in range(draws):
+            deliberation.draw(random.Random(f"{b}|{index}"), (shared, index))
+    assert 0 < len(sampled) <= draws * len(estimates), len(sampled)
+    drawn = len(sampled)
+    for b, deliberation in enumerate(buckets):
+        for index in range(draws):
+            deliberation.draw(random.Random(f"again|{b}|{index}"), (shared, index))
+    assert len(sampled) == drawn, "every decision's posterior draws were made already"
+    n = draws * tables
+    for b in range(len(buckets)):
+        p = own_probes[b] / n
+        assert 0.02 < p < 0.98, p
+        assert abs(shared_probes[b] / n - p) < 5 * (2 * p * (1 - p) / n) ** 0.5, (b, shared_probes[b] / n, p)
+
+
+def test_shared_draws_are_kept_per_posterior_not_per_drafter():
+    """A table's shared draw of a drafter serves only the posterior it was drawn from: another posterior of the same
+    drafter (a bucket whose estimate differed) gets its own draw, from its own distribution."""
+    high = estimate_drafter(counts(draft=(0.95, 1.0)), "draft", 4, 0.5, 0.5, 20.0, 0.05)
+    low = estimate_drafter(counts(draft=(0.05, 1.0)), "draft", 4, 0.5, 0.5, 20.0, 0.05)
+    shared = SharedDraws(random.Random(0), 8)
+    for index in range(8):
+        assert min(shared.rates(index, high)[0]) > 0.5 and max(shared.rates(index, low)[0]) < 0.5
+        assert shared.rates(index, high) is shared.rates(index, high)
 
 
 def test_the_mean_arm_is_kept_per_verify_table():

@@ -16,6 +16,7 @@ import redis
 
 import controller.serving.table_publisher as table_publisher
 from controller.decision.core import Controller
+from controller.decision.decide import DrafterEstimate
 from controller.decision.learner import Learner
 from controller.decision.policy import PolicyStore, parse_policy
 from controller.serving.table_publisher import TABLE_DECAY_STEPS, DecisionPublisher, TableKey, _differs
@@ -169,6 +170,25 @@ def test_a_bucket_leaving_a_full_window_at_a_decay_step_is_ageing_not_new_data(
     clock.now += BUCKET  # a step and a report in one refresh: the report is new data
     learner.refresh()
     assert learner.data_version("full") > data["full"]
+
+
+def test_a_tables_buckets_sample_the_posteriors_once_per_decision(
+    redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table's batch buckets share its decisions' posterior draws (``SharedDraws``): a drafter's posterior is
+    sampled at most once per decision, not once per decision and bucket (the draws were most of a table's build)."""
+    _, learner, _ = real(redis_client, prefix)
+    policy = "defaults: {exploration_rate: 0.5, min_exploration_rate: 0.3}"
+    controller = Controller(learner, PolicyStore(parse_policy(policy)))
+    teach(learner, ["probed"], "r1", accepted=0)  # a draft that never lands: off, and probed
+    learner.refresh()
+    sampled: list[str] = []
+    sample = DrafterEstimate.sample
+    monkeypatch.setattr(DrafterEstimate, "sample", lambda self, rng: sampled.append(self.drafter) or sample(self, rng))
+    drafters = ("draft", "prompt_lookup")
+    table = table_publisher.segment_table(controller, "probed", drafters)
+    assert table is not None and len(table.buckets) >= 4 and any(b.probes for b in table.buckets)
+    assert 0 < len(sampled) <= table_publisher.PROBE_DRAWS * len(drafters), len(sampled)
 
 
 def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
