@@ -595,8 +595,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "posterior-drawn-every-decide",
         "controller/decision/decide.py",
-        "    if rng.random() < settings.exploration_rate:",
-        "    if draws() and rng.random() < settings.exploration_rate:",
+        "    if gate < settings.exploration_rate:",
+        "    if draws() and gate < settings.exploration_rate:",
         ("tests/controller/test_decide.py",),
         "every Decide draws the posterior and the costs, though only exploration_rate of them can use the draw",
     ),
