@@ -1424,6 +1424,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "each bucket samples every posterior again: a table's build costs half as much again",
     ),
     Mutation(
+        "demo-tables-are-a-fallback",
+        "specd/demo/driver.py",
+        'CONTROLLER_SOURCES = ("controller", "table")',
+        'CONTROLLER_SOURCES = ("controller",)',
+        ("tests/test_demo.py",),
+        "the demo marks a decision from the controller's tables as the worker's fallback",
+    ),
+    Mutation(
+        "demo-request-plan-is-a-fallback",
+        "specd/demo/view.py",
+        "    if row.decision_source == REQUEST_SOURCE:",
+        "    if False:",
+        ("tests/test_demo.py",),
+        "the demo says the controller did not answer where a seeded request fixed its own plan",
+    ),
+    Mutation(
         "decay-moves-the-data-version",
         "controller/decision/learner.py",
         "        decayed = {s for s in moved if _decayed_only(self._snapshot, snapshot, s)}",

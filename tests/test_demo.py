@@ -108,6 +108,26 @@ def test_latest_decision_skips_probes_and_prefers_the_controllers_answers():
     assert drv.fallback_counts(results) == {"timeout": 1}
     only_fallbacks = drv.summarize_segment("code", 2, [results[2]])
     assert (only_fallbacks.drafter, only_fallbacks.decision_source) == ("none", "last_decision")
+    tabled = [*results, adaptive(4, drafter="draft", k=6, decision_source="table")]  # the controller's table
+    assert (drv.summarize_segment("code", 10, tabled).k, drv.summarize_segment("code", 10, tabled).decision_source) == (
+        6, "table"
+    )  # fmt: skip
+
+
+def test_the_table_marks_fallbacks_and_requests_that_fixed_their_plan_apart():
+    """A decision from the controller's tables is its answer, unmarked; a seeded request's own plan is not the
+    worker's fallback, and the caption says which is which."""
+    rows = [
+        drv.summarize_segment("code", 2, [adaptive(0, drafter="draft", k=4, decision_source="table")]),
+        drv.summarize_segment("adversarial", 2, [adaptive(0, drafter="none", decision_source="request")]),
+    ]
+    _, overall = drv.summarize({"code": 2, "adversarial": 2}, [])
+    text = rendered(progress_table(rows, overall))
+    assert "draft K≤4 " in text and "off†" in text and "off*" not in text
+    assert "the request's own plan" in text and "did not answer in time" not in text
+    rows.append(drv.summarize_segment("prose", 2, [adaptive(0, drafter="none", decision_source="last_decision")]))
+    text = rendered(progress_table(rows, overall))
+    assert "off*" in text and "did not answer in time" in text
 
 
 def test_summarize_counts_done_and_failures_per_segment_and_overall():

@@ -254,13 +254,20 @@ def aa_figure(results: Sequence[Result]) -> Figure:
     return Figure(statistics.median(ratios) if ratios else None, interval(ratios), len(ratios))
 
 
+# A decision's source (``specd_api.plan.Source``) that is the controller's answer: over Decide, or from its tables.
+CONTROLLER_SOURCES = ("controller", "table")
+REQUEST_SOURCE = "request"  # the request fixed its own plan (a seeded sampled request: no speculation)
+
+
 def summarize_segment(segment: str, total: int, results: Sequence[Result], intervals: bool = False) -> SegmentRow:
     """One row from the results of one segment (or of all, for the overall row), in arrival order; with
     ``intervals``, the median pair speedup's bootstrap interval too (the final summary: too much work for the live
     table, which runs beside the decodes it measures)."""
     adaptive = [r for r in results if r.arm == ADAPTIVE and r.ok]
     pairs = [{ADAPTIVE: a, BASELINE: b} for a, b in paired(results, ADAPTIVE, BASELINE)]
-    latest = next((r for r in reversed(adaptive) if not r.exploration and r.decision_source == "controller"), None)
+    latest = next(
+        (r for r in reversed(adaptive) if not r.exploration and r.decision_source in CONTROLLER_SOURCES), None
+    )
     latest = latest or next((r for r in reversed(adaptive) if not r.exploration), None)
     return SegmentRow(
         segment=segment,

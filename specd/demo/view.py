@@ -12,7 +12,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from specd.demo.driver import SegmentRow
+from specd.demo.driver import CONTROLLER_SOURCES, REQUEST_SOURCE, SegmentRow
 from specd.demo.report import DemoReport, Learned, TraceSummary
 
 BAR_WIDTH = 12
@@ -36,15 +36,19 @@ def fmt_interval(interval: tuple[float, float] | None) -> str:
 
 
 FALLBACK_MARK = "*"
+REQUEST_MARK = "†"
 
 
 def fmt_decision(row: SegmentRow) -> str:
     """The latest decision: "draft K=4", "off", or "-" before the first; marked with a star when the worker ran
-    it without the controller's answer for that request (its fallback)."""
+    it without the controller's answer for that request (its fallback), with a dagger when the request fixed its
+    own plan (a seeded sampled request decodes without speculation)."""
     if row.drafter is None:
         return "-"
     text = "off" if row.drafter == "none" else f"{row.drafter} K≤{row.k}"
-    return text if row.decision_source in ("controller", None) else text + FALLBACK_MARK
+    if row.decision_source == REQUEST_SOURCE:
+        return text + REQUEST_MARK
+    return text if row.decision_source in (*CONTROLLER_SOURCES, None) else text + FALLBACK_MARK
 
 
 def fmt_explored(row: SegmentRow) -> str:
@@ -92,8 +96,10 @@ def progress_table(
         ]
         table.add_row(*cells, end_section=not last and row is rows[-1])
     notes = Text()
-    if any(row.decision_source not in ("controller", None) for row in rows):
+    if any(row.decision_source not in (*CONTROLLER_SOURCES, REQUEST_SOURCE, None) for row in rows):
         notes.append(f"{FALLBACK_MARK} the worker's fallback: the controller did not answer in time  ")
+    if any(row.decision_source == REQUEST_SOURCE for row in rows):
+        notes.append(f"{REQUEST_MARK} the request's own plan: a seeded sampled request decodes without speculation  ")
     if overall.failures:
         notes.append(f"failed requests: {overall.failures}", style="red")
     if notes:
