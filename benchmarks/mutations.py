@@ -1434,8 +1434,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "demo-request-plan-is-a-fallback",
         "specd/demo/view.py",
-        "    if row.decision_source == REQUEST_SOURCE:",
-        "    if False:",
+        "    return REQUEST_MARK if source == REQUEST_SOURCE else FALLBACK_MARK",
+        "    return FALLBACK_MARK",
         ("tests/test_demo.py",),
         "the demo says the controller did not answer where a seeded request fixed its own plan",
     ),

@@ -37,18 +37,27 @@ def fmt_interval(interval: tuple[float, float] | None) -> str:
 
 FALLBACK_MARK = "*"
 REQUEST_MARK = "†"
+MARK_NOTES = {
+    FALLBACK_MARK: "the worker's fallback: the controller did not answer in time",
+    REQUEST_MARK: "the request's own plan: a seeded sampled request decodes without speculation",
+}
+
+
+def decision_mark(source: str | None) -> str:
+    """How a decision's source is marked: not at all for the controller's answer (or no decision yet), a dagger
+    when the request fixed its own plan, a star when the worker ran without the controller's answer (its
+    fallback)."""
+    if source in (*CONTROLLER_SOURCES, None):
+        return ""
+    return REQUEST_MARK if source == REQUEST_SOURCE else FALLBACK_MARK
 
 
 def fmt_decision(row: SegmentRow) -> str:
-    """The latest decision: "draft K=4", "off", or "-" before the first; marked with a star when the worker ran
-    it without the controller's answer for that request (its fallback), with a dagger when the request fixed its
-    own plan (a seeded sampled request decodes without speculation)."""
+    """The latest decision: "draft K=4", "off", or "-" before the first, with its source's mark (``decision_mark``)."""
     if row.drafter is None:
         return "-"
     text = "off" if row.drafter == "none" else f"{row.drafter} K≤{row.k}"
-    if row.decision_source == REQUEST_SOURCE:
-        return text + REQUEST_MARK
-    return text if row.decision_source in (*CONTROLLER_SOURCES, None) else text + FALLBACK_MARK
+    return text + decision_mark(row.decision_source)
 
 
 def fmt_explored(row: SegmentRow) -> str:
@@ -96,10 +105,10 @@ def progress_table(
         ]
         table.add_row(*cells, end_section=not last and row is rows[-1])
     notes = Text()
-    if any(row.decision_source not in (*CONTROLLER_SOURCES, REQUEST_SOURCE, None) for row in rows):
-        notes.append(f"{FALLBACK_MARK} the worker's fallback: the controller did not answer in time  ")
-    if any(row.decision_source == REQUEST_SOURCE for row in rows):
-        notes.append(f"{REQUEST_MARK} the request's own plan: a seeded sampled request decodes without speculation  ")
+    marks = {decision_mark(row.decision_source) for row in rows}
+    for mark, note in MARK_NOTES.items():
+        if mark in marks:
+            notes.append(f"{mark} {note}  ")
     if overall.failures:
         notes.append(f"failed requests: {overall.failures}", style="red")
     if notes:
