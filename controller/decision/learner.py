@@ -389,7 +389,7 @@ def _decayed_only(old: Snapshot, new: Snapshot, segment: str) -> bool:
     if before is None or after is None or before[0] == after[0] or before[1] != after[1]:
         return False
     kept, earlier = after[2], before[2]
-    return bool(kept) and len(kept) <= len(earlier) and earlier[len(earlier) - len(kept) :] == kept
+    return bool(kept) and earlier.ends_with(kept)
 
 
 def _changed_segments(old: Snapshot, new: Snapshot) -> set[str]:

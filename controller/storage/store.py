@@ -22,13 +22,14 @@ atomic is the report as a whole: between parts, a reader may see a segment admit
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, cast
@@ -47,7 +48,6 @@ from specd_api.segments import OVERFLOW_SEGMENT
 log = logging.getLogger(__name__)
 
 RedisClient = redis.Redis | RedisCluster  # one server, or a cluster (``redis+cluster://``; redis_conn.py)
-BucketFields = tuple[tuple[int, dict[str, float]], ...]  # (bucket, its hash's fields), in time order, none empty
 # Bucket hashes a refresh asks for in one round trip. The replies are parsed in Python with the interpreter held: in
 # one pipeline, the 2,000 keys of 1,000 segments reported in the last minute would hold it ~100 ms at every refresh,
 # and every Decide waits for the interpreter. Between chunks the refresh is paced.
@@ -227,6 +227,59 @@ class IngestResult:
     duplicate: bool
 
 
+@dataclass(frozen=True, slots=True)
+class BucketFields:
+    """What a segment's (or the costs') counts are made of: the window's non-empty buckets, in time order, with their
+    hashes' fields.
+
+    Held as two tuples, the buckets' numbers and their fields, not as a (bucket, fields) pair a bucket. CPython's cyclic
+    collector stops tracking a tuple of atomic values at its first pass over it, but never one that holds a dict. As
+    pairs, 1,000 segments x 60 buckets kept 60,000 tracked tuples, all walked by every full collection: about 100 ms of
+    the interpreter each on the shared cores, two or three times a decay step. As two tuples it is three objects a
+    segment, and the numbers' tuple is untracked at the first pass."""
+
+    buckets: tuple[int, ...] = ()  # increasing
+    fields: tuple[dict[str, float], ...] = ()  # fields[i] is buckets[i]'s hash, none empty
+
+    @classmethod
+    def read(
+        cls, buckets: range, fields_of: Callable[[int], dict[str, float]],
+        clean: Callable[[dict[str, float]], dict[str, float]],
+    ) -> BucketFields:  # fmt: skip
+        """The non-empty buckets of ``buckets`` (``fields_of`` each), each ``clean``ed."""
+        numbers, kept = [], []
+        for b in buckets:
+            found = fields_of(b)
+            if found:
+                numbers.append(b)
+                kept.append(clean(found))
+        return cls(tuple(numbers), tuple(kept))
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, float]]]:
+        return zip(self.buckets, self.fields, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def __add__(self, later: BucketFields) -> BucketFields:
+        """These buckets, then ``later``'s (all of them after these)."""
+        return BucketFields(self.buckets + later.buckets, self.fields + later.fields)
+
+    def between(self, first: int, end: int) -> BucketFields:
+        """The buckets from ``first`` up to ``end`` (not included): the same fields objects, not copies."""
+        lo, hi = bisect.bisect_left(self.buckets, first), bisect.bisect_left(self.buckets, end)
+        return BucketFields(self.buckets[lo:hi], self.fields[lo:hi])
+
+    def ends_with(self, last: BucketFields) -> bool:
+        """Are ``last``'s buckets and fields these' last ones?"""
+        n = len(last.buckets)
+        return (
+            n <= len(self.buckets)
+            and self.buckets[len(self.buckets) - n :] == last.buckets
+            and (self.fields[len(self.fields) - n :] == last.fields)
+        )
+
+
 @dataclass
 class Snapshot:
     """Decayed counts of the active segments and the costs, as of one refresh, and for drift detection the raw
@@ -237,8 +290,8 @@ class Snapshot:
     costs: CostCounts = field(default_factory=CostCounts)
     taken_at: float = 0.0
     series: dict[str, dict[str, list[tuple[int, float, float]]]] = field(default_factory=dict)
-    # what each segment's counts were made of: (the decay time, its regime's start, its buckets' fields as
-    # ((bucket, fields), ...) in time order, empty buckets left out). A segment whose sources are those of the previous
+    # what each segment's counts were made of: (the decay time, its regime's start, its window's non-empty buckets'
+    # fields, ``BucketFields``). A segment whose sources are those of the previous
     # snapshot keeps its counts object (read_snapshot's ``previous``); the fields are what the next read starts from.
     sources: dict[str, tuple[float, int | None, BucketFields]] = field(default_factory=dict)
     cost_sources: tuple[float, BucketFields] | None = None  # the same for the costs
@@ -485,12 +538,11 @@ class TelemetryStore:
             key: Callable[[int], str], start: int, clean: Callable[[dict[str, float]], dict[str, float]]
         ) -> BucketFields:
             """The non-empty buckets read, from ``start`` to the current one, each ``clean``ed."""
-            return tuple((b, clean(f)) for b in range(start, current + 1) if (f := fields[key(b)]))
+            return BucketFields.read(range(start, current + 1), lambda b: fields[key(b)], clean)
 
         def kept_from(earlier: BucketFields) -> BucketFields:
-            """``previous``'s buckets still in the window and not read again: the same pairs, not copies (1,000
-            segments × 60 buckets of new pairs at every refresh would wake the cyclic collector's full pass)."""
-            return tuple(pair for pair in earlier if first <= pair[0] < fresh_from)
+            """``previous``'s buckets still in the window and not read again: the same fields, not copies."""
+            return earlier.between(first, fresh_from)
 
         before = previous or Snapshot()
         for s in kept:
@@ -505,7 +557,7 @@ class TelemetryStore:
             fresh = read(functools.partial(self.keys.segment_bucket, s), fresh_from, clean_bucket)
             made_of = kept_from(before.sources[s][2]) + fresh
             self._count(snapshot, s, (decay_at, since.get(s), made_of), weights, previous, fresh_from)
-        costs_made_of = kept_from(before.cost_sources[1] if before.cost_sources else ())
+        costs_made_of = kept_from(before.cost_sources[1] if before.cost_sources else BucketFields())
         snapshot.cost_sources = (decay_at, costs_made_of + read(self.keys.cost_bucket, fresh_from, _as_read))
         if previous is not None and previous.cost_sources == snapshot.cost_sources:
             snapshot.costs = previous.costs
