@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from controller.decision.cost_model import BucketCosts
@@ -31,6 +31,7 @@ from controller.decision.learner import Learner
 from controller.decision.policy import DRAFTERS, PolicyStore, Settings
 from controller.decision.realised import realised
 from controller.decision.timing_histogram import median, total
+from controller.pacing import no_pause
 from specd_api.lru import LruMemory
 from specd_api.modes import GREEDY, Mode, sampling_mode
 from specd_api.plan import Plan
@@ -218,13 +219,14 @@ class Controller:
 
     def table_decisions(
         self, request: Request, draws: int, rng: random.Random, remember: bool = False,
-        shared: SharedDraws | None = None,
+        shared: SharedDraws | None = None, pace: Callable[[], None] = no_pause,
     ) -> tuple[Plan, list[tuple[Plan, float]]]:  # fmt: skip
         """For a decision table: the plan Decide gives ``request`` when it does not probe, and the probes it sends
         instead, each with its share of such requests (the share of ``draws`` decisions, drawn with ``rng``, that
         probed it; with ``shared``, the table's draws its buckets share, at least ``draws`` of them). With
         ``remember``, the plan updates the hysteresis memory as a Decide's does (a table remembers its batch-1 plan
-        only, so that its other buckets do not move the segment's memory at every refresh)."""
+        only, so that its other buckets do not move the segment's memory at every refresh). ``pace`` is called
+        between draws (a bucket's draws take about a millisecond: Decide gets the interpreter within them)."""
         self._offered.update(d for d in request.drafters if d in DRAFTERS)
         policy = self.policies.current
         settings = policy.for_segment(request.segment)
@@ -238,6 +240,7 @@ class Controller:
         probes: dict[str, Plan] = {}  # a drafter's probe plan is the same whichever draw chose it
         times: Counter[str] = Counter()
         for index in range(draws if deliberation.may_probe else 0):
+            pace()
             drawn = deliberation.draw(rng, None if shared is None else (shared, index))
             if drawn.exploration:
                 probes[drawn.drafter] = drawn

@@ -5,6 +5,7 @@ logic with its inputs faked, then a real learner over a real Redis crossing real
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ class Inputs:
 def faked(monkeypatch: pytest.MonkeyPatch, inputs: Inputs) -> tuple[DecisionPublisher, list[str]]:
     computed: list[str] = []
 
-    def segment_table(controller: object, segment: str, drafters: object) -> pb.SegmentTable:
+    def segment_table(controller: object, segment: str, drafters: object, **_: object) -> pb.SegmentTable:
         computed.append(segment)
         t = pb.SegmentTable(segment=segment, max_batch_size=8, min_new_tokens=5)
         t.buckets.add(batch_bucket=1, plan=pb.Decision(drafter="draft", k=4, acceptance=[inputs.acceptance]))
@@ -109,9 +110,9 @@ def counting_tables(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     computed: list[str] = []
     segment_table = table_publisher.segment_table
 
-    def counted(c: Any, segment: str, drafters: Any) -> Any:
+    def counted(c: Any, segment: str, drafters: Any, **options: Any) -> Any:
         computed.append(segment)
-        return segment_table(c, segment, drafters)
+        return segment_table(c, segment, drafters, **options)
 
     monkeypatch.setattr(table_publisher, "segment_table", counted)
     return computed
@@ -151,7 +152,7 @@ def test_a_bucket_leaving_a_full_window_at_a_decay_step_is_ageing_not_new_data(
 ) -> None:
     """With every bucket of the window filled, every segment loses its oldest bucket at every decay step: that is
     ageing, like the decay (its table follows at its epoch), or all 1,000 tables would be recomputed at every step.
-    A segment that loses its last bucket, or gains one, has new data."""
+    A segment that loses its last bucket, gains one, or has a report in one it keeps, has new data."""
     clock, learner, _ = real(redis_client, prefix, window=3)
     for n in range(3):  # "full" in each bucket of the window; "once" in its first only
         teach(learner, ["full", *(["once"] if n == 0 else [])], f"fill-{n}")
@@ -170,6 +171,13 @@ def test_a_bucket_leaving_a_full_window_at_a_decay_step_is_ageing_not_new_data(
     clock.now += BUCKET  # a step and a report in one refresh: the report is new data
     learner.refresh()
     assert learner.data_version("full") > data["full"]
+    teach(learner, ["full"], "into-the-current")
+    learner.refresh()
+    version = learner.data_version("full")
+    teach(learner, ["full"], "into-a-kept-bucket")  # the same bucket: one the window keeps past the next step
+    clock.now += BUCKET
+    learner.refresh()
+    assert learner.data_version("full") > version, "a report into a bucket the window keeps is new data"
 
 
 def test_a_tables_buckets_sample_the_posteriors_once_per_decision(
@@ -189,6 +197,36 @@ def test_a_tables_buckets_sample_the_posteriors_once_per_decision(
     table = table_publisher.segment_table(controller, "probed", drafters)
     assert table is not None and len(table.buckets) >= 4 and any(b.probes for b in table.buckets)
     assert 0 < len(sampled) <= table_publisher.PROBE_DRAWS * len(drafters), len(sampled)
+
+
+def test_a_refresh_build_gives_the_interpreter_back_between_a_tables_draws(
+    redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table's draws are 5-15 ms of the interpreter: a refresh's build calls its pacer between them, not only
+    between tables, or a Decide waits for the switch interval at each of its thread crossings for a whole table. A
+    stream's first build, which the stream waits for, paces between tables only."""
+    _, learner, _ = real(redis_client, prefix)
+    policy = "defaults: {exploration_rate: 0.5, min_exploration_rate: 0.3}"
+    controller = Controller(learner, PolicyStore(parse_policy(policy)))
+    teach(learner, ["probed"], "r1", accepted=0)
+    learner.refresh()
+    calls = [0]
+
+    class Counting(table_publisher.Pacer):
+        def __call__(self) -> None:
+            calls[0] += 1
+            super().__call__()
+
+    monkeypatch.setattr(table_publisher, "Pacer", Counting)
+    publisher = DecisionPublisher(controller, 1.0, 4)
+    first = publisher._build(("draft", "prompt_lookup"), {})
+    assert calls[0] == len(learner.segments()), "the first build: between tables"
+    teach(learner, ["probed"], "r2", accepted=0)  # a report: its table is recomputed at the next refresh
+    learner.refresh()
+    calls[0] = 0
+    table = publisher._build(("draft", "prompt_lookup"), first)["probed"].table
+    assert len(table.buckets) >= 4 and any(b.probes for b in table.buckets)
+    assert calls[0] >= table_publisher.PROBE_DRAWS * len(table.buckets), calls[0]
 
 
 def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within_the_epoch(
@@ -247,3 +285,13 @@ def test_tables_recomputed_within_the_tolerances_are_not_recomputed_again_at_the
         assert computed == [], f"{len(computed)} tables recomputed again with nothing moved"
     finally:
         publisher.close()
+
+
+def test_the_pacing_benchmark_runs_every_mode_side_by_side(tmp_path: Path) -> None:
+    from benchmarks.build_pacing import MODES, main
+
+    out = tmp_path / "pacing.json"
+    assert main(["--segments", "3", "--runs", "1", "--seconds", "0.3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["segments"] == 3 and all(result[f"{m}_p99_ms"] > 0 for m in MODES)
+    assert result["tables_over_draws_min"] <= result["p99_between_tables_over_between_draws"]
