@@ -585,6 +585,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a K longer than any measured is priced at the GPU's slope, so long K look almost free on a CPU",
     ),
     Mutation(
+        "verify-table-toward-the-largest",
+        "controller/decision/cost_model.py",
+        "            hi = measured[i + 1]",
+        "            hi = measured[-1]",
+        ROBUST,
+        "v(n) between measured points is drawn toward the largest measured n, not the nearest one above",
+    ),
+    Mutation(
+        "probe-draws-ignore-the-drawn-c",
+        "controller/decision/decide.py",
+        "                drawn[d] = best_arm(estimate, rates, *bounds[d], drawn_costs, c)",
+        "                drawn[d] = best_arm(estimate, rates, *bounds[d], drawn_costs)",
+        (*ROBUST, *COSTS),
+        "a draw of the costs moves v(n) but not the drafter's c: a cost measured by few requests is taken as certain",
+    ),
+    Mutation(
         "cost-draw-is-a-point",
         "controller/decision/cost_model.py",
         "        if self.timings is None:\n            return self",

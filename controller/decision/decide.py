@@ -175,11 +175,14 @@ def best_arm(
     k_min: int,
     k_max: int,
     costs: BucketCosts,
+    cost_ratio: float | None = None,
 ) -> Arm:
-    """The drafter's best K in [k_min, k_max] under ``rates`` (means or a posterior draw), with the posterior of its
-    speedup: the model's value at that K, calibrated, as the prior, and what the drafter realised as the data."""
+    """The drafter's best K in [k_min, k_max] under ``rates`` (means or a posterior draw) and ``cost_ratio`` (a draw
+    of its c; None: the estimate's), with the posterior of its speedup: the model's value at that K, calibrated, as
+    the prior, and what the drafter realised as the data."""
     conditional, proposal = rates
-    curve = speedup_curve(conditional, proposal, k_max, estimate.cost_ratio, costs.verify_table(k_max))
+    c = estimate.cost_ratio if cost_ratio is None else cost_ratio
+    curve = speedup_curve(conditional, proposal, k_max, c, costs.verify_table(k_max))
     k, value = best_k(curve, k_min)
     belief = posterior(value * estimate.calibration, estimate.realised)
     return Arm(estimate.drafter, k, belief.speedup, belief.lower(), value)
@@ -531,9 +534,10 @@ def _thompson(
         if not drawn:
             drawn_costs = costs.draw(rng)
             for d in usable:
-                estimate = replace(estimates[d], cost_ratio=_drawn_c(d, estimates[d], costs, drawn_costs))
-                rates = estimates[d].sample(rng) if shared is None else shared[0].rates(shared[1], estimates[d])
-                drawn[d] = best_arm(estimate, rates, *bounds[d], drawn_costs)
+                estimate = estimates[d]
+                rates = estimate.sample(rng) if shared is None else shared[0].rates(shared[1], estimate)
+                c = _drawn_c(d, estimate, costs, drawn_costs)
+                drawn[d] = best_arm(estimate, rates, *bounds[d], drawn_costs, c)
         return drawn
 
     gate = rng.random() if shared is None else shared[0].gates[shared[1]]

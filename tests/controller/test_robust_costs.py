@@ -10,8 +10,16 @@ import random
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from controller.decision.cost_model import MIN_REQUESTS, build_cost_model
+from controller.decision.cost_model import (
+    DEFAULT_VERIFY_SLOPE,
+    MIN_REQUESTS,
+    TABLE_SIZE,
+    _verify_table,
+    build_cost_model,
+)
 from controller.decision.counts import Aggregate, CostCounts, SegmentCounts
 from controller.decision.decide import Request, decide, deliberate, estimate_drafter, probe_floor
 from controller.decision.policy import Settings
@@ -103,6 +111,33 @@ def test_a_cost_measured_by_few_requests_is_drawn_widely_and_by_many_is_a_point(
     assert spread(few) > 0.10  # 4 requests: c is drawn over a wide range, exploration can overturn it
     assert spread(many) < 0.10  # 400: about a point
     assert many.timings is not None and many.timings.spread() < few.timings.spread()  # type: ignore[union-attr]
+
+
+def test_each_draw_prices_a_drafter_at_its_drawn_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Thompson draw of the costs moves the drafter's c as well as v(n): with c measured by 4 requests, the c the
+    draws price the draft at spreads as the cost draws do (a draw that kept the measured c would take it as certain,
+    and no draw could overturn a draft that looks too dear)."""
+    import controller.decision.decide as decide_module
+
+    few = build_cost_model(cost_counts([request(random.Random(11)) for _ in range(4)])).at(1)
+    settings = Settings(exploration_rate=0.5, min_exploration_rate=0.3)
+    seg = lookup_settled(50)
+    deliberation = deliberate(settings, "v1", Request("s", 1, ("draft", "prompt_lookup"), 128),
+                              estimates(seg, settings, few.c("draft", 0.2)), few, None)  # type: ignore[arg-type]  # fmt: skip
+    priced: list[float] = []
+    best_arm = decide_module.best_arm
+
+    def recording(estimate, rates, k_min, k_max, costs, cost_ratio=None):  # type: ignore[no-untyped-def]
+        if estimate.drafter == "draft":  # the c this arm is priced at
+            priced.append(estimate.cost_ratio if cost_ratio is None else cost_ratio)
+        return best_arm(estimate, rates, k_min, k_max, costs, cost_ratio)
+
+    monkeypatch.setattr(decide_module, "best_arm", recording)
+    for seed in range(300):
+        deliberation.draw(random.Random(seed))
+    assert len(priced) > 50
+    assert len(set(priced)) > len(priced) // 2, "each draw its own c"
+    assert (max(priced) - min(priced)) / median_of(priced) > 0.03
 
 
 def median_of(values: list[float]) -> float:
@@ -308,3 +343,29 @@ def test_a_segment_s_calibration_starts_at_the_fleet_s_and_moves_to_its_own() ->
     assert calibration_factor(1.0, 0.0, toward=1e-9) == CALIBRATION_BOUNDS[0]  # the fleet's is bounded too
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         assert calibration_factor(1.0, 0.0, toward=bad) == 1.0
+
+
+def interpolated(points: dict[int, float], n: int) -> float:
+    """v(n) by its definition, one n at a time: the point, else linear between the nearest measured neighbours, else
+    beyond the largest at the measured mean slope, never below the default."""
+    if n in points:
+        return points[n]
+    below = max(m for m in points if m < n)
+    above = [m for m in points if m > n]
+    if not above:
+        largest = max(points)
+        slope = max((points[largest] - points[0]) / largest, DEFAULT_VERIFY_SLOPE) if largest else DEFAULT_VERIFY_SLOPE
+        return points[below] + slope * (n - below)
+    hi = min(above)
+    return points[below] + (points[hi] - points[below]) * (n - below) / (hi - below)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.integers(1, TABLE_SIZE - 1), st.floats(0.5, 40.0, allow_nan=False, allow_infinity=False), max_size=TABLE_SIZE
+    )
+)
+def test_the_verify_table_in_one_pass_is_each_v_n_by_its_definition(measured: dict[int, float]) -> None:
+    points = {0: 1.0} | measured
+    assert _verify_table(points, TABLE_SIZE) == tuple(interpolated(points, n) for n in range(TABLE_SIZE))
