@@ -109,6 +109,7 @@ RATIO_GOAL = 2.0
 REFRESH_S = 1.0  # the controller's default refresh (and decision tables') period
 DECAY_SETTLE_S = 10.0  # after a decay step, for its rebuild and its tables' sending to end (1.5-3 s of CPU)
 OPEN_TIMEOUT_S = 300.0  # for the scale phase's streams to have their first message
+STREAMS_QUIET = 0.05  # the controller's CPU share with the streams open and nothing else (their heartbeats)
 SETTLE_LIMIT_S = 120.0  # after an attack, for the controller's CPU to come back to the steady client's alone
 DECIDE = "/specd.v1.Controller/Decide"
 REPORT = "/specd.v1.Controller/ReportRounds"
@@ -676,12 +677,15 @@ def scale(root: Path, settings: Settings, cores: Cores | None) -> dict[str, Any]
                 holder.open()
                 all_open = holder.wait_ready(OPEN_TIMEOUT_S)  # if not, measured anyway, and reported
                 time.sleep(REFRESH_S)  # past the opening: the first refresh after it
+                # the opening's work done (the tables whose data moved during the first build are built again)
+                streams_settle_s = settle(target, STREAMS_QUIET)
                 clear_of_a_decay_step(settings, 2 * settings.seconds + 1.0)
                 points.append(measure(target, prober, settings.streams, settings.seconds))
                 step = across_a_decay_step(target, prober, settings)
             finally:
                 streams = holder.close()
             streams["all_open_within_timeout"] = all_open
+            streams["settle_s"] = streams_settle_s
         target.alive()
     finally:
         target.controller.stop()
@@ -1069,12 +1073,17 @@ def attack(name: str, target: Target, settings: Settings) -> Run:
     return Run(name, hostile.what, before, during, did)
 
 
+SETTLE_WINDOW_S = 1.5 * REFRESH_S  # a quiet window holds a refresh's start: the gap between two refreshes is not quiet
+
+
 def settle(target: Target, quiet: float) -> float:
-    """Seconds until the controller's CPU over half a second is back near ``quiet`` (at most SETTLE_LIMIT_S): what
-    an attack left behind (work queued, streams still building their tables) ends before the next one's clock."""
+    """Seconds until the controller's CPU over SETTLE_WINDOW_S is back near ``quiet`` (at most SETTLE_LIMIT_S): what
+    an attack left behind (work queued, streams still building their tables) ends before the next one's clock. The
+    window is longer than the refresh period, or the second of two long refreshes (a report landing during the
+    first) would start after a quiet gap, inside the next measurement."""
     start = time.perf_counter()
     while time.perf_counter() - start < SETTLE_LIMIT_S:
-        if Window(target.pid).close_after(0.5).cpu_share <= 1.5 * quiet + 0.05:
+        if Window(target.pid).close_after(SETTLE_WINDOW_S).cpu_share <= 1.5 * quiet + 0.05:
             break
     return time.perf_counter() - start
 
@@ -1166,7 +1175,8 @@ def print_scale(s: dict[str, Any]) -> None:
           f"{st['streams']} open at {st['seconds_to_open']:.2f} s (refused {st['refused'] or 'none'}); first message "
           f"{st['full_bytes'] / 1024:.0f} KiB ({st['full_segments']} segments), then "
           f"{st['messages_per_stream_per_second']:.2f} messages/s each, {st['later_mean_bytes'] / 1024:.1f} KiB "
-          f"({st['later_mean_segments']:.1f} segments changed) on average")  # fmt: skip
+          f"({st['later_mean_segments']:.1f} segments changed) on average; the controller quiet "
+          f"{st.get('settle_s', 0.0):.1f} s after")  # fmt: skip
     d = s["decay_step"]
     print(
         f"  across a decay step (from 1 s before, {d['seconds']:.1f} s, the streams open): Decide p50 "
