@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import queue
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.decay_recount import BUCKET_S, filled  # noqa: E402
+from benchmarks.decay_recount import window_store  # noqa: E402
 from controller.decision.core import Controller  # noqa: E402
 from controller.decision.decide import Request  # noqa: E402
 from controller.decision.learner import Learner  # noqa: E402
@@ -37,8 +35,7 @@ from controller.decision.policy import PolicyStore, parse_policy  # noqa: E402
 from controller.pacing import URGENT, Pacer, no_pause  # noqa: E402
 from controller.serving.table_publisher import segment_table  # noqa: E402
 from controller.storage.journal import Journal  # noqa: E402
-from controller.storage.redis_conn import client_for  # noqa: E402
-from controller.storage.store import StoreConfig, TelemetryStore  # noqa: E402
+from controller.storage.store import TelemetryStore  # noqa: E402
 
 DRAFTERS = ("draft", "prompt_lookup")
 CROSSINGS = 3
@@ -112,33 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    client = client_for(args.redis_url, 10.0)
-    config = StoreConfig(prefix=f"build-pacing-{uuid.uuid4().hex[:8]}", bucket_seconds=BUCKET_S,
-                         decay_step_seconds=BUCKET_S, max_segments=max(args.segments, 1000))  # fmt: skip
-    start = math.floor(time.time() / BUCKET_S) * BUCKET_S + 30.0
     interval = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     p50: dict[str, list[float]] = {m: [] for m in MODES}
     p99: dict[str, list[float]] = {m: [] for m in MODES}
     try:
-        filled(client, config, args.segments, start)
-        store = TelemetryStore(client, config, lambda: start + 10.0)
-        journal = Journal(Path(tempfile.mkdtemp()) / "journal.jsonl", 1000)
-        learner = Learner(store, journal, lambda: start + 10.0, prior_retrain_seconds=1e9)
-        learner.refresh()
-        controller = Controller(learner, PolicyStore(parse_policy("{}")))
-        calls = Calls(controller)
-        for run in range(args.runs):
-            for mode in MODES:  # interleaved: the machine's drift falls on every mode alike
-                latencies = measure(controller, calls, mode, args.seconds)
-                p50[mode].append(percentile(latencies, 0.50) * 1000)
-                p99[mode].append(percentile(latencies, 0.99) * 1000)
-                print(f"run {run + 1} {mode:>14}: {len(latencies)} calls, p50 {p50[mode][-1]:.2f} ms, "
-                      f"p99 {p99[mode][-1]:.2f} ms", flush=True)  # fmt: skip
+        with window_store(args.redis_url, "build-pacing", args.segments) as (client, config, start):
+            store = TelemetryStore(client, config, lambda: start + 10.0)
+            journal = Journal(Path(tempfile.mkdtemp()) / "journal.jsonl", 1000)
+            learner = Learner(store, journal, lambda: start + 10.0, prior_retrain_seconds=1e9)
+            learner.refresh()
+            controller = Controller(learner, PolicyStore(parse_policy("{}")))
+            calls = Calls(controller)
+            for run in range(args.runs):
+                for mode in MODES:  # interleaved: the machine's drift falls on every mode alike
+                    latencies = measure(controller, calls, mode, args.seconds)
+                    p50[mode].append(percentile(latencies, 0.50) * 1000)
+                    p99[mode].append(percentile(latencies, 0.99) * 1000)
+                    print(f"run {run + 1} {mode:>14}: {len(latencies)} calls, p50 {p50[mode][-1]:.2f} ms, "
+                          f"p99 {p99[mode][-1]:.2f} ms", flush=True)  # fmt: skip
     finally:
         sys.setswitchinterval(interval)
-        for key in client.scan_iter(match=f"{config.prefix}:*", count=1000):
-            client.delete(key)
     tables_over_draws = sorted(t / d for t, d in zip(p99["between_tables"], p99["between_draws"], strict=True))
     draws_over_idle = sorted(d / i for d, i in zip(p99["between_draws"], p99["idle"], strict=True))
     result = {

@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,11 +29,28 @@ from controller.decision.counts import SegmentCounts, decay_weight  # noqa: E402
 from controller.serving import validation  # noqa: E402
 from controller.storage.redis_conn import client_for  # noqa: E402
 from controller.storage.redis_schema import first_position  # noqa: E402
-from controller.storage.store import Snapshot, StoreConfig, TelemetryStore  # noqa: E402
+from controller.storage.store import RedisClient, Snapshot, StoreConfig, TelemetryStore  # noqa: E402
 from specd_api.checks import MAX_AGGREGATES  # noqa: E402
 from specd_api.v1 import controller_pb2 as pb  # noqa: E402
 
 BUCKET_S = 60.0
+
+
+@contextmanager
+def window_store(redis_url: str, name: str, segments: int) -> Iterator[tuple[RedisClient, StoreConfig, float]]:
+    """A store config under a fresh prefix ``name-...`` in the Redis at ``redis_url``, every bucket of the window of
+    ``segments`` segments filled (``filled``): its client, the config and the last bucket's time. Its keys are
+    deleted on the way out."""
+    client = client_for(redis_url, 10.0)
+    config = StoreConfig(prefix=f"{name}-{uuid.uuid4().hex[:8]}", bucket_seconds=BUCKET_S,
+                         decay_step_seconds=BUCKET_S, max_segments=max(segments, 1000))  # fmt: skip
+    start = math.floor(time.time() / BUCKET_S) * BUCKET_S + 30.0
+    try:
+        filled(client, config, segments, start)
+        yield client, config, start
+    finally:
+        for key in client.scan_iter(match=f"{config.prefix}:*", count=1000):
+            client.delete(key)
 
 
 def filled(client: object, config: StoreConfig, segments: int, start: float) -> None:
@@ -54,12 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    client = client_for(args.redis_url, 10.0)
-    config = StoreConfig(prefix=f"decay-recount-{uuid.uuid4().hex[:8]}", bucket_seconds=BUCKET_S,
-                         decay_step_seconds=BUCKET_S, max_segments=max(args.segments, 1000))  # fmt: skip
-    start = math.floor(time.time() / BUCKET_S) * BUCKET_S + 30.0
-    try:
-        filled(client, config, args.segments, start)
+    with window_store(args.redis_url, "decay-recount", args.segments) as (client, config, start):
         one_pass, per_bucket = [], []
         for run in range(args.runs):
             clock = [start + 10.0 + run * BUCKET_S]  # each run one decay step later: every weight moves
@@ -77,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             recounted = recount_one_by_one(after, weights)
             per_bucket.append(time.process_time() - started)
             assert recounted == after.segments, "the one-pass recount counts what the buckets one by one count"
-    finally:
-        for key in client.scan_iter(match=f"{config.prefix}:*", count=1000):
-            client.delete(key)
     ratios = sorted(b / a for a, b in zip(one_pass, per_bucket, strict=True))
     result = {"segments": args.segments, "buckets": config.window_buckets, "runs": args.runs,
               "refresh_at_a_step_cpu_s": statistics.median(one_pass),
