@@ -269,6 +269,16 @@ class Learner:
     def stale(self) -> bool:
         return self._stale
 
+    @property
+    def decay_position(self) -> float:
+        """The decay steps crossed (``decay_steps``) plus the share of the current step's period that had passed at
+        the last refresh's read, in [0, 1): it moves at every refresh, so that work keyed on it (a table's decay
+        epoch) can turn at any refresh, spread over a step's period, rather than all of it at the step."""
+        snapshot, step = self._snapshot, self.store.config.decay_step_seconds
+        if snapshot.decay_at is None or not step > 0:
+            return float(self.decay_steps)
+        return self.decay_steps + min(max((snapshot.taken_at - snapshot.decay_at) / step, 0.0), 0.999999)
+
     def tracked_segment(self, segment: str) -> str:
         """The segment whose counts describe ``segment``: itself, or the overflow segment once the cap on
         distinct segments is reached and ``segment`` is not among those tracked (the store counts it there)."""

@@ -115,11 +115,12 @@ def table_key(controller: Controller, segment: str, drafters: Drafters) -> Table
 
 
 def decay_epoch(controller: Controller, segment: str) -> int:
-    """The segment's decay epoch: it turns every TABLE_DECAY_STEPS decay steps, each segment at its own phase, so
-    that a decay step recomputes about 1 / TABLE_DECAY_STEPS of the tables whose segment had no report (all of them,
-    at 1,000 segments, would be 1-2 s of CPU a step, and as many tables sent to every stream)."""
-    phase = zlib.crc32(segment.encode()) % TABLE_DECAY_STEPS
-    return (controller.learner.decay_steps + phase) // TABLE_DECAY_STEPS
+    """The segment's decay epoch: it turns every TABLE_DECAY_STEPS decay steps, each segment at its own point within
+    those steps' periods (its phase, a hash of its name, against ``Learner.decay_position``), so that the tables a
+    decay step moves are recomputed a few at each refresh (at 1,000 segments, 1-s refreshes and 60-s steps: about 4),
+    never a quarter or all of them at once (each quarter is 1-2 s of CPU, and as many tables sent to every stream)."""
+    phase = zlib.crc32(segment.encode()) / 2**32 * TABLE_DECAY_STEPS
+    return math.floor((controller.learner.decay_position + phase) / TABLE_DECAY_STEPS)
 
 
 def quick_key(controller: Controller, segment: str, drafters: Drafters) -> tuple[object, ...]:
@@ -378,8 +379,15 @@ class DecisionPublisher:
                 self.stats.tables_kept += 1
                 continue
             key, epoch = table_key(self.controller, segment, drafters), decay_epoch(self.controller, segment)
-            if old is not None and (old.key == key or (old.key.hard == key.hard and old.epoch == epoch)):
-                tables[segment] = replace(old, quick=quick)  # the same bytes: streams see no change
+            if old is not None and old.key == key:
+                # nothing moved: the table is as of this epoch, so a soft move waits for the next turn after it (an
+                # epoch that turned before the move would recompute at the step every table whose epoch turned
+                # during the step's period)
+                tables[segment] = replace(old, quick=quick, epoch=epoch)  # the same bytes: streams see no change
+                self.stats.tables_kept += 1
+                continue
+            if old is not None and old.key.hard == key.hard and old.epoch == epoch:
+                tables[segment] = replace(old, quick=quick)  # a soft move, waiting for the segment's next epoch
                 self.stats.tables_kept += 1
                 continue
             table = segment_table(self.controller, segment, drafters, pace=within)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -257,6 +258,31 @@ def test_decay_steps_recompute_a_share_of_the_tables_each_and_every_table_within
     built = publisher._build(DRAFTERS, built)
     assert computed == [SEGMENTS[0]], "a report's segment: recomputed at once, and only it"
     assert _differs(before, built[SEGMENTS[0]]), "and sent"
+
+
+def test_the_tables_a_decay_step_moves_are_recomputed_spread_over_the_refreshes_of_the_steps_periods(
+    redis_client: redis.Redis, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each segment's epoch turns at its own point within TABLE_DECAY_STEPS steps' periods, not at a step: with 8
+    refreshes a step, the tables decay moved are recomputed a few at a refresh, each once within the epoch, rather
+    than a quarter of them at the refresh that reads the step (a burst of seconds of CPU at 1,000 segments)."""
+    clock, learner, controller = real(redis_client, prefix)
+    teach(learner, SEGMENTS, "r1")
+    learner.refresh()
+    publisher = DecisionPublisher(controller, 1.0, 4, clock)
+    built = publisher._build(DRAFTERS, {})
+    computed = counting_tables(monkeypatch)
+    per_refresh = []
+    for _ in range((TABLE_DECAY_STEPS + 1) * 8):  # the first step's period moves nothing: no decay step yet
+        clock.now += BUCKET / 8
+        learner.refresh()
+        before = len(computed)
+        built = publisher._build(DRAFTERS, built)
+        per_refresh.append(len(computed) - before)
+    once = Counter(computed)
+    assert sorted(once) == SEGMENTS and set(once.values()) == {1}, f"each table once within the epoch: {once}"
+    # 24 tables over 32 refreshes: at most 2 a refresh for these names; phases in whole steps gave 5-7 at a step
+    assert max(per_refresh) <= 3 and sum(1 for n in per_refresh if n) >= 12, f"tables a refresh: {per_refresh}"
 
 
 def test_tables_recomputed_within_the_tolerances_are_not_recomputed_again_at_the_next_refresh(
