@@ -28,13 +28,15 @@ failures are cut into windows by wall clock.
   watch-streams  --streams WatchDecisions streams opened together from one host (past max_watchers_per_host, 64,
                  they are refused); at the end one more client's stream, from another host, says whether a worker
                  could still open one
+  drafter-sets   one WatchDecisions stream of each of the 31 drafter sets, from one host: each set watched is every
+                 table built and kept again (past max_drafter_sets_per_host, 2, they are refused)
   decide-flood   Decide back to back from --flood-threads threads for the learned segments: the control for ...
   segment-flood  ... the same with a made-up segment each call (the segment caps and caches filling)
   busy-neighbour not an attack, the control for big-reports: a process that touches no service keeps one core busy at
                  the report process's niceness (+10), as the report process does with big-reports; no goal
 
-big-reports, watch-streams, health-watch and the floods connect from another host than the steady client's (the
-half-open attacks, refused or held before any handler, from the same): the controller listens on
+big-reports, watch-streams, drafter-sets, health-watch and the floods connect from another host than the steady
+client's (the half-open attacks, refused or held before any handler, from the same): the controller listens on
 127.0.0.1 and ::1, the steady client calls over IPv4 and the attacker over IPv6 loopback (the controller's per-host
 shares and caps tell them apart; without IPv6 loopback both come from 127.0.0.1).
 
@@ -54,7 +56,7 @@ A missed goal is printed as MISSED; the exit status is 1 only on a crash.
     python -m benchmarks.controller_scale [--segments 1000] [--streams 256] [--seconds 5] [--rate 100]
         [--bucket-seconds 60] [--no-pin]
         [--only scale,half-open,half-open-mtls,half-open-mtls-flood,half-open-read,health-watch,big-reports,
-                watch-streams,decide-flood,segment-flood,busy-neighbour]
+                watch-streams,drafter-sets,decide-flood,segment-flood,busy-neighbour]
         [--json FILE]
 """
 
@@ -63,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -497,17 +500,20 @@ class Prober:
 
 
 def hold_streams(
-    address: str, count: int, token: str | None, first_alone: bool, go: Any, ready: Any, stop: Any, out: Any
-) -> None:
-    """Once ``go`` is set, ``count`` WatchDecisions streams (a connection each) read to the end, all at once or,
-    with ``first_alone``, the others once the first has its first message; ``ready`` is set when every one has its
-    first message or has failed. At ``stop``, they are cancelled and what happened goes to ``out``."""
-    out.put(asyncio.run(_hold(address, count, token, first_alone, go, ready, stop)))
+    address: str, count: int, token: str | None, first_alone: bool, go: Any, ready: Any, stop: Any, out: Any,
+    drafter_sets: Sequence[Sequence[str]] = (DRAFTERS,),
+) -> None:  # fmt: skip
+    """Once ``go`` is set, ``count`` WatchDecisions streams (a connection each; stream i watches ``drafter_sets``'
+    i-th, in turn) read to the end, all at once or, with ``first_alone``, the others once the first has its first
+    message; ``ready`` is set when every one has its first message or has failed. At ``stop``, they are cancelled and
+    what happened goes to ``out``."""
+    out.put(asyncio.run(_hold(address, count, token, first_alone, go, ready, stop, drafter_sets)))
 
 
 async def _hold(
-    address: str, count: int, token: str | None, first_alone: bool, go: Any, ready: Any, stop: Any
-) -> dict[str, Any]:
+    address: str, count: int, token: str | None, first_alone: bool, go: Any, ready: Any, stop: Any,
+    drafter_sets: Sequence[Sequence[str]],
+) -> dict[str, Any]:  # fmt: skip
     await asyncio.to_thread(go.wait)
     started = time.perf_counter()
     state: dict[str, Any] = {"opened": 0, "failed": Counter(), "ended": 0, "messages": 0, "full_bytes": 0,
@@ -521,7 +527,7 @@ async def _hold(
             ready.set()
 
     async def watch(i: int, channel: grpc.aio.Channel) -> None:
-        request = pb.WatchDecisionsRequest(worker_id=f"scale-{i}", drafters=DRAFTERS)
+        request = pb.WatchDecisionsRequest(worker_id=f"scale-{i}", drafters=drafter_sets[i % len(drafter_sets)])
         call = pb_grpc.ControllerStub(channel).WatchDecisions(request, metadata=bearer(token))
         first = True
         try:
@@ -568,14 +574,17 @@ class StreamHolder:
     """``spawn`` the holding process (it imports and waits), ``open`` the streams, ``wait_ready``, ``close`` (what
     happened to them). With ``first_alone``, the first stream opens alone: the tables it builds serve the others."""
 
-    def __init__(self, target: Target, count: int, first_alone: bool = False, address: str | None = None) -> None:
+    def __init__(
+        self, target: Target, count: int, first_alone: bool = False, address: str | None = None,
+        drafter_sets: Sequence[Sequence[str]] = (DRAFTERS,),
+    ) -> None:  # fmt: skip
         context = multiprocessing.get_context("spawn")
         self._go, self._ready, self._stop = context.Event(), context.Event(), context.Event()
         self._out = context.Queue()
         self._process = context.Process(
             target=hold_streams, name="watch-streams", daemon=True,
             args=(address or target.address, count, target.read_token, first_alone, self._go, self._ready, self._stop,
-                  self._out),
+                  self._out, [list(d) for d in drafter_sets]),
         )  # fmt: skip
 
     def spawn(self) -> StreamHolder:
@@ -976,9 +985,9 @@ class DecideFlood(Loop):
 class WatchStreams(Attack):
     what = "WatchDecisions streams opened together"
 
-    def __init__(self, target: Target, count: int) -> None:
+    def __init__(self, target: Target, count: int, drafter_sets: Sequence[Sequence[str]] = (DRAFTERS,)) -> None:
         self.target, self.count = target, count
-        self._holder = StreamHolder(target, count, address=target.attacker_address)
+        self._holder = StreamHolder(target, count, address=target.attacker_address, drafter_sets=drafter_sets)
 
     def prepare(self) -> None:
         self._holder.spawn()
@@ -1001,6 +1010,15 @@ class WatchStreams(Attack):
         return {**{k: held[k] for k in ("streams", "opened", "refused", "seconds_to_first", "seconds_to_open",
                                          "full_bytes")},
                 "another_client_stream": another}  # fmt: skip
+
+
+class DrafterSets(WatchStreams):
+    what = "a WatchDecisions stream of each drafter set from one host"
+
+    def __init__(self, target: Target) -> None:
+        names = ("draft", "prompt_lookup", "chain", "suffix", "eagle")
+        every = [list(c) for n in range(1, len(names) + 1) for c in itertools.combinations(names, n)]
+        super().__init__(target, len(every), every)
 
 
 def refused_half_open(target: Target, settings: Settings) -> Attack:
@@ -1027,6 +1045,7 @@ ATTACKS: dict[str, Callable[[Target, Settings], Attack]] = {
     "health-watch": lambda t, s: HealthWatch(t, s.health_streams),
     "big-reports": lambda t, s: BigReports(t, threads=1),
     "watch-streams": lambda t, s: WatchStreams(t, s.streams),
+    "drafter-sets": lambda t, s: DrafterSets(t),
     "decide-flood": lambda t, s: DecideFlood(t, s.flood_threads, made_up=False),
     "segment-flood": lambda t, s: DecideFlood(t, s.flood_threads, made_up=True),
     "busy-neighbour": lambda t, s: BusyNeighbour(),

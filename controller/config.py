@@ -19,6 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from controller.serving.host_share import DEFAULT_CALLS_PER_HOST
 from controller.serving.report_budget import DEFAULT_MAX_PEERS, MAX_HOLD_SECONDS, SEGMENT_COST, ReportBudget
+from controller.serving.table_publisher import MAX_DRAFTER_SETS, MAX_DRAFTER_SETS_PER_HOST
 from controller.storage.redis_conn import RedisTls, uses_tls
 from controller.storage.store import StoreConfig
 from specd_api.checks import MAX_AGGREGATES
@@ -171,6 +172,17 @@ class ControllerConfig(Strict):
         64, ge=1, le=4096,
         description="WatchDecisions streams one client host (IP address) holds at once (a worker holds one); more "
         "are refused with RESOURCE_EXHAUSTED, so that one host cannot take every max_watchers slot",
+    )  # fmt: skip
+    max_drafter_sets: int = Field(
+        MAX_DRAFTER_SETS, ge=1, le=64,
+        description="drafter sets (the drafters a worker offers) whose decision tables are kept at once, each built "
+        "and kept at every refresh; a stream of another set is then refused with RESOURCE_EXHAUSTED, and its worker "
+        "asks Decide",
+    )  # fmt: skip
+    max_drafter_sets_per_host: int = Field(
+        MAX_DRAFTER_SETS_PER_HOST, ge=1, le=64,
+        description="drafter sets one client host's WatchDecisions streams may watch at once (a worker watches one), "
+        "so that one host cannot take every max_drafter_sets place or multiply the tables' work",
     )  # fmt: skip
     max_calls_per_host: int = Field(
         DEFAULT_CALLS_PER_HOST, ge=1, le=1024,

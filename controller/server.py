@@ -107,11 +107,16 @@ class ControllerDaemon:
         READY."""
         policies = self._load_policy()
         learner = self._open_learning()
-        self.controller = Controller(learner, policies, max_remembered=self.config.learning.max_segments * 2)
+        self.controller = Controller(
+            learner, policies, max_remembered=self.config.learning.max_segments * 2,
+            drafter_sets=self.config.max_drafter_sets,
+        )  # fmt: skip
         refresh = self.config.learning.refresh_seconds
+        config = self.config
         self.publisher = DecisionPublisher(
-            self.controller, refresh, self.config.max_watchers, self.clock, self.config.max_watchers_per_host
-        )
+            self.controller, refresh, config.max_watchers, self.clock, config.max_watchers_per_host,
+            config.max_drafter_sets, config.max_drafter_sets_per_host,
+        )  # fmt: skip
         freeze_startup_heap()  # the modules, the policy, the prior, the first snapshot
         # A thread that wants the interpreter waits for the running one to give it up, or for the switch interval:
         # beside a report's unpaced stretches (its Redis command built, its samples encoded: milliseconds each) a

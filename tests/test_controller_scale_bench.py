@@ -71,6 +71,9 @@ def test_every_phase_runs_and_reports(tmp_path, capsys) -> None:
     # (seen in full-suite runs: 1 of 4, and once none, had its first message when the attack ended), but none is
     # refused, and another client's stream still gets its tables
     assert 0 <= watch["opened"] <= 4 and watch["refused"] == {} and watch["another_client_stream"] == "OK", watch
+    sets = attacks["drafter-sets"]["attacker"]  # one host: 2 drafter sets at most (max_drafter_sets_per_host)
+    assert sets["streams"] == 31 and sets["opened"] <= 2 and set(sets["refused"]) <= {"RESOURCE_EXHAUSTED"}, sets
+    assert sets["another_client_stream"] == "OK", sets
     for flood in ("decide-flood", "segment-flood"):
         assert attacks[flood]["attacker"]["calls"] > 0 and attacks[flood]["attacker"]["refused"] == {}
     assert attacks["busy-neighbour"]["attacker"] == {"nice": 10}

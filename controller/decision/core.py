@@ -60,13 +60,24 @@ class SegmentView:
     stale: bool
 
 
+def memory_key(segment: str, drafters: Sequence[str]) -> str:
+    """Where the hysteresis memory keeps a plan: its segment and the drafters it was chosen among (a worker's set,
+    "none" aside, in one order). Hysteresis holds a choice among the same arms steady; a plan chosen among other
+    arms says nothing of it, and a memory shared by two drafter sets' tables moved at each one's build, so that every
+    table of both was recomputed at every refresh."""
+    return f"{segment}|{','.join(sorted({d for d in drafters if d != 'none'}))}"
+
+
 class Controller:
     """Decisions and statistics, independent of gRPC (the benchmark calls it in-process)."""
 
-    def __init__(self, learner: Learner, policies: PolicyStore, max_remembered: int = 10_000) -> None:
+    def __init__(
+        self, learner: Learner, policies: PolicyStore, max_remembered: int = 10_000, drafter_sets: int = 1
+    ) -> None:
         self.learner = learner
         self.policies = policies
-        self._previous: LruMemory[Plan] = LruMemory(max_remembered)  # last learned (non-probe) plan per segment
+        # the last learned (non-probe) plan per segment and drafter set (memory_key): max_remembered a set
+        self._previous: LruMemory[Plan] = LruMemory(max_remembered * drafter_sets)
         self._cache_lock = threading.Lock()
         self._max_remembered = max_remembered
         self._rng = threading.local()
@@ -206,13 +217,14 @@ class Controller:
         if tracked != request.segment:
             request = replace(request, segment=tracked)
         costs = self.learner.costs_at(request.batch_size, request.segment)
-        previous = self._previous.recall(request.segment)
+        memory = memory_key(request.segment, request.drafters)
+        previous = self._previous.recall(memory)
         estimates = self.estimates(settings, request, costs)
         plan = decide(settings, policy.version, request, estimates, costs, previous, self.rng())
         # A segment nothing has been counted for decides from the priors alone: nothing to hold steady yet, and a
         # client naming a new segment per call would otherwise push the learned segments' plans out of the memory
         if not plan.exploration and plan.reason in LEARNED_REASONS and self.learner.counted(request.segment):
-            self._previous.remember(request.segment, plan)
+            self._previous.remember(memory, plan)
         if self.learner.stale:
             plan = replace(plan, stale=True)
         return plan
@@ -232,11 +244,12 @@ class Controller:
         settings = policy.for_segment(request.segment)
         costs = self.learner.costs_at(request.batch_size, request.segment)
         estimates = self.estimates(settings, request, costs, remember=False)
-        previous = self._previous.recall(request.segment)
+        memory = memory_key(request.segment, request.drafters)
+        previous = self._previous.recall(memory)
         deliberation = deliberate(settings, policy.version, request, estimates, costs, previous)
         plan = deliberation.exploit
         if remember and plan.reason in LEARNED_REASONS:
-            self._previous.remember(request.segment, plan)
+            self._previous.remember(memory, plan)
         probes: dict[str, Plan] = {}  # a drafter's probe plan is the same whichever draw chose it
         times: Counter[str] = Counter()
         for index in range(draws if deliberation.may_probe else 0):
@@ -247,9 +260,9 @@ class Controller:
                 times[drawn.drafter] += 1
         return plan, [(probe, times[drafter] / draws) for drafter, probe in probes.items()]
 
-    def previous_plan(self, segment: str) -> Plan | None:
-        """The segment's last learned plan (the hysteresis memory)."""
-        return self._previous.recall(segment)
+    def previous_plan(self, segment: str, drafters: Sequence[str]) -> Plan | None:
+        """The segment's last learned plan among ``drafters`` (the hysteresis memory)."""
+        return self._previous.recall(memory_key(segment, drafters))
 
     def new_drift_alarms(self, segment: str) -> list[DriftAlarm]:
         """The segment's drift alarms not yet announced on a Decide span (each is announced once)."""
@@ -288,7 +301,7 @@ class Controller:
         self, request: Request, settings: Settings, estimates: dict[str, DrafterEstimate], costs: BucketCosts
     ) -> Plan:
         """What Decide would answer now, without exploring or touching the hysteresis state."""
-        previous = self._previous.recall(request.segment)
+        previous = self._previous.recall(memory_key(request.segment, request.drafters))
         exploit = settings.model_copy(update={"exploration_rate": 0.0})
         plan = decide(exploit, self.policies.current.version, request, estimates, costs, previous, self.rng())
         return replace(plan, stale=self.learner.stale)

@@ -48,6 +48,11 @@ MAX_HEARTBEATS_PER_SECOND = 25.0
 # A table whose segment had no report follows its counts' decay (and the prior's refits) this many decay steps late at
 # most: at the default 600 s half-life and 60 s steps, its own rounds then weigh up to 24 % more than they do now.
 TABLE_DECAY_STEPS = 4
+# Drafter sets whose tables are kept at once, and that one client host's streams may watch: a fleet's workers watch
+# one set each, most fleets one or two sets; every set is the tables' work again (31 sets from one host took the
+# controller from 16 % to 81 % of a core at 1,000 segments).
+MAX_DRAFTER_SETS = 8
+MAX_DRAFTER_SETS_PER_HOST = 2
 Drafters = tuple[str, ...]
 
 
@@ -106,7 +111,7 @@ class TableKey:
 def table_key(controller: Controller, segment: str, drafters: Drafters) -> TableKey:
     settings = controller.policies.current.for_segment(segment)
     inputs = controller.estimate_inputs(settings, Request.neutral(segment, 1, drafters, table_min_new_tokens(settings)))
-    previous = controller.previous_plan(segment)  # hysteresis reads the remembered drafter and whether it was on
+    previous = controller.previous_plan(segment, drafters)  # hysteresis reads the remembered drafter and whether on
     memory = None if previous is None else (previous.drafter, previous.speculates)
     learner = controller.learner
     policy = controller.policies.current.version
@@ -128,7 +133,7 @@ def quick_key(controller: Controller, segment: str, drafters: Drafters) -> tuple
     neither has the key (the priors and the fleet's figures that ``table_key``'s inputs read move with the learner's
     version). Cheap: no estimate."""
     learner = controller.learner
-    previous = controller.previous_plan(segment)
+    previous = controller.previous_plan(segment, drafters)
     memory = None if previous is None else (previous.drafter, previous.speculates)
     policy = controller.policies.current.version
     versions = (learner.version, learner.segment_version(segment), learner.costs_version, policy)
@@ -172,7 +177,8 @@ class DecisionPublisher:
 
     def __init__(
         self, controller: Controller, refresh_seconds: float, max_watchers: int, clock: Callable[[], float] = time.time,
-        max_watchers_per_host: int | None = None,
+        max_watchers_per_host: int | None = None, max_drafter_sets: int = MAX_DRAFTER_SETS,
+        max_drafter_sets_per_host: int = MAX_DRAFTER_SETS_PER_HOST,
     ) -> None:  # fmt: skip
         self.controller = controller
         self.refresh_seconds = refresh_seconds
@@ -180,7 +186,11 @@ class DecisionPublisher:
         # one client host's streams at most (None: max_watchers): one host opening max_watchers streams would leave no
         # slot for any other host's workers, and its burst of first messages would stall Decide
         self.max_watchers_per_host = max_watchers if max_watchers_per_host is None else max_watchers_per_host
+        # Each drafter set watched is every table built and kept again, at every refresh: the sets kept at once, and
+        # those one client host's streams watch, are capped, so that streams cannot multiply the tables' work.
+        self.max_drafter_sets, self.max_drafter_sets_per_host = max_drafter_sets, max_drafter_sets_per_host
         self._per_host: Counter[str] = Counter()  # the streams open per client host (watch's ``host``)
+        self._host_sets: dict[str, Counter[Drafters]] = {}  # per client host, its streams per drafter set
         self.clock = clock
         self._cond = threading.Condition()
         self._build_lock = threading.Lock()  # one build at a time: the refresh's, or the first stream's
@@ -266,11 +276,12 @@ class DecisionPublisher:
         """A stream of ``drafters``' tables (``Watch``) for a client on ``host`` (its IP); with ``wire``, a shared
         change message comes as its bytes (``wire``). Raises TooManyWatchers at once."""
         with self._cond:
-            refused = self.refusal(host)
+            refused = self.refusal(host) or self._set_refusal(drafters, host)
             if refused is not None:
                 raise TooManyWatchers(refused)
             self._watchers[drafters] += 1
             self._per_host[host] += 1
+            self._host_sets.setdefault(host, Counter())[drafters] += 1
             self._streams += 1
         return Watch(self, drafters, is_active, wire, host)
 
@@ -287,6 +298,20 @@ class DecisionPublisher:
                     "(max_watchers_per_host); ask Decide, or close one")  # fmt: skip
         return None
 
+    def _set_refusal(self, drafters: Drafters, host: str) -> str | None:
+        """Why a stream of ``drafters`` from ``host`` would be refused for its drafter set (None: the set is watched
+        already by this host, or there is room for it). Under ``_cond``."""
+        own: Counter[Drafters] = self._host_sets.get(host, Counter())
+        if own[drafters] > 0:
+            return None
+        if len(own) >= self.max_drafter_sets_per_host:
+            return (f"client host {host} already watches {self.max_drafter_sets_per_host} drafter sets "
+                    "(max_drafter_sets_per_host); ask Decide, or watch a set it watches")  # fmt: skip
+        if self._watchers.get(drafters, 0) <= 0 and len(self._watchers) >= self.max_drafter_sets:
+            return (f"this controller already keeps tables for {self.max_drafter_sets} drafter sets "
+                    "(max_drafter_sets); ask Decide, or watch a set already watched")  # fmt: skip
+        return None
+
     def _unwatch(self, drafters: Drafters, host: str) -> None:
         with self._cond:
             self._watchers[drafters] -= 1
@@ -296,6 +321,12 @@ class DecisionPublisher:
             self._per_host[host] -= 1
             if self._per_host[host] <= 0:
                 del self._per_host[host]
+            own = self._host_sets[host]
+            own[drafters] -= 1
+            if own[drafters] <= 0:
+                del own[drafters]
+            if not own:
+                del self._host_sets[host]
 
     def _delta(self, drafters: Drafters, tables: Tables) -> pb.DecisionTables:
         """The message from ``tables.version - 1`` to ``tables``, made once for every stream that sends it (at a

@@ -24,6 +24,7 @@ from tests.daemons import ipv6_loopback, running_daemon
 
 PER_HOST = 2
 STREAMS_PER_HOST = 2
+DRAFTER_SETS = 1  # the drafter sets kept at once, and those one host's streams may watch
 
 
 # --- the turns ------------------------------------------------------------------------------------------------------
@@ -111,7 +112,8 @@ def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
         pytest.skip("no IPv6 loopback on this machine: the test needs calls from two hosts (127.0.0.1 and ::1)")
     with running_daemon(
         embedded_redis_url, tmp_path_factory.mktemp("shares"), listen="localhost:0", max_workers=8,
-        max_calls_per_host=PER_HOST, max_watchers_per_host=STREAMS_PER_HOST,
+        max_calls_per_host=PER_HOST, max_watchers_per_host=STREAMS_PER_HOST, max_drafter_sets=DRAFTER_SETS,
+        max_drafter_sets_per_host=DRAFTER_SETS,
     ) as d:  # fmt: skip
         yield d
 
@@ -245,6 +247,42 @@ def test_one_host_holds_its_share_of_streams_and_another_host_still_opens_one(da
         next(again)
         for stream in (again, *streams[1:]):
             stream.cancel()
+        wait_for("every stream to be counted off", lambda: daemon.publisher.watchers == 0)
+
+
+def test_drafter_sets_are_capped_in_all_and_per_host_and_a_set_already_kept_is_always_watched(daemon) -> None:
+    """Each drafter set watched is all the tables built and kept again: a host watches at most
+    max_drafter_sets_per_host sets, the controller keeps at most max_drafter_sets, and a stream of a set already
+    kept is never refused for its set. A set's place is given back with its last stream."""
+    wait_for("no stream left by another test", lambda: daemon.publisher.watchers == 0)
+
+    def watch(*drafters: str) -> pb.WatchDecisionsRequest:
+        return pb.WatchDecisionsRequest(worker_id="w", drafters=list(drafters))
+
+    with ExitStack() as stack:
+        here = channels(stack, f"[::1]:{daemon.port}", 2)
+        there = channels(stack, f"127.0.0.1:{daemon.port}", 2)
+        kept = here[0].WatchDecisions(watch("draft"), timeout=30)
+        next(kept)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(here[1].WatchDecisions(watch("prompt_lookup"), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_drafter_sets_per_host" in refused.value.details() and "::1" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            next(there[0].WatchDecisions(watch("prompt_lookup", "draft"), timeout=10))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "(max_drafter_sets)" in refused.value.details()
+        same = there[0].WatchDecisions(watch("draft", "none"), timeout=30)  # the set kept: ["draft"]
+        next(same)
+        again = here[1].WatchDecisions(watch("draft"), timeout=30)  # a set the host watches already
+        next(again)
+        for stream in (kept, same, again):
+            stream.cancel()
+        wait_for("every stream to be counted off", lambda: daemon.publisher.watchers == 0)
+        assert daemon.publisher._host_sets == {}, "a host's sets go with its last stream"
+        other = there[1].WatchDecisions(watch("prompt_lookup"), timeout=30)  # the place given back
+        next(other)
+        other.cancel()
         wait_for("every stream to be counted off", lambda: daemon.publisher.watchers == 0)
 
 

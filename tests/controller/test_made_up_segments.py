@@ -17,15 +17,17 @@ from specd_api.v1 import controller_pb2_grpc as pb_grpc
 from tests.controller.test_service import decide, draft_aggregate, report
 from tests.daemons import connected, running_daemon
 
-MAX_SEGMENTS = 20  # the daemon's caches keep 2 x this many segments' entries
+MAX_SEGMENTS = 20  # the daemon's caches keep 2 x this many segments' entries, its plans as many a drafter set
+DRAFTERS = ("draft", "prompt_lookup")  # what test_service's decide offers
 LEARNED = "learned-segment"
 
 
 @pytest.fixture(scope="module")
 def daemon(embedded_redis_url, tmp_path_factory) -> Iterator[ControllerDaemon]:
     with running_daemon(
-        embedded_redis_url, tmp_path_factory.mktemp("made-up"), learning={"max_segments": MAX_SEGMENTS}
-    ) as d:
+        embedded_redis_url, tmp_path_factory.mktemp("made-up"), learning={"max_segments": MAX_SEGMENTS},
+        max_drafter_sets=1,
+    ) as d:  # fmt: skip
         yield d
 
 
@@ -44,18 +46,18 @@ def learned(daemon: ControllerDaemon, stub: pb_grpc.ControllerStub) -> None:
         time.sleep(0.05)
     for _ in range(200):
         decide(stub, LEARNED)
-        if daemon.controller.previous_plan(LEARNED) is not None:
+        if daemon.controller.previous_plan(LEARNED, DRAFTERS) is not None:
             return
     raise AssertionError("200 Decides and no plan remembered for the learned segment")
 
 
 def test_made_up_segments_do_not_push_a_learned_segments_plan_out(daemon, stub) -> None:
     learned(daemon, stub)
-    kept = daemon.controller.previous_plan(LEARNED)
+    kept = daemon.controller.previous_plan(LEARNED, DRAFTERS)
     for _ in range(4 * MAX_SEGMENTS):  # twice what the memory holds
         decision = decide(stub, f"made-up-{uuid.uuid4().hex}")
         assert decision.drafter  # answered, from the priors
-    assert daemon.controller.previous_plan(LEARNED) == kept
+    assert daemon.controller.previous_plan(LEARNED, DRAFTERS) == kept
 
 
 def test_segments_without_counts_share_their_estimates(daemon, stub) -> None:
@@ -76,4 +78,4 @@ def test_a_made_up_segment_is_not_remembered(daemon, stub) -> None:
     name = f"made-up-{uuid.uuid4().hex}"
     for _ in range(20):
         decide(stub, name)
-    assert daemon.controller.previous_plan(name) is None
+    assert daemon.controller.previous_plan(name, DRAFTERS) is None

@@ -18,7 +18,7 @@ import redis
 
 import controller.serving.table_publisher as table_publisher
 from controller.decision.core import Controller
-from controller.decision.decide import DrafterEstimate
+from controller.decision.decide import DrafterEstimate, Request
 from controller.decision.learner import Learner
 from controller.decision.policy import PolicyStore, parse_policy
 from controller.serving.table_publisher import TABLE_DECAY_STEPS, DecisionPublisher, TableKey, _differs
@@ -283,6 +283,39 @@ def test_the_tables_a_decay_step_moves_are_recomputed_spread_over_the_refreshes_
     assert sorted(once) == SEGMENTS and set(once.values()) == {1}, f"each table once within the epoch: {once}"
     # 24 tables over 32 refreshes: at most 2 a refresh for these names; phases in whole steps gave 5-7 at a step
     assert max(per_refresh) <= 3 and sum(1 for n in per_refresh if n) >= 12, f"tables a refresh: {per_refresh}"
+
+
+def test_two_drafter_sets_tables_hold_a_hysteresis_memory_each_and_recompute_nothing_when_nothing_moved(
+    redis_client: redis.Redis, prefix: str
+) -> None:
+    """A plan is remembered under its segment and the drafters it was chosen among: the tables of workers that offer
+    the draft model and of workers that offer prompt lookup alone do not move each other's memory (shared, each
+    build moved the other's keys, and every table of both was recomputed at every refresh)."""
+    clock, learner, controller = real(redis_client, prefix)
+    teach(learner, SEGMENTS, "r1")
+    learner.refresh()
+    publisher = DecisionPublisher(controller, 1.0, 8, clock)
+    sets = [("draft",), ("prompt_lookup",)]
+    built = {d: publisher._build(d, {}) for d in sets}
+    assert all(sorted(built[d]) == SEGMENTS for d in sets)
+    plans = {d: built[d][SEGMENTS[0]].table.buckets[0].plan.drafter for d in sets}
+    assert plans[("draft",)] == "draft" and plans[("prompt_lookup",)] != "draft", plans  # lookup: off, taught none
+    for d in sets:
+        remembered = controller.previous_plan(SEGMENTS[0], d)
+        assert remembered is not None and remembered.drafter == plans[d]
+    # a Decide's drafters in a worker's order, "none" among them: the memory of the set, whatever the order
+    both = Request(SEGMENTS[-1], 1, ("prompt_lookup", "none", "draft"), 128)
+    for _ in range(200):  # a probe is not remembered
+        controller.decide(both)
+        if controller.previous_plan(SEGMENTS[-1], ("draft", "prompt_lookup")) is not None:
+            break
+    assert controller.previous_plan(SEGMENTS[-1], ("draft", "prompt_lookup")) is not None
+    computed = publisher.stats.tables_built
+    for _ in range(3):
+        clock.now += 0.5  # refreshes within one decay step's period, no report
+        learner.refresh()
+        built = {d: publisher._build(d, built[d]) for d in sets}
+    assert publisher.stats.tables_built == computed, "nothing moved: no table recomputed"
 
 
 def test_tables_recomputed_within_the_tolerances_are_not_recomputed_again_at_the_next_refresh(
