@@ -63,8 +63,8 @@ class SegmentView:
 def memory_key(segment: str, drafters: Sequence[str]) -> str:
     """Where the hysteresis memory keeps a plan: its segment and the drafters it was chosen among (a worker's set,
     "none" aside, in one order). Hysteresis holds a choice among the same arms steady; a plan chosen among other
-    arms says nothing of it, and a memory shared by two drafter sets' tables moved at each one's build, so that every
-    table of both was recomputed at every refresh."""
+    arms says nothing of it, and a memory two drafter sets' tables shared would move at each one's build and
+    recompute every table of both at every refresh."""
     return f"{segment}|{','.join(sorted({d for d in drafters if d != 'none'}))}"
 
 

@@ -49,8 +49,8 @@ MAX_HEARTBEATS_PER_SECOND = 25.0
 # most: at the default 600 s half-life and 60 s steps, its own rounds then weigh up to 24 % more than they do now.
 TABLE_DECAY_STEPS = 4
 # Drafter sets whose tables are kept at once, and that one client host's streams may watch: a fleet's workers watch
-# one set each, most fleets one or two sets; every set is the tables' work again (31 sets from one host took the
-# controller from 16 % to 81 % of a core at 1,000 segments).
+# one set each, most fleets one or two sets; every set is the tables' work again (uncapped, 31 sets from one host hold
+# the controller at 81 % of a core at 1,000 segments, 16 % without them).
 MAX_DRAFTER_SETS = 8
 MAX_DRAFTER_SETS_PER_HOST = 2
 Drafters = tuple[str, ...]
@@ -400,7 +400,7 @@ class DecisionPublisher:
         # A build may recompute hundreds of tables (a policy reload, a new drafter set's first build: all), 5-15 ms
         # each: it gives the interpreter back between a table's draws, so that it runs only between Decides. A
         # stream's first build too, which its stream waits for: paced between tables only, a client opening streams
-        # of new drafter sets held other clients' Decides 2.4-3.3x over its builds (1.3x paced between draws).
+        # of new drafter sets holds other clients' Decides 2.4-3.3x over their builds (1.3-1.7x between draws).
         pace = Pacer()
         for segment in self.controller.learner.segments():
             pace()
