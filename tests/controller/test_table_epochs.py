@@ -282,7 +282,7 @@ def test_the_tables_a_decay_step_moves_are_recomputed_spread_over_the_refreshes_
         per_refresh.append(len(computed) - before)
     once = Counter(computed)
     assert sorted(once) == SEGMENTS and set(once.values()) == {1}, f"each table once within the epoch: {once}"
-    # 24 tables over 32 refreshes: at most 2 a refresh for these names; phases in whole steps gave 5-7 at a step
+    # 24 tables over 32 refreshes: at most 2 a refresh for these names; phases in whole steps would give 5-7 at a step
     assert max(per_refresh) <= 3 and sum(1 for n in per_refresh if n) >= 12, f"tables a refresh: {per_refresh}"
 
 
@@ -291,7 +291,7 @@ def test_two_drafter_sets_tables_hold_a_hysteresis_memory_each_and_recompute_not
 ) -> None:
     """A plan is remembered under its segment and the drafters it was chosen among: the tables of workers that offer
     the draft model and of workers that offer prompt lookup alone do not move each other's memory (shared, each
-    build moved the other's keys, and every table of both was recomputed at every refresh)."""
+    build would move the other's keys, and every table of both would be recomputed at every refresh)."""
     clock, learner, controller = real(redis_client, prefix)
     teach(learner, SEGMENTS, "r1")
     learner.refresh()
