@@ -93,6 +93,7 @@ from benchmarks.controller_latency import aggregate, decide_request, percentile
 from benchmarks.decision_stream import DRAFTERS, cpu_seconds
 from benchmarks.faults import DEADLINE_MS, STORE_PREFIX, Controller, _usage, wait_until
 from benchmarks.half_open import HalfOpenCalls, ReconnectingCalls, attacker_tls
+from controller.decision.policy import DRAFTERS as ALL_DRAFTERS
 from controller.serving import validation
 from controller.serving.report_process import NICE
 from controller.storage.redis_conn import client_for
@@ -1016,8 +1017,7 @@ class DrafterSets(WatchStreams):
     what = "a WatchDecisions stream of each drafter set from one host"
 
     def __init__(self, target: Target) -> None:
-        names = ("draft", "prompt_lookup", "chain", "suffix", "eagle")
-        every = [list(c) for n in range(1, len(names) + 1) for c in itertools.combinations(names, n)]
+        every = [list(c) for n in range(1, len(ALL_DRAFTERS) + 1) for c in itertools.combinations(ALL_DRAFTERS, n)]
         super().__init__(target, len(every), every)
 
 

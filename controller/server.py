@@ -107,12 +107,11 @@ class ControllerDaemon:
         READY."""
         policies = self._load_policy()
         learner = self._open_learning()
-        self.controller = Controller(
-            learner, policies, max_remembered=self.config.learning.max_segments * 2,
-            drafter_sets=self.config.max_drafter_sets,
-        )  # fmt: skip
-        refresh = self.config.learning.refresh_seconds
         config = self.config
+        self.controller = Controller(
+            learner, policies, max_remembered=config.learning.max_segments * 2, drafter_sets=config.max_drafter_sets
+        )
+        refresh = config.learning.refresh_seconds
         self.publisher = DecisionPublisher(
             self.controller, refresh, config.max_watchers, self.clock, config.max_watchers_per_host,
             config.max_drafter_sets, config.max_drafter_sets_per_host,

@@ -28,7 +28,7 @@ from controller.decision.decide import (
 )
 from controller.decision.drift_watch import DriftAlarm
 from controller.decision.learner import Learner
-from controller.decision.policy import DRAFTERS, PolicyStore, Settings
+from controller.decision.policy import DRAFTERS, PolicyStore, Settings, drafter_set
 from controller.decision.realised import realised
 from controller.decision.timing_histogram import median, total
 from controller.pacing import no_pause
@@ -65,7 +65,7 @@ def memory_key(segment: str, drafters: Sequence[str]) -> str:
     "none" aside, in one order). Hysteresis holds a choice among the same arms steady; a plan chosen among other
     arms says nothing of it, and a memory two drafter sets' tables shared would move at each one's build and
     recompute every table of both at every refresh."""
-    return f"{segment}|{','.join(sorted({d for d in drafters if d != 'none'}))}"
+    return f"{segment}|{','.join(drafter_set(drafters))}"
 
 
 class Controller:

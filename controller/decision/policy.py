@@ -10,6 +10,7 @@ import fnmatch
 import hashlib
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
@@ -37,6 +38,12 @@ RESOLVED_SEGMENTS = 10_000  # segments whose settings a policy remembers (the co
 DrafterName = Literal["draft", "prompt_lookup", "chain", "suffix", "eagle"]
 # specd_api.plan.DRAFTERS, typed for pydantic
 DRAFTERS: tuple[DrafterName, ...] = ("draft", "prompt_lookup", "chain", "suffix", "eagle")
+
+
+def drafter_set(drafters: Sequence[str]) -> tuple[str, ...]:
+    """The drafters a worker offers, as one set: sorted, each once, "none" aside (the tables' key, and the hysteresis
+    memory's, whatever order a worker lists them in)."""
+    return tuple(sorted({d for d in drafters if d != "none"}))
 
 
 class PolicyModel(Strict):

@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from controller.decision.counts import Aggregate
 from controller.decision.decide import Request
+from controller.decision.policy import drafter_set
 from controller.decision.totals import positions_from_totals
 from controller.pacing import Pacer
 from specd_api.checks import (
@@ -58,7 +59,7 @@ def watched_drafters(msg: pb.WatchDecisionsRequest) -> tuple[str, ...]:
     if msg.worker_id and not _REPORT_ID_RE.fullmatch(msg.worker_id):
         raise ValueError("worker_id must be 1..128 characters of [A-Za-z0-9_.:-]")
     drafter_names(msg.drafters)
-    return tuple(sorted({d for d in msg.drafters if d != "none"}))
+    return drafter_set(msg.drafters)
 
 
 def report(msg: pb.ReportRoundsRequest) -> tuple[str, list[Aggregate]]:
